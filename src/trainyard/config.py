@@ -1,0 +1,380 @@
+"""The job schema, YAML loading with line numbers, `a.b=c` overrides, presets and redaction.
+
+One YAML file describes a job; every field has a default so a file only says what differs.
+Errors name the field path, the file and line (or the override) and a fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from trainyard.errors import ConfigError
+
+REDACTED = "***REDACTED***"
+PRESETS = ("quickstart", "tiny")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+class ModelConfig(Section):
+    path: str | None = None
+    """HF model folder, hub id, a .gguf file, or `builtin:smollm2-135m-instruct`."""
+    config: dict[str, Any] | None = None
+    """Build from this HF config (needs `model_type`) with random init, instead of `path`."""
+    tokenizer: str | None = None
+    """Tokenizer folder or hub id; `builtin:bytes` for the local byte tokenizer. Default: `path`."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    gradient_checkpointing: bool = False
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    trust_remote_code: bool = False
+    cache_dir: str | None = None
+    """Where GGUF files are converted to safetensors once. Default: ~/.cache/trainyard/models."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelConfig":
+        if (self.path is None) == (self.config is None):
+            raise ValueError("set exactly one of model.path and model.config")
+        if self.config is not None and "model_type" not in self.config:
+            raise ValueError("model.config needs a model_type (for example: llama)")
+        return self
+
+
+class LoraConfig(Section):
+    enabled: bool = True
+    r: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+
+
+class DataConfig(Section):
+    path: str = "builtin:dates"
+    """JSONL/JSON/Parquet file, a `save_to_disk` folder, or a built-in task `builtin:NAME`."""
+    eval_path: str | None = None
+    format: Literal["auto", "alpaca", "chat", "text"] = "auto"
+    max_length: int = Field(512, ge=8)
+    packing: bool = False
+    train_on_prompt: bool = False
+    on_bad_row: Literal["error", "skip"] = "error"
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    """Hold out this share of `path` for eval when there is no `eval_path`."""
+    cache_dir: str | None = None
+    """Tokenized cache. Default: <output_dir>/.cache/data (shared by runs of one output_dir)."""
+    synthetic_train_size: int = Field(2000, ge=1)
+    synthetic_eval_size: int = Field(200, ge=1)
+    prepare_timeout_s: float = Field(3600.0, gt=0)
+
+
+class TrainConfig(Section):
+    max_steps: int = Field(100, ge=1)
+    micro_batch_size: int = Field(4, ge=1)
+    global_batch_size: int | None = Field(None, ge=1)
+    """Samples per optimizer step over all ranks; accumulation = this / (micro * world)."""
+    global_batch_tokens: int | None = Field(None, ge=1)
+    """Tokens per optimizer step over all ranks, counted as micro * max_length per micro-batch."""
+    lr: float = Field(2e-4, gt=0)
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    max_grad_norm: float = Field(1.0, ge=0.0)
+    """0 turns clipping off."""
+    seed: int = 42
+    on_nonfinite: Literal["error", "skip"] = "error"
+
+    @model_validator(mode="after")
+    def _one_batch_rule(self) -> "TrainConfig":
+        if self.global_batch_size is not None and self.global_batch_tokens is not None:
+            raise ValueError("set train.global_batch_size or train.global_batch_tokens, not both")
+        return self
+
+
+class EvalConfig(Section):
+    every_steps: int = Field(0, ge=0)
+    """0 turns periodic eval off."""
+    subset_size: int = Field(200, ge=1)
+    seed: int = 1234
+    batch_size: int = Field(8, ge=1)
+    baseline: bool = False
+    """Evaluate once before the first step."""
+    at_end: bool = True
+    generate: bool = False
+    """Exact-match accuracy by greedy generation, for data that defines an answer."""
+    max_new_tokens: int = Field(32, ge=1)
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(0, ge=0)
+    """0 turns periodic checkpoints off."""
+    resume: str = "auto"
+    """auto (newest committed checkpoint of this run, or fresh), never, or a checkpoint path."""
+    at_end: bool = True
+
+
+class DistConfig(Section):
+    strategy: Literal["auto", "none", "ddp", "fsdp"] = "auto"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    timeout_s: float = Field(600.0, gt=0)
+    """Collective timeout: a lost rank fails the job after this, not after 30 minutes."""
+    network: Literal["default", "socket", "infiniband", "wan"] = "default"
+    nic: str | None = None
+
+
+class LogConfig(Section):
+    every_steps: int = Field(1, ge=1)
+    progress: bool = True
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "trainyard"
+
+
+class JobConfig(Section):
+    run_name: str = "run"
+    output_dir: str = "runs"
+    model: ModelConfig = ModelConfig(path="builtin:smollm2-135m-instruct")
+    lora: LoraConfig = LoraConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    dist: DistConfig = DistConfig()
+    log: LogConfig = LogConfig()
+
+    @model_validator(mode="after")
+    def _run_name_is_a_folder_name(self) -> "JobConfig":
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.run_name):
+            raise ValueError("run_name must be letters, digits, '.', '_' or '-'")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.run_name
+
+
+# ---------------------------------------------------------------- loading
+
+
+class _LineLoader(yaml.SafeLoader):
+    """SafeLoader that remembers the line of every mapping key, by dotted path."""
+
+
+def _compose_lines(text: str) -> dict[str, int]:
+    lines: dict[str, int] = {}
+
+    def walk(node: yaml.Node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                path = f"{prefix}{key_node.value}"
+                lines[path] = key_node.start_mark.line + 1
+                walk(value_node, path + ".")
+
+    root = yaml.compose(text, Loader=_LineLoader)
+    if root is not None:
+        walk(root, "")
+    return lines
+
+
+def preset_path(name: str) -> Path:
+    return Path(str(resources.files("trainyard") / "configs" / f"{name}.yaml"))
+
+
+def _read_yaml(path: str) -> tuple[dict[str, Any], dict[str, int], str]:
+    file = Path(path)
+    if not file.exists() and path in PRESETS:
+        file = preset_path(path)
+    if not file.is_file():
+        raise ConfigError(
+            f"config file {path} does not exist",
+            fix=f"pass a YAML file, or one of the built-in presets: {', '.join(PRESETS)}",
+        )
+    text = file.read_text()
+    try:
+        data = yaml.load(text, Loader=_LineLoader) or {}
+        lines = _compose_lines(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{file}:{mark.line + 1}" if mark else str(file)
+        raise ConfigError(f"not valid YAML ({getattr(err, 'problem', err)})", where=where) from None
+    if not isinstance(data, dict):
+        raise ConfigError("the top level must be a mapping of sections", where=f"{file}:1")
+    return data, lines, str(file)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(
+            f"override '{item}' is not key=value",
+            fix="write overrides as section.field=value, for example train.lr=1e-4",
+        )
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def _known_fields(model: type[BaseModel]) -> list[str]:
+    return list(model.model_fields)
+
+
+def _section_model(path: list[str]) -> type[BaseModel] | None:
+    """The pydantic model that owns the keys at `path` (None for free-form dicts)."""
+    model: type[BaseModel] = JobConfig
+    for part in path:
+        field = model.model_fields.get(part)
+        annotation = field.annotation if field else None
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            model = annotation
+        else:
+            return None
+    return model
+
+
+def _check_unknown_keys(data: dict[str, Any], where_of: Any, prefix: list[str]) -> None:
+    model = _section_model(prefix)
+    if model is None:
+        return
+    known = _known_fields(model)
+    for key, value in data.items():
+        path = prefix + [str(key)]
+        if key not in known:
+            hint = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
+            fix = f"did you mean '{'.'.join(prefix + hint)}'?" if hint else None
+            fix = fix or f"known keys here: {', '.join(known)}"
+            raise ConfigError(f"unknown key '{'.'.join(path)}'", where=where_of(path), fix=fix)
+        if isinstance(value, dict):
+            _check_unknown_keys(value, where_of, path)
+
+
+def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:
+    node = data
+    for part in path[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[path[-1]] = value
+
+
+def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Read a job: the file (or the quickstart preset when None), then the overrides in order."""
+    data, lines, file = _read_yaml(path or "quickstart")
+    sources: dict[str, str] = {}
+    for item in overrides:
+        keys, value = _parse_override(item)
+        _set_path(data, keys, value)
+        sources[".".join(keys)] = f"override '{item}'"
+
+    def where_of(loc: list[str]) -> str:
+        for depth in range(len(loc), 0, -1):
+            dotted = ".".join(loc[:depth])
+            for key, source in sources.items():
+                if key == dotted or key.startswith(dotted + "."):
+                    return source
+            if dotted in lines:
+                return f"{file}:{lines[dotted]}"
+        return file
+
+    _check_unknown_keys(data, where_of, [])
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        loc = [str(part) for part in first["loc"]]
+        field = ".".join(loc) or "(top level)"
+        value = first.get("input")
+        shown = "" if isinstance(value, dict) or not loc else f" (got {value!r})"
+        message = first["msg"].removeprefix("Value error, ")
+        raise ConfigError(
+            f"{field}: {message}{shown}",
+            where=where_of(loc),
+            fix="change that value in the file, or override it with key=value",
+        ) from None
+
+
+# ---------------------------------------------------------------- batch plan
+
+
+def accumulation_steps(cfg: JobConfig, world_size: int) -> int:
+    """Micro-batches per optimizer step on each rank, from the global batch rule."""
+    train = cfg.train
+    per_pass_samples = train.micro_batch_size * world_size
+    if train.global_batch_size is not None:
+        total, unit, field = train.global_batch_size, per_pass_samples, "train.global_batch_size"
+        unit_text = f"micro_batch_size x world_size = {train.micro_batch_size} x {world_size}"
+    elif train.global_batch_tokens is not None:
+        total = train.global_batch_tokens
+        unit = per_pass_samples * cfg.data.max_length
+        field = "train.global_batch_tokens"
+        unit_text = (
+            f"micro_batch_size x world_size x data.max_length = "
+            f"{train.micro_batch_size} x {world_size} x {cfg.data.max_length}"
+        )
+    else:
+        return 1
+    if total % unit != 0:
+        raise ConfigError(
+            f"{field}={total} is not a multiple of {unit_text} = {unit}",
+            fix=f"set {field} to a multiple of {unit}, or change micro_batch_size",
+        )
+    return total // unit
+
+
+# ---------------------------------------------------------------- secrets
+
+_SECRET_WORDS = {"token", "key", "secret", "password", "passwd", "apikey", "credential"}
+
+
+def is_secret_name(name: str) -> bool:
+    """True for names like HF_TOKEN, wandb_api_key, db-password (not max_new_tokens)."""
+    parts = re.split(r"[_\-.]", name.lower())
+    return any(part in _SECRET_WORDS for part in parts)
+
+
+def secret_values_from_env(env: dict[str, str] | None = None) -> list[str]:
+    env = dict(os.environ) if env is None else env
+    return sorted(
+        (value for name, value in env.items() if is_secret_name(name) and len(value) >= 6),
+        key=len,
+        reverse=True,
+    )
+
+
+def redact_text(text: str, secrets: list[str] | None = None) -> str:
+    """Replace every secret value found in the environment (or given) by a marker."""
+    for value in secret_values_from_env() if secrets is None else secrets:
+        text = text.replace(value, REDACTED)
+    return text
+
+
+def redact(data: Any, secrets: list[str] | None = None) -> Any:
+    """A copy of nested data with secret-named keys and known secret values hidden."""
+    secrets = secret_values_from_env() if secrets is None else secrets
+    if isinstance(data, dict):
+        return {
+            key: REDACTED if is_secret_name(str(key)) and value else redact(value, secrets)
+            for key, value in data.items()
+        }
+    if isinstance(data, list | tuple):
+        return [redact(item, secrets) for item in data]
+    if isinstance(data, str):
+        return redact_text(data, secrets)
+    return data
+
+
+def dump_config(cfg: JobConfig) -> str:
+    """The resolved job as YAML, secrets redacted: what goes into the run dir."""
+    return yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False)

@@ -1,0 +1,27 @@
+"""Data: rows -> masked token ids, a rank-safe tokenized cache, a resumable sampler, batches."""
+
+from trainyard.data.collate import collate, packed_attention
+from trainyard.data.formats import IGNORE_INDEX, alpaca_prompt, detect_format, encode_row, read_rows
+from trainyard.data.loader import micro_batches
+from trainyard.data.prepare import PreparedData, data_fingerprint, prepare_datasets
+from trainyard.data.sampler import ResumableSampler
+from trainyard.data.synthetic import builtin_rows, spoken_date
+from trainyard.data.tokenizer import build_byte_tokenizer
+
+__all__ = [
+    "IGNORE_INDEX",
+    "PreparedData",
+    "ResumableSampler",
+    "alpaca_prompt",
+    "build_byte_tokenizer",
+    "builtin_rows",
+    "collate",
+    "data_fingerprint",
+    "detect_format",
+    "encode_row",
+    "micro_batches",
+    "packed_attention",
+    "prepare_datasets",
+    "read_rows",
+    "spoken_date",
+]

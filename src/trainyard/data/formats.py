@@ -1,0 +1,360 @@
+"""Rows of a data file -> token ids, with labels masked to the response.
+
+Three shapes are understood: chat (`messages`, rendered by the tokenizer's own chat template),
+alpaca (`instruction` + `output`, optional `input`) and plain `text`. Every row carries where it
+came from ("file:line" for JSONL, "file:row N" with N counted from 0 otherwise), so an error
+points at the exact row to fix.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from trainyard.config import DataConfig
+from trainyard.errors import DataError
+
+IGNORE_INDEX = -100
+FORMATS = ("chat", "alpaca", "text")
+SKIP_FIX = "fix or remove the row, or set data.on_bad_row: skip to skip bad rows (they are counted)"
+FORMAT_FIX = (
+    "give each row `messages` (chat), `instruction` + `output` (alpaca) or `text`, "
+    "or set data.format to chat, alpaca or text"
+)
+
+
+class BadRow(Exception):
+    """A row that cannot become a training example; `reason` is its key in the skip counts."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+
+# ---------------------------------------------------------------- readers
+
+
+def read_rows(path: Path) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
+    """(location, row) for every row of a JSONL, JSON, Parquet or `save_to_disk` source."""
+    if not path.exists():
+        raise DataError(
+            f"data file {path} does not exist",
+            fix="set data.path to a JSONL, JSON or Parquet file or a save_to_disk folder",
+        )
+    if path.is_dir():
+        return _read_saved_dataset(path)
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return _read_jsonl(path)
+    if suffix == ".json":
+        return _read_json(path)
+    if suffix == ".parquet":
+        return _read_parquet(path)
+    raise DataError(
+        f"cannot read {path}: unknown file type '{suffix}'",
+        fix="use a .jsonl, .json or .parquet file, or a folder written by Dataset.save_to_disk",
+    )
+
+
+def _object_or_bad(row: Any) -> dict[str, Any] | BadRow:
+    return row if isinstance(row, dict) else BadRow("not an object", type(row).__name__)
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
+    with path.open(encoding="utf-8") as file:
+        for number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                yield where, BadRow("malformed JSON", f"{err.msg} at column {err.colno}")
+                continue
+            yield where, _object_or_bad(row)
+
+
+def _read_json(path: Path) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise DataError(
+            f"not valid JSON ({err.msg})",
+            where=f"{path}:{err.lineno}",
+            fix="a .json file holds one list of objects; for one object per line use .jsonl",
+        ) from None
+    if not isinstance(rows, list):
+        raise DataError(
+            f"expected a list of objects, found a {type(rows).__name__}",
+            where=str(path),
+            fix="a .json file holds one list of objects; for one object per line use .jsonl",
+        )
+    for index, row in enumerate(rows):
+        where = f"{path}:row {index}"
+        yield where, _object_or_bad(row)
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
+    import pyarrow.parquet as pq
+
+    index = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            yield f"{path}:row {index}", row
+            index += 1
+
+
+def _read_saved_dataset(path: Path) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except FileNotFoundError:
+        raise DataError(
+            f"{path} is a folder but not one written by Dataset.save_to_disk",
+            fix="point data.path at a data file, or at a folder written by save_to_disk",
+        ) from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" not in loaded and len(loaded) != 1:
+            raise DataError(
+                f"{path} holds the splits {sorted(loaded)} and none is called 'train'",
+                fix="save one Dataset, or a DatasetDict with a 'train' split",
+            )
+        loaded = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
+    for index, row in enumerate(loaded):
+        yield f"{path}:row {index}", row
+
+
+# ---------------------------------------------------------------- format detection
+
+
+def detect_format(row: dict[str, Any], where: str) -> str:
+    """The format a row's keys announce; a shape we do not know is an error, not a guess."""
+    if "messages" in row:
+        return "chat"
+    if "instruction" in row and "output" in row:
+        return "alpaca"
+    if "text" in row:
+        return "text"
+    raise DataError(
+        f"cannot tell the data format from the keys {sorted(row)}",
+        where=where,
+        fix=FORMAT_FIX,
+    )
+
+
+# ---------------------------------------------------------------- encoders
+
+
+def alpaca_prompt(instruction: str, input_text: str) -> str:
+    """The fixed alpaca prompt; the Input block only appears when there is input."""
+    prompt = f"### Instruction:\n{instruction}\n\n"
+    if input_text:
+        prompt += f"### Input:\n{input_text}\n\n"
+    return prompt + "### Response:\n"
+
+
+def _required_text(row: dict[str, Any], key: str, reason: str = "missing field") -> str:
+    value = row.get(key)
+    if not isinstance(value, str) or not value.strip():
+        raise BadRow(reason if key in row else "missing field", f"'{key}' is missing or empty")
+    return value
+
+
+def _eos_id(tokenizer: Any) -> int:
+    if tokenizer.eos_token_id is None:
+        raise DataError(
+            "the tokenizer has no eos token, so documents cannot be terminated",
+            fix="use a tokenizer that defines eos_token",
+        )
+    return tokenizer.eos_token_id
+
+
+def _encode_alpaca(row: dict[str, Any], tokenizer: Any, train_on_prompt: bool) -> dict[str, Any]:
+    instruction = _required_text(row, "instruction")
+    output = _required_text(row, "output", reason="empty response")
+    input_text = row.get("input") or ""
+    if not isinstance(input_text, str):
+        raise BadRow("missing field", "'input' must be a string")
+    prompt_ids = tokenizer(alpaca_prompt(instruction, input_text))["input_ids"]
+    response_ids = tokenizer(output, add_special_tokens=False)["input_ids"] + [_eos_id(tokenizer)]
+    prompt_labels = list(prompt_ids) if train_on_prompt else [IGNORE_INDEX] * len(prompt_ids)
+    return {
+        "input_ids": prompt_ids + response_ids,
+        "labels": prompt_labels + response_ids,
+        "prompt_ids": prompt_ids,
+        "response": output,
+    }
+
+
+def _encode_text(row: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    ids = tokenizer(_required_text(row, "text", reason="empty text"))["input_ids"]
+    ids = [*ids, _eos_id(tokenizer)]
+    return {"input_ids": ids, "labels": list(ids)}
+
+
+def _checked_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The conversation; a prompt-only one with a string `answer` gets it as the reply."""
+    messages = row.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRow("missing field", "'messages' must be a non-empty list")
+    last = messages[-1]
+    if (
+        isinstance(row.get("answer"), str)
+        and isinstance(last, dict)
+        and last.get("role") != "assistant"
+    ):
+        messages = [*messages, {"role": "assistant", "content": row["answer"]}]
+    for number, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRow("missing field", f"message {number} has no 'role'")
+        if not isinstance(message.get("content"), str):
+            raise BadRow("missing field", f"message {number} has no text 'content'")
+    assistant = [m for m in messages if m["role"] == "assistant"]
+    if not assistant:
+        raise BadRow("empty response", "no assistant message")
+    if any(not m["content"].strip() for m in assistant):
+        raise BadRow("empty response", "an assistant message is empty")
+    return messages
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
+    except Exception as err:  # jinja raises its own errors (e.g. "roles must alternate")
+        raise BadRow("chat template failed", str(err)) from None
+
+
+def _assistant_spans(tokenizer: Any, messages: list[dict[str, Any]], full: str) -> list[range]:
+    """Character spans of the assistant turns, end-of-turn text included.
+
+    A turn is what rendering message i adds to the generation prompt of messages[:i]; that only
+    means something when every prefix renders as a prefix of the whole conversation.
+    """
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], generation_prompt=True)
+        through = _render(tokenizer, messages[: i + 1], generation_prompt=False)
+        if not (full.startswith(through) and through.startswith(before)):
+            raise DataError(
+                f"the chat template is not prefix-stable: rendering the first {i + 1} messages "
+                "is not a prefix of rendering the whole conversation, so the assistant turns "
+                "cannot be located",
+                fix="use a tokenizer whose chat template renders earlier turns the same way in "
+                "every prefix, or set data.train_on_prompt: true",
+            )
+        spans.append(range(len(before), len(through)))
+    return spans
+
+
+def _token_in_spans(start: int, end: int, spans: list[range]) -> bool:
+    end = max(end, start + 1)  # zero-width offsets still sit at a position
+    return any(start < span.stop and end > span.start for span in spans)
+
+
+def _encode_chat(row: dict[str, Any], tokenizer: Any, train_on_prompt: bool) -> dict[str, Any]:
+    messages = _checked_messages(row)
+    full = _render(tokenizer, messages, generation_prompt=False)
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = encoded["input_ids"]
+    if train_on_prompt:
+        labels = list(ids)
+    else:
+        spans = _assistant_spans(tokenizer, messages, full)
+        labels = [
+            token if _token_in_spans(start, end, spans) else IGNORE_INDEX
+            for token, (start, end) in zip(ids, encoded["offset_mapping"], strict=True)
+        ]
+    example: dict[str, Any] = {"input_ids": ids, "labels": labels}
+    if messages[-1]["role"] == "assistant":
+        prompt = _render(tokenizer, messages[:-1], generation_prompt=True)
+        example["prompt_ids"] = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        example["response"] = messages[-1]["content"]
+    return example
+
+
+def check_tokenizer_for(fmt: str, tokenizer: Any) -> None:
+    """Fail once, before the first row, when the tokenizer cannot encode this format."""
+    if fmt != "chat":
+        return
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            "the data is in chat format but the tokenizer has no chat template",
+            fix="use an instruction-tuned model's tokenizer (set model.tokenizer), "
+            "or convert the data to alpaca or text format",
+        )
+    if not tokenizer.is_fast:
+        raise DataError(
+            "chat data needs a fast tokenizer (offset mappings locate the assistant turns)",
+            fix="use a tokenizer with a tokenizer.json (PreTrainedTokenizerFast)",
+        )
+
+
+def encode_row(
+    row: dict[str, Any], fmt: str, tokenizer: Any, *, max_length: int, train_on_prompt: bool
+) -> dict[str, Any]:
+    """One row -> input_ids, labels (and prompt_ids + answer when the row can be graded).
+
+    Raises BadRow when the row cannot give at least one target token.
+    """
+    if fmt == "chat":
+        example = _encode_chat(row, tokenizer, train_on_prompt)
+    elif fmt == "alpaca":
+        example = _encode_alpaca(row, tokenizer, train_on_prompt)
+    else:
+        example = _encode_text(row, tokenizer)
+    input_ids = example["input_ids"][:max_length]
+    labels = example["labels"][:max_length]
+    labels[0] = IGNORE_INDEX  # nothing predicts a document's first token
+    if all(label == IGNORE_INDEX for label in labels):
+        raise BadRow(
+            "no target token after truncation",
+            f"{len(example['input_ids'])} tokens, data.max_length is {max_length}",
+        )
+    encoded: dict[str, Any] = {"input_ids": input_ids, "labels": labels}
+    answer = row.get("answer") if isinstance(row.get("answer"), str) else None
+    if "prompt_ids" in example and (answer is not None or fmt == "chat"):
+        encoded["prompt_ids"] = example["prompt_ids"]
+        encoded["answer"] = answer if answer is not None else example["response"]
+    return encoded
+
+
+def encode_rows(
+    rows: Iterable[tuple[str, dict[str, Any] | BadRow]],
+    tokenizer: Any,
+    cfg: DataConfig,
+    skipped: Counter[str],
+) -> Iterator[dict[str, Any]]:
+    """Encode rows in order; bad rows raise, or are skipped and counted by reason in `skipped`.
+
+    The format is `cfg.format`, or what the first readable row's keys announce.
+    """
+    fmt = None if cfg.format == "auto" else cfg.format
+    if fmt is not None:
+        check_tokenizer_for(fmt, tokenizer)
+    for where, row in rows:
+        try:
+            if isinstance(row, BadRow):
+                raise row
+            if fmt is None:
+                fmt = detect_format(row, where)
+                check_tokenizer_for(fmt, tokenizer)
+            yield encode_row(
+                row,
+                fmt,
+                tokenizer,
+                max_length=cfg.max_length,
+                train_on_prompt=cfg.train_on_prompt,
+            )
+        except BadRow as bad:
+            if cfg.on_bad_row == "error":
+                raise DataError(str(bad), where=where, fix=SKIP_FIX) from None
+            skipped[bad.reason] += 1

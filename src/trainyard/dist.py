@@ -1,0 +1,171 @@
+"""Process groups, rank facts, timeouts, "first" gating and network presets.
+
+Knows nothing of models or data. Every collective the library makes goes through the
+few helpers here, so they are easy to count and easy to keep few.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from trainyard.config import DistConfig
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def _pick_backend(cfg: DistConfig, device: torch.device) -> str:
+    if cfg.backend != "auto":
+        return cfg.backend
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def init(cfg: DistConfig) -> DistInfo:
+    """Join the process group torchrun prepared (or run alone), with the job's timeout."""
+    rank = _env_int("RANK", 0)
+    world = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", world)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    backend = None
+    if world > 1 and not dist.is_initialized():
+        backend = _pick_backend(cfg, device)
+        dist.init_process_group(
+            backend=backend,
+            timeout=timedelta(seconds=cfg.timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return DistInfo(rank, world, local_rank, local_world, device, backend)
+
+
+def teardown() -> None:
+    """Leave together. The group is not destroyed: with gloo on torch 2.13 that can hang or
+    abort at interpreter exit, so distributed workers end with `exit_process` instead."""
+    barrier()
+
+
+def exit_process(code: int) -> None:
+    """Exit now, skipping interpreter teardown when a process group exists (see teardown)."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if dist.is_initialized():
+        os._exit(code)
+    sys.exit(code)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks in place; a no-op when running alone."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def broadcast_flag(flag: bool, device: torch.device) -> bool:
+    """Rank 0's decision, so every rank takes the same branch."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    value = torch.tensor([1 if flag else 0], device=device)
+    dist.broadcast(value, src=0)
+    return bool(value.item())
+
+
+@contextlib.contextmanager
+def first_on_node(info: DistInfo) -> Iterator[None]:
+    """Local rank 0 runs the block first (fills node caches); the others then run it too."""
+    if info.local_rank != 0:
+        barrier()
+    yield
+    if info.local_rank == 0:
+        barrier()
+
+
+def host_summary(info: DistInfo) -> dict[str, object]:
+    return {
+        "hostname": socket.gethostname(),
+        "rank": info.rank,
+        "world_size": info.world_size,
+        "local_world_size": info.local_world_size,
+        "device": str(info.device),
+        "backend": info.backend,
+    }
+
+
+# ---------------------------------------------------------------- network presets
+
+_PRESETS: dict[str, dict[str, str]] = {
+    "default": {},
+    # Plain TCP: seed 002's stable path when InfiniBand probing misbehaves.
+    "socket": {"NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket", "GLOO_USE_IPV6": "0"},
+    "infiniband": {"NCCL_IB_DISABLE": "0", "NCCL_NET_GDR_LEVEL": "PHB"},
+    # Long fat pipes between sites: more sockets and threads, bigger buffers, no IB.
+    "wan": {
+        "NCCL_IB_DISABLE": "1",
+        "NCCL_NET": "Socket",
+        "NCCL_SOCKET_NTHREADS": "8",
+        "NCCL_NSOCKS_PERTHREAD": "4",
+        "NCCL_BUFFSIZE": "8388608",
+        "GLOO_USE_IPV6": "0",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    },
+}
+
+
+def network_env(network: str, nic: str | None) -> dict[str, str]:
+    """The variables a preset wants, before the user's own environment is applied."""
+    wanted = dict(_PRESETS[network])
+    if nic:
+        wanted["NCCL_SOCKET_IFNAME"] = nic
+        wanted["GLOO_SOCKET_IFNAME"] = nic
+    return wanted
+
+
+def apply_network_preset(cfg: DistConfig, env: dict[str, str] | None = None) -> dict[str, str]:
+    """Set the preset's variables where the user has not; return the effective values."""
+    target = os.environ if env is None else env
+    effective = {}
+    for name, value in network_env(cfg.network, cfg.nic).items():
+        target.setdefault(name, value)
+        effective[name] = target[name]
+    return effective

@@ -1,0 +1,79 @@
+"""Re-execute `trainyard train` under torchrun's elastic agent on this machine.
+
+The agent runs in-process (not the torchrun script) so a failed worker becomes an exit
+code and one clear message here instead of the agent's traceback. Workers report a
+user error through a per-rank exit file that this side reads back.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+EXIT_FILE_ENV = "TRAINYARD_EXIT_FILE"
+
+
+def worker_command(argv: list[str]) -> list[str]:
+    return [sys.executable, "-m", "trainyard.cli", *argv]
+
+
+def torchrun_equivalent(nproc: int, argv: list[str], max_restarts: int) -> str:
+    parts = ["torchrun", "--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}"]
+    return shlex.join(parts + ["-m", "trainyard.cli", *argv])
+
+
+def write_exit_file(code: int, message: str) -> None:
+    """Called by a worker on a user error: the launcher prints it once and exits with code."""
+    target = os.environ.get(EXIT_FILE_ENV)
+    if target:
+        rank = os.environ.get("RANK", "0")
+        Path(f"{target}.rank{rank}").write_text(f"{code}\n{message}")
+
+
+def read_exit_files(prefix: str) -> tuple[int, str] | None:
+    """The lowest rank's reported error, if any worker reported one."""
+    reports = sorted(Path(prefix).parent.glob(Path(prefix).name + ".rank*"), key=lambda p: int(p.suffix[5:]))
+    if not reports:
+        return None
+    code, _, message = reports[0].read_text().partition("\n")
+    return int(code), message
+
+
+def run_local(nproc: int, argv: list[str], max_restarts: int = 0) -> tuple[int, str | None]:
+    """Start nproc workers running `trainyard <argv>`; return (exit code, error message)."""
+    with tempfile.TemporaryDirectory(prefix="trainyard-exit-") as tmp:
+        prefix = str(Path(tmp) / "exit")
+        os.environ[EXIT_FILE_ENV] = prefix
+        # Each worker gets its share of the cores instead of all of them (oversubscription).
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nproc,
+            run_id=str(uuid.uuid4()),
+            rdzv_backend="c10d",
+            rdzv_endpoint="localhost:0",
+            max_restarts=max_restarts,
+            monitor_interval=0.5,
+            start_method="spawn",
+        )
+        command = worker_command(argv)
+        try:
+            elastic_launch(config, entrypoint=command[0])(*command[1:])
+        except ChildFailedError as err:
+            reported = read_exit_files(prefix)
+            if reported:
+                return reported
+            rank, failure = min(err.failures.items())
+            code = failure.exitcode if failure.exitcode > 0 else 1
+            return code, f"worker rank {rank} failed (exit {failure.exitcode}); see its log under the run dir's logs/"
+        finally:
+            os.environ.pop(EXIT_FILE_ENV, None)
+    return 0, None

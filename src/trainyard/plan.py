@@ -1,0 +1,74 @@
+"""The resolved plan of a job, computed without loading any weights (`train --dry-run`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from trainyard import model as model_room
+from trainyard.config import JobConfig, accumulation_steps
+from trainyard.dist import DistInfo
+from trainyard.parallel import choose_strategy
+
+
+def _hf_config(cfg: JobConfig):
+    """The architecture, from the job, a local folder, a GGUF header, or the hub (may be offline)."""
+    model_cfg = cfg.model
+    if model_cfg.config is not None:
+        settings = dict(model_cfg.config)
+        settings.setdefault("vocab_size", 32000)
+        return AutoConfig.for_model(settings.pop("model_type"), **settings)
+    assert model_cfg.path is not None
+    gguf = None
+    if model_cfg.path in model_room.BUILTIN_MODELS:
+        gguf = model_room.builtin_gguf_file(model_cfg.path)
+    elif model_cfg.path.endswith(".gguf"):
+        gguf = Path(model_cfg.path)
+    try:
+        if gguf is not None:
+            return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        return AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
+    except (OSError, ValueError):
+        return None
+
+
+def meta_model(cfg: JobConfig) -> torch.nn.Module | None:
+    """The job's model (with LoRA) on the meta device: shapes and counts, no memory."""
+    hf_config = _hf_config(cfg)
+    if hf_config is None:
+        return None
+    if hasattr(hf_config, "quantization_config"):
+        del hf_config.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=cfg.model.trust_remote_code)
+        if cfg.lora.enabled:
+            model = model_room.apply_lora(model, cfg.lora, cfg.train.seed)
+    return model
+
+
+def describe_plan(cfg: JobConfig, world_size: int) -> str:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    info = DistInfo(0, world_size, 0, min(world_size, 8), device, None)
+    accum = accumulation_steps(cfg, world_size)
+    model = meta_model(cfg)
+    samples = cfg.train.micro_batch_size * accum * world_size
+    lines = [
+        f"run dir          {cfg.run_dir}",
+        f"world size       {world_size}",
+        f"micro batch      {cfg.train.micro_batch_size} samples x {accum} accumulation x {world_size} ranks",
+        f"global batch     {samples} samples, up to {samples * cfg.data.max_length:,} tokens per step",
+        f"steps            {cfg.train.max_steps} (lr {cfg.train.lr:g}, {cfg.train.schedule}, warmup {cfg.train.warmup_steps})",
+        f"dtype            {model_room.resolve_dtype(cfg.model, device)} on {device.type}",
+        f"lora             {'r=%d alpha=%g' % (cfg.lora.r, cfg.lora.alpha) if cfg.lora.enabled else 'off (full fine-tuning)'}",
+    ]
+    if model is None:
+        lines.append(f"parameters       unknown: the config of {cfg.model.path} is not reachable offline")
+        lines.append(f"strategy         {cfg.dist.strategy}")
+    else:
+        total, trainable = model_room.parameter_counts(model)
+        lines.append(f"parameters       {total:,} total, {trainable:,} trainable ({trainable / max(total, 1):.2%})")
+        lines.append(f"strategy         {choose_strategy(cfg.dist.strategy, model, info)} (requested {cfg.dist.strategy})")
+    lines.append(f"data             {cfg.data.path} ({cfg.data.format}, max_length {cfg.data.max_length}, packing {cfg.data.packing})")
+    return "\n".join(lines)

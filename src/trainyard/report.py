@@ -1,0 +1,259 @@
+"""Plots and a short markdown summary of one or more runs, from metrics.jsonl and summary.json.
+
+Several runs share each figure, one colour per run, so a change shows up side by side. A run
+without summary.json (crashed, or still running) is reported from metrics.jsonl and env.json, with
+the events that help find the fault: non-finite losses, skipped steps, the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from trainyard.errors import RunDirError
+
+GIB = 1024**3
+DEFAULT_MULTI_RUN_OUT = "trainyard-report"
+
+
+@dataclass
+class Run:
+    name: str
+    path: Path
+    events: list[dict[str, Any]]
+    summary: dict[str, Any] | None
+    env: dict[str, Any]
+    bad_lines: int
+
+
+@dataclass(frozen=True)
+class Line:
+    kind: str
+    field: str
+    label: str
+    style: str
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Plot:
+    file: str
+    title: str
+    ylabel: str
+    lines: tuple[Line, ...]
+
+
+PLOTS = (
+    Plot("loss.png", "loss", "loss", (Line("train", "loss", "train", "-"), Line("eval", "eval_loss", "eval", "--o"))),
+    Plot("tokens_per_s.png", "throughput (real tokens, all ranks)", "tokens/s", (Line("train", "tokens_per_s", "", "-"),)),
+    Plot("peak_memory.png", "peak memory (rank 0)", "GiB", (Line("train", "peak_memory_bytes", "", "-", 1 / GIB),)),
+    Plot("lr.png", "learning rate", "lr", (Line("train", "lr", "", "-"),)),
+    Plot("grad_norm.png", "gradient norm (before clipping)", "grad norm", (Line("train", "grad_norm", "", "-"),)),
+)
+
+
+# ---------------------------------------------------------------- reading
+
+
+def load_run(run_dir: Path) -> Run:
+    metrics = run_dir / "metrics.jsonl"
+    if not run_dir.is_dir():
+        raise RunDirError(f"run dir {run_dir} does not exist", fix="pass a run's folder: <output_dir>/<run_name>")
+    if not metrics.is_file():
+        raise RunDirError(f"{metrics} is missing", fix="pass a run dir written by `trainyard train` (it holds metrics.jsonl)")
+    events, bad = read_events(metrics)
+    if not events:
+        raise RunDirError(f"{metrics} has no events yet", fix="wait for the first logged step, or pass another run dir")
+    env = read_json(run_dir / "env.json") or {}
+    return Run(run_dir.name, run_dir, events, read_json(run_dir / "summary.json"), env, bad)
+
+
+def read_events(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """Every JSON object line; a line cut short by a killed run is counted, not fatal."""
+    events, bad = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            bad += 1
+            continue
+        if isinstance(event, dict):
+            events.append(event)
+        else:
+            bad += 1
+    return events, bad
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise RunDirError(f"{path} is not valid JSON ({err.msg}, line {err.lineno})", fix="remove the broken file; the report then uses metrics.jsonl") from None
+
+
+def load_runs(run_dirs: list[Path]) -> list[Run]:
+    runs = [load_run(Path(d)) for d in run_dirs]
+    names = Counter(run.name for run in runs)
+    for run in runs:
+        if names[run.name] > 1:  # two output dirs with the same run_name
+            run.name = f"{run.path.parent.name}/{run.name}"
+    return runs
+
+
+def series(events: list[dict[str, Any]], kind: str, field: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of one field; a resumed run logs some steps twice and the last one wins."""
+    by_step: dict[int, float] = {}
+    for event in events:
+        value = event.get(field)
+        if event.get("kind") == kind and "step" in event and isinstance(value, int | float):
+            by_step[int(event["step"])] = float(value)
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+# ---------------------------------------------------------------- plots
+
+
+def draw(runs: list[Run], plot: Plot, out: Path) -> Path | None:
+    """One PNG with a line per run (and per kind); None when no run logged that metric."""
+    figure = Figure(figsize=(8, 4.5), dpi=100, layout="constrained")
+    axes = figure.add_subplot()
+    drawn = 0
+    for index, run in enumerate(runs):
+        for line in plot.lines:
+            steps, values = series(run.events, line.kind, line.field)
+            if not steps:
+                continue
+            label = f"{run.name} {line.label}".strip()
+            axes.plot(steps, [v * line.scale for v in values], line.style, color=f"C{index % 10}", label=label, markersize=4)
+            drawn += 1
+    if not drawn:
+        return None
+    axes.set_title(plot.title)
+    axes.set_xlabel("step")
+    axes.set_ylabel(plot.ylabel)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    path = out / plot.file
+    figure.savefig(path, format="png")
+    return path
+
+
+# ---------------------------------------------------------------- summary
+
+
+def run_facts(run: Run) -> dict[str, Any]:
+    """Final figures from summary.json, else derived from the metrics of an unfinished run."""
+    train_steps, losses = series(run.events, "train", "loss")
+    _, speeds = series(run.events, "train", "tokens_per_s")
+    eval_steps, eval_losses = series(run.events, "eval", "eval_loss")
+    _, accuracies = series(run.events, "eval", "eval_accuracy")
+    times = [e["time"] for e in run.events if isinstance(e.get("time"), int | float)]
+    derived = {
+        "steps": train_steps[-1] if train_steps else None,
+        "first_train_loss": losses[0] if losses else None,
+        "final_train_loss": losses[-1] if losses else None,
+        "final_eval_loss": eval_losses[-1] if eval_losses else None,
+        "final_eval_accuracy": accuracies[-1] if accuracies else None,
+        "tokens_per_s": statistics.median(speeds) if speeds else None,
+        "wall_time_s": max(times) - min(times) if len(times) > 1 else None,
+        "world_size": run.env.get("world_size"),
+    }
+    summary = run.summary or {}
+    facts = {key: value if summary.get(key) is None else summary[key] for key, value in derived.items()}
+    facts["status"] = "finished" if run.summary is not None else "no summary.json (crashed or running)"
+    return facts
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return format(value, spec)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s" if minutes else f"{secs} s"
+
+
+def summary_table(runs: list[Run]) -> list[str]:
+    header = "| run | status | world size | steps | first loss | final loss | eval loss | eval accuracy | tokens/s | wall time |"
+    rows = [header, "|" + "---|" * header.count(" | ") + "---|"]
+    for run in runs:
+        f = run_facts(run)
+        cells = [
+            run.name, f["status"], _fmt(f["world_size"], "d"), _fmt(f["steps"], "d"),
+            _fmt(f["first_train_loss"], ".4f"), _fmt(f["final_train_loss"], ".4f"), _fmt(f["final_eval_loss"], ".4f"),
+            _fmt(f["final_eval_accuracy"], ".1%"), _fmt(f["tokens_per_s"], ",.0f"),
+            _duration(f["wall_time_s"]),
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def notable_events(run: Run) -> list[str]:
+    """What helps find a fault: non-finite losses, system events, checkpoints, unreadable lines."""
+    notes = []
+    steps, losses = series(run.events, "train", "loss")
+    bad_steps = [s for s, v in zip(steps, losses) if not math.isfinite(v)]
+    if bad_steps:
+        notes.append(f"non-finite train loss first at step {bad_steps[0]} ({len(bad_steps)} logged steps)")
+    system = Counter(str(e.get("event", "system")) for e in run.events if e.get("kind") == "system")
+    notes += [f"system event `{name}` x{count}" for name, count in sorted(system.items())]
+    checkpoints = [e.get("step") for e in run.events if e.get("kind") == "checkpoint"]
+    if checkpoints:
+        notes.append(f"{len(checkpoints)} checkpoint(s), last at step {checkpoints[-1]}")
+    if run.bad_lines:
+        notes.append(f"{run.bad_lines} unreadable line(s) in metrics.jsonl skipped")
+    return notes
+
+
+def markdown(runs: list[Run], plots: list[Path]) -> str:
+    lines = ["# trainyard report", ""]
+    lines += [f"- `{run.name}`: {run.path}" for run in runs]
+    lines += ["", *summary_table(runs), "", "## Events", ""]
+    for run in runs:
+        notes = notable_events(run)
+        lines.append(f"- `{run.name}`: " + ("; ".join(notes) if notes else "nothing unusual"))
+    lines += ["", "## Plots", ""]
+    lines += [f"![{path.stem}]({path.name})" for path in plots]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- entry
+
+
+def default_out(run_dirs: list[Path]) -> Path:
+    return Path(run_dirs[0]) / "report" if len(run_dirs) == 1 else Path(DEFAULT_MULTI_RUN_OUT)
+
+
+def write_report(run_dirs: list[Path], out: Path | None = None) -> list[Path]:
+    """Write the PNGs and report.md under `out`; return the files written."""
+    if not run_dirs:
+        raise RunDirError("no run dir given", fix="pass one or more run dirs: trainyard report runs/NAME")
+    runs = load_runs(run_dirs)
+    out = Path(out) if out is not None else default_out(run_dirs)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunDirError(f"cannot create --out {out}: {err.strerror}", fix="pass a writable --out directory") from None
+    plots = [path for plot in PLOTS if (path := draw(runs, plot, out)) is not None]
+    report = out / "report.md"
+    report.write_text(markdown(runs, plots))
+    return [*plots, report]

@@ -1,0 +1,73 @@
+"""Real 2-rank runs (torchrun, gloo) of the tiny model: DDP and FSDP2, LoRA and full."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import TINY, assert_ok, events, trainyard
+
+pytestmark = pytest.mark.dist
+
+STEPS = 8
+COMMON = [
+    f"train.max_steps={STEPS}",
+    "train.micro_batch_size=8",
+    "train.global_batch_size=16",
+    "train.lr=3e-3",
+    "log.every_steps=1",
+    "eval.every_steps=0",
+    "eval.at_end=false",
+    "checkpoint.at_end=false",
+    "log.tensorboard=false",
+]
+
+
+def train_losses(out: Path, *overrides: str, nproc: int) -> list[float]:
+    result = trainyard("train", TINY, f"output_dir={out}", *COMMON, *overrides, "--nproc", str(nproc))
+    assert_ok(result)
+    return [e["loss"] for e in events(out / "tiny", "train")]
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[float]]:
+    """One process, accumulation 2: the reference trajectory for each fine-tuning mode."""
+    out = tmp_path_factory.mktemp("single")
+    return {
+        lora: train_losses(out / lora, f"lora.enabled={lora}", "dist.strategy=none", nproc=1)
+        for lora in ("true", "false")
+    }
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("lora", ["true", "false"])
+def test_two_ranks_follow_the_single_process_trajectory(
+    tmp_path: Path, single_process: dict[str, list[float]], strategy: str, lora: str
+) -> None:
+    losses = train_losses(tmp_path, f"lora.enabled={lora}", f"dist.strategy={strategy}", nproc=2)
+    reference = single_process[lora]
+    assert len(losses) == STEPS
+    assert losses[-1] < losses[0] - 0.1, f"loss did not go down: {losses}"
+    np.testing.assert_allclose(losses, reference, rtol=2e-4, atol=1e-5)
+    summary = (tmp_path / "tiny" / "summary.json").read_text()
+    assert f'"strategy": "{strategy}"' in summary
+
+
+def test_tokenization_runs_once_with_two_ranks(tmp_path: Path) -> None:
+    result = trainyard("train", TINY, f"output_dir={tmp_path}", "train.max_steps=2", *COMMON[1:], "--nproc", "2")
+    assert_ok(result)
+    logs = [(tmp_path / "tiny" / "logs" / f"rank-{r}.log").read_text() for r in (0, 1)]
+    assert sum(len(re.findall(r"tokenized \d+ rows into", log)) for log in logs) == 1
+    assert sum(log.count("reusing tokenized cache") for log in logs) == 1
+    caches = [p for p in (tmp_path / ".cache" / "data").iterdir() if p.is_dir()]
+    assert len(caches) == 1
+
+
+def test_gradient_checkpointing_with_lora_and_ddp_trains(tmp_path: Path) -> None:
+    losses = train_losses(
+        tmp_path, "lora.enabled=true", "dist.strategy=ddp", "model.gradient_checkpointing=true", nproc=2
+    )
+    assert losses[-1] < losses[0]

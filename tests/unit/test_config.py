@@ -1,0 +1,150 @@
+"""The job schema: loading, overrides, errors that name field/file/line, redaction, batch plan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainyard.config import (
+    REDACTED,
+    JobConfig,
+    accumulation_steps,
+    dump_config,
+    is_secret_name,
+    load_config,
+    redact,
+)
+from trainyard.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_required_keys_exist_with_their_names() -> None:
+    cfg = JobConfig()
+    for dotted in [
+        "run_name", "output_dir", "train.max_steps", "train.micro_batch_size", "train.global_batch_size",
+        "train.global_batch_tokens", "train.lr", "train.seed", "lora.enabled", "lora.r", "lora.alpha",
+        "lora.dropout", "dist.strategy", "eval.every_steps", "eval.subset_size", "checkpoint.every_steps",
+        "checkpoint.resume", "log.every_steps", "model.path", "data.path", "data.format", "data.max_length",
+        "data.packing",
+    ]:
+        node = cfg
+        for part in dotted.split("."):
+            node = getattr(node, part)
+
+
+def test_file_then_overrides_in_order(tmp_path: Path) -> None:
+    path = write(tmp_path, "train:\n  lr: 0.5\n  max_steps: 7\n")
+    cfg = load_config(path, ["train.lr=0.25", "lora.enabled=false", "data.path=x.jsonl"])
+    assert cfg.train.lr == 0.25
+    assert cfg.train.max_steps == 7
+    assert cfg.lora.enabled is False
+    assert cfg.data.path == "x.jsonl"
+
+
+def test_unknown_key_in_file_names_line_and_suggests(tmp_path: Path) -> None:
+    path = write(tmp_path, "train:\n  lr: 1.0\n  max_stepz: 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    text = err.value.render()
+    assert f"{path}:3" in text
+    assert "train.max_stepz" in text
+    assert "did you mean 'train.max_steps'" in text
+
+
+def test_unknown_section_in_override_names_the_override() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", ["trian.lr=1"])
+    text = err.value.render()
+    assert "override 'trian.lr=1'" in text
+    assert "did you mean 'train'" in text
+
+
+def test_wrong_type_and_range_name_field_and_value(tmp_path: Path) -> None:
+    path = write(tmp_path, "run_name: ok\ntrain:\n  micro_batch_size: zero\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "train.micro_batch_size" in err.value.render()
+    assert "'zero'" in err.value.render()
+    assert f"{path}:3" in err.value.render()
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", ["eval.every_steps=-1"])
+    assert "eval.every_steps" in err.value.render() and "-1" in err.value.render()
+
+
+def test_zero_interval_turns_off() -> None:
+    cfg = load_config("tiny", ["eval.every_steps=0", "checkpoint.every_steps=0"])
+    assert cfg.eval.every_steps == 0 and cfg.checkpoint.every_steps == 0
+
+
+def test_invalid_yaml_names_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "train:\n  lr: [1,\n  max_steps: 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "not valid YAML" in err.value.render()
+    assert f"{path}:" in err.value.render()
+
+
+def test_missing_file_names_it_and_presets() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config("no/such.yaml")
+    assert "no/such.yaml" in err.value.render() and "quickstart" in err.value.render()
+
+
+def test_accumulation_from_global_batch() -> None:
+    cfg = load_config("tiny", ["train.micro_batch_size=2", "train.global_batch_size=16"])
+    assert accumulation_steps(cfg, 2) == 4
+    assert accumulation_steps(cfg, 8) == 1
+    with pytest.raises(ConfigError) as err:
+        accumulation_steps(cfg, 3)
+    assert "train.global_batch_size" in err.value.render()
+
+
+def test_accumulation_from_global_tokens() -> None:
+    cfg = load_config("configs/scratch-1.5b.yaml")
+    assert accumulation_steps(cfg, 16) == 524288 // (4 * 16 * 2048)
+    with pytest.raises(ConfigError):
+        accumulation_steps(cfg, 3)
+
+
+def test_both_batch_rules_is_an_error() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", ["train.global_batch_size=8", "train.global_batch_tokens=1024"])
+    assert "not both" in err.value.render()
+
+
+def test_secret_names() -> None:
+    for name in ["HF_TOKEN", "wandb_api_key", "db-password", "SECRET", "token"]:
+        assert is_secret_name(name), name
+    for name in ["max_new_tokens", "global_batch_tokens", "keep_last", "monkey"]:
+        assert not is_secret_name(name), name
+
+
+def test_dump_redacts_secret_values_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    planted = "hf_plantedSECRETvalue123"
+    monkeypatch.setenv("HF_TOKEN", planted)
+    cfg = load_config("tiny", [f"run_name=leak", f"data.path=/data/{planted}/x.jsonl"])
+    text = dump_config(cfg)
+    assert planted not in text
+    assert REDACTED in text
+    assert yaml.safe_load(text)["train"]["max_steps"] == cfg.train.max_steps
+
+
+def test_redact_hides_secret_keys_in_nested_data() -> None:
+    data = {"wandb": {"api_key": "abc123456"}, "steps": 3, "items": [{"password": "hunter22"}]}
+    out = redact(data, secrets=[])
+    assert out["wandb"]["api_key"] == REDACTED and out["items"][0]["password"] == REDACTED
+    assert out["steps"] == 3
+
+
+@pytest.mark.parametrize("name", ["tiny.yaml", "quickstart.yaml", "mistral7b-lora-ddp.yaml", "glm45air-fsdp-lora.yaml", "scratch-1.5b.yaml"])
+def test_shipped_configs_load(name: str) -> None:
+    load_config(str(REPO / "configs" / name))

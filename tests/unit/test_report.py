@@ -1,0 +1,116 @@
+"""`trainyard report` on two synthetic run dirs: a finished run and one that died mid-way."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from matplotlib.image import imread
+
+from tests.conftest import trainyard
+from trainyard.errors import RunDirError
+from trainyard.report import series, write_report
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+RUN_COLORS = {"baseline": (0x1F, 0x77, 0xB4), "high-lr": (0xFF, 0x7F, 0x0E)}  # matplotlib C0, C1
+START = 1_795_000_000.0
+
+
+def train_event(step: int, loss: float, lr: float, tokens_per_s: float, memory_gib: float) -> dict:
+    return {
+        "kind": "train", "time": START + step * 2.0, "step": step, "loss": loss, "lr": lr,
+        "grad_norm": (1.0 + 50 * lr) / math.sqrt(step), "tokens_per_s": tokens_per_s, "tokens_per_s_per_rank": tokens_per_s / 2,
+        "achieved_flops_per_rank": 1.2e10, "data_wait_share": 0.02,
+        "peak_memory_bytes": int(memory_gib * 1024**3), "tokens": step * 1536,
+    }
+
+
+def write_run(run_dir: Path, lr: float, finished: bool) -> None:
+    """metrics.jsonl as the trainer writes it; the unfinished run hits a NaN and is killed mid-line."""
+    run_dir.mkdir(parents=True)
+    events = [{"kind": "eval", "time": START, "step": 0, "baseline": True, "eval_loss": 5.6, "eval_ppl": 270.4, "eval_tokens": 768, "eval_accuracy": 0.0}]
+    for step in range(5, 41, 5):
+        loss = 5.5 * math.exp(-step * lr * 20) + 1.0
+        if not finished and step >= 35:
+            loss = float("nan")
+        events.append(train_event(step, loss, lr * (1 - step / 45), 40_000.0 + 2e5 * lr + 100 * step, 0.49 + lr + step / 1000))
+        if not finished and step == 35:
+            events.append({"kind": "system", "time": START + 70.5, "step": 35, "event": "skipped_nonfinite_step"})
+        if step % 10 == 0:
+            events.append({"kind": "eval", "time": START + step * 2 + 0.5, "step": step, "eval_loss": loss + 0.1, "eval_ppl": 20.0, "eval_tokens": 768, "eval_accuracy": step / 50})
+        if step % 20 == 0:
+            events.append({"kind": "checkpoint", "time": START + step * 2 + 1, "step": step, "mode": "lite", "path": str(run_dir / f"checkpoints/step-{step:08d}"), "seconds": 0.4})
+    text = "".join(json.dumps(event) + "\n" for event in events)
+    (run_dir / "env.json").write_text(json.dumps({"python": "3.11.7", "world_size": 2, "device": "cpu", "hosts": []}))
+    if not finished:
+        text += '{"kind": "train", "time": 17950'  # the line a killed rank 0 left half-written
+    (run_dir / "metrics.jsonl").write_text(text)
+    if finished:
+        summary = {
+            "wall_time_s": 3725.0, "steps": 40, "tokens": 61_440, "tokens_per_s": 51_234.5, "tokens_per_s_per_rank": 25_617.2,
+            "world_size": 2, "strategy": "ddp", "accumulation": 1, "device": "cpu", "first_train_loss": 4.2117,
+            "final_train_loss": 1.0871, "final_eval_loss": 1.1871, "final_eval_accuracy": 0.8,
+            "baseline_eval_loss": 5.6, "baseline_eval_accuracy": 0.0,
+        }
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+@pytest.fixture
+def two_runs(tmp_path: Path) -> list[Path]:
+    runs = [tmp_path / "runs" / "baseline", tmp_path / "runs" / "high-lr"]
+    write_run(runs[0], lr=0.003, finished=True)
+    write_run(runs[1], lr=0.02, finished=False)
+    return runs
+
+
+def pixels_of(image: np.ndarray, rgb: tuple[int, int, int]) -> int:
+    target = np.array(rgb) / 255.0
+    return int((np.abs(image[..., :3] - target).max(axis=-1) < 0.02).sum())
+
+
+def test_report_plots_both_runs_and_summarises_them(two_runs: list[Path], tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    result = trainyard("report", *map(str, two_runs), "--out", str(out), cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    pngs = ["loss.png", "tokens_per_s.png", "peak_memory.png", "lr.png", "grad_norm.png"]
+    assert sorted(p.name for p in out.iterdir()) == sorted([*pngs, "report.md"])
+    for name in pngs:
+        path = out / name
+        assert path.read_bytes()[:8] == PNG_SIGNATURE
+        image = imread(path)
+        assert image.shape[0] >= 300 and image.shape[1] >= 600
+        for run, rgb in RUN_COLORS.items():
+            assert pixels_of(image, rgb) > 200, f"{name}: no line of {run}"  # a legend swatch alone has ~40
+    report = (out / "report.md").read_text()
+    assert "`baseline`" in report and "`high-lr`" in report
+    baseline_row = next(line for line in report.splitlines() if line.startswith("| baseline |"))
+    assert baseline_row.split(" | ")[1:] == ["finished", "2", "40", "4.2117", "1.0871", "1.1871", "80.0%", "51,234", "1h 02m 05s |"]
+    crashed_row = next(line for line in report.splitlines() if line.startswith("| high-lr |"))
+    assert crashed_row.split(" | ")[1:5] == ["no summary.json (crashed or running)", "2", "40", "1.7443"]
+    assert "non-finite train loss first at step 35" in report
+    assert "skipped_nonfinite_step" in report and "1 unreadable line(s)" in report
+    assert "2 checkpoint(s), last at step 40" in report
+    assert all(f"]({name})" in report for name in pngs)
+
+
+def test_a_resumed_run_keeps_the_last_value_of_each_step() -> None:
+    events = [
+        {"kind": "train", "step": 10, "loss": 3.0},
+        {"kind": "train", "step": 20, "loss": 2.5},
+        {"kind": "eval", "step": 20, "eval_loss": 2.7},
+        {"kind": "train", "step": 20, "loss": 2.4},  # logged again after resuming from step 10
+        {"kind": "train", "step": 15, "loss": 2.8},
+    ]
+    assert series(events, "train", "loss") == ([10, 15, 20], [3.0, 2.8, 2.4])
+
+
+def test_missing_run_dir_is_a_user_error(tmp_path: Path) -> None:
+    result = trainyard("report", str(tmp_path / "nope"), cwd=tmp_path, timeout=120)
+    assert result.returncode == 2
+    assert f"run dir {tmp_path / 'nope'} does not exist" in " ".join(result.stderr.split())  # rich wraps lines
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RunDirError, match="metrics.jsonl is missing"):
+        write_report([tmp_path / "empty"], tmp_path / "out")
