@@ -35,7 +35,7 @@ def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]
 @app.command(context_settings={"allow_extra_args": False})
 def train(
     args: Annotated[Optional[list[str]], typer.Argument(help="CONFIG (YAML file or preset name) then key=value overrides")] = None,
-    nproc: Annotated[int, typer.Option("--nproc", help="processes on this machine; >1 re-executes under torchrun")] = 1,
+    nproc: Annotated[Optional[int], typer.Option("--nproc", help="processes on this machine; >1 re-executes under torchrun (quickstart: 2)")] = None,
     max_restarts: Annotated[int, typer.Option("--max-restarts", help="restart failed workers this many times")] = 0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the resolved plan without loading weights")] = False,
     world_size: Annotated[Optional[int], typer.Option("--world-size", help="plan for this many ranks (dry run)")] = None,
@@ -47,6 +47,8 @@ def train(
 
     config_path, overrides = _split_config_and_overrides(list(args or []))
     cfg = config_room.load_config(config_path, overrides)
+    if nproc is None:
+        nproc = 2 if config_path is None else 1  # the quickstart is a 2-process DDP job
     if dry_run:
         from trainyard.plan import describe_plan
 
@@ -102,6 +104,7 @@ def launch(
     rdzv_conf: Annotated[Optional[list[str]], typer.Option("--rdzv-conf", help="k=v passed to the c10d rendezvous, e.g. is_host=1; repeatable")] = None,
     max_restarts: Annotated[int, typer.Option("--max-restarts", help="restart this node's workers this many times")] = 0,
     shutdown_timeout: Annotated[Optional[int], typer.Option("--shutdown-timeout", help="seconds workers get to save after a stop signal")] = None,
+    local_addr: Annotated[Optional[str], typer.Option("--local-addr", help="this node's address for c10d (default: the address of dist.nic / GLOO_SOCKET_IFNAME)")] = None,
     preempt_exit_code: Annotated[int, typer.Option("--preempt-exit-code", help="exit with this instead of 75 when preempted after a checkpoint")] = 75,
 ) -> None:
     """Run this node's share of a multi-node job under torchrun (one command on every node)."""
@@ -115,7 +118,7 @@ def launch(
     plan = tr.resolve_plan(
         nnodes=nnodes, node_rank=node_rank, master=master, nproc=nproc, rdzv=rdzv, rdzv_id=rdzv_id,
         rdzv_conf=rdzv_conf or [], max_restarts=max_restarts, shutdown_timeout_s=shutdown_timeout,
-        default_rdzv_id=cfg.run_name,
+        local_addr=local_addr, nic=cfg.dist.nic, default_rdzv_id=cfg.run_name,
     )
     added, network_lines = tr.network_settings(cfg.dist, os.environ)
     argv = tr.torchrun_argv(plan, config_path, overrides)
@@ -158,6 +161,84 @@ def report(
 
     for path in write_report(run_dirs, out):
         print(path)
+
+
+@app.command()
+def slurm(
+    args: Annotated[list[str], typer.Argument(help="CONFIG then key=value overrides")],
+    nodes: Annotated[int, typer.Option("--nodes", help="nodes to allocate")] = 1,
+    gpus_per_node: Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node; 0 for CPU-only nodes")] = 0,
+    nproc_per_node: Annotated[Optional[int], typer.Option("--nproc-per-node", help="processes per node (default: one per GPU, or 1)")] = None,
+    partition: Annotated[Optional[str], typer.Option("--partition")] = None,
+    time_limit: Annotated[Optional[str], typer.Option("--time", help="time limit, e.g. 24:00:00")] = None,
+    account: Annotated[Optional[str], typer.Option("--account")] = None,
+    cpus_per_task: Annotated[Optional[int], typer.Option("--cpus-per-task")] = None,
+    mem: Annotated[Optional[str], typer.Option("--mem", help="memory per node, e.g. 0 (all) or 500G")] = None,
+    nic: Annotated[Optional[str], typer.Option("--nic", help="network interface for the rendezvous and collectives (default: dist.nic)")] = None,
+    env_file: Annotated[Optional[Path], typer.Option("--env-file", help="file of VAR=value lines (tokens) sourced on the nodes")] = None,
+    venv: Annotated[Optional[Path], typer.Option("--venv", help="virtual environment to activate on every node (default: this one)")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="write the script here (default: stdout)")] = None,
+    submit: Annotated[bool, typer.Option("--submit", help="run sbatch on the script and print the job id")] = False,
+) -> None:
+    """Write an sbatch script: one `trainyard launch` per node, requeued when preempted."""
+    from trainyard import config as config_room
+    from trainyard.launch import slurm as slurm_room
+
+    config_path, overrides = _config_and_overrides(args)
+    cfg = config_room.load_config(config_path, overrides)
+    job = slurm_room.SlurmJob(
+        config=config_path, overrides=tuple(overrides), nodes=nodes, gpus_per_node=gpus_per_node,
+        nproc_per_node=nproc_per_node, partition=partition, time=time_limit, account=account,
+        cpus_per_task=cpus_per_task, mem=mem, nic=nic,
+        env_file=str(env_file.resolve()) if env_file else None,
+        venv=str(venv.resolve()) if venv else slurm_room.default_venv(),
+        workdir=str(Path.cwd()),
+    )
+    text = slurm_room.render_sbatch(job, cfg)
+    if out is None and not submit:
+        print(text, end="")
+        return
+    path = slurm_room.write_sbatch(text, out or cfg.run_dir / f"{cfg.run_name}.sbatch", cfg, job.workdir)
+    err_console.print(f"wrote {path}", highlight=False)
+    if submit:
+        print(slurm_room.submit(path))
+
+
+@app.command()
+def k8s(
+    args: Annotated[list[str], typer.Argument(help="CONFIG then key=value overrides")],
+    nodes: Annotated[int, typer.Option("--nodes", help="pods, one per node")] = 1,
+    gpus_per_node: Annotated[int, typer.Option("--gpus-per-node", help="GPUs per pod; 0 for CPU-only")] = 0,
+    image: Annotated[str, typer.Option("--image", help="container image with trainyard installed")] = "",
+    kind: Annotated[str, typer.Option("--kind", help="pytorchjob (Kubeflow Training Operator) or trainjob (Kubeflow Trainer v2)")] = "pytorchjob",
+    namespace: Annotated[str, typer.Option("--namespace")] = "default",
+    pvc: Annotated[Optional[str], typer.Option("--pvc", help="existing ReadWriteMany claim (default: write one)")] = None,
+    storage: Annotated[str, typer.Option("--storage", help="size of the written claim")] = "100Gi",
+    storage_class: Annotated[Optional[str], typer.Option("--storage-class")] = None,
+    secret: Annotated[Optional[list[str]], typer.Option("--secret", help="Secret NAME (WANDB_API_KEY, HF_TOKEN), or VAR=NAME:KEY; repeatable")] = None,
+    nproc_per_node: Annotated[Optional[int], typer.Option("--nproc-per-node", help="processes per pod (default: one per GPU, or 1)")] = None,
+    grace: Annotated[int, typer.Option("--grace", help="seconds between SIGTERM and SIGKILL, for the preemption save")] = 300,
+    runtime: Annotated[Optional[str], typer.Option("--runtime", help="trainjob: use this ClusterTrainingRuntime instead of writing one")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="write the YAML here (default: stdout)")] = None,
+) -> None:
+    """Write Kubernetes manifests: the job, its ConfigMap, a shared volume, secret references."""
+    from trainyard import config as config_room
+    from trainyard.launch import k8s as k8s_room
+
+    config_path, overrides = _config_and_overrides(args)
+    cfg = config_room.load_config(config_path, overrides)
+    job = k8s_room.K8sJob(
+        nodes=nodes, gpus_per_node=gpus_per_node, image=image, kind=kind, namespace=namespace, pvc=pvc,
+        storage=storage, storage_class=storage_class, secrets=tuple(secret or ()), nproc_per_node=nproc_per_node,
+        grace_s=grace, runtime=runtime,
+    )
+    text = k8s_room.render_manifests(cfg, job)
+    if out is None:
+        print(text, end="")
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    err_console.print(f"wrote {out}", highlight=False)
 
 
 @app.command()

@@ -116,10 +116,22 @@ class EvalConfig(Section):
 
 class CheckpointConfig(Section):
     every_steps: int = Field(0, ge=0)
-    """0 turns periodic checkpoints off."""
+    """Full checkpoints (exact resume) every N steps; 0 turns them off."""
+    every_minutes: float = Field(0.0, ge=0.0)
+    """Also a full checkpoint when this much time passed since the last (rank 0 decides)."""
+    lite_every_steps: int = Field(0, ge=0)
+    """Lite checkpoints (the LoRA adapter only, PEFT format) every N steps; 0 turns them off."""
+    keep_last: int = Field(3, ge=1)
+    """Full checkpoints kept; the newest and the one resumed from are never deleted."""
+    async_save: bool = Field(False, alias="async")
+    """Stage to CPU and write in the background; training blocks only for the copy."""
+    save_frozen: bool = False
+    """Also store frozen base weights in full checkpoints (off: they come from model.path)."""
+    at_end: bool = True
     resume: str = "auto"
     """auto (newest committed checkpoint of this run, or fresh), never, or a checkpoint path."""
-    at_end: bool = True
+    on_error: Literal["stop", "continue"] = "stop"
+    preemption_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"]] = ["SIGTERM", "SIGUSR1"]
 
 
 class DistConfig(Section):
@@ -226,14 +238,15 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def _known_fields(model: type[BaseModel]) -> list[str]:
-    return list(model.model_fields)
+    return [info.alias or name for name, info in model.model_fields.items()]
 
 
 def _section_model(path: list[str]) -> type[BaseModel] | None:
     """The pydantic model that owns the keys at `path` (None for free-form dicts)."""
     model: type[BaseModel] = JobConfig
     for part in path:
-        field = model.model_fields.get(part)
+        by_alias = {info.alias or name: info for name, info in model.model_fields.items()}
+        field = by_alias.get(part)
         annotation = field.annotation if field else None
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             model = annotation
@@ -335,13 +348,15 @@ def accumulation_steps(cfg: JobConfig, world_size: int) -> int:
 
 # ---------------------------------------------------------------- secrets
 
-_SECRET_WORDS = {"token", "key", "secret", "password", "passwd", "apikey", "credential"}
+_SECRET_WORDS = {"secret", "password", "passwd", "apikey", "credential", "credentials"}
+_SECRET_LAST_WORDS = {"token", "key"}
+"""Only as the last word: HF_TOKEN and api_key are secrets, pad_token_id and num_key_value_heads not."""
 
 
 def is_secret_name(name: str) -> bool:
     """True for names like HF_TOKEN, wandb_api_key, db-password (not max_new_tokens)."""
     parts = re.split(r"[_\-.]", name.lower())
-    return any(part in _SECRET_WORDS for part in parts)
+    return any(part in _SECRET_WORDS for part in parts) or parts[-1] in _SECRET_LAST_WORDS
 
 
 def secret_values_from_env(env: dict[str, str] | None = None) -> list[str]:
@@ -377,4 +392,4 @@ def redact(data: Any, secrets: list[str] | None = None) -> Any:
 
 def dump_config(cfg: JobConfig) -> str:
     """The resolved job as YAML, secrets redacted: what goes into the run dir."""
-    return yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False)
+    return yaml.safe_dump(redact(cfg.model_dump(mode="json", by_alias=True)), sort_keys=False)

@@ -10,15 +10,17 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from trainyard import model as model_room
 from trainyard.config import JobConfig, accumulation_steps
 from trainyard.dist import DistInfo
+from trainyard.errors import ModelError
 from trainyard.parallel import choose_strategy
 
 
 def _hf_config(cfg: JobConfig):
-    """The architecture, from the job, a local folder, a GGUF header, or the hub (may be offline)."""
+    """The architecture, from the job, a local folder, a GGUF header or the local HF cache."""
     model_cfg = cfg.model
     if model_cfg.config is not None:
         settings = dict(model_cfg.config)
-        settings.setdefault("vocab_size", 32000)
+        if "vocab_size" not in settings:
+            settings["vocab_size"] = _tokenizer_size(cfg)
         return AutoConfig.for_model(settings.pop("model_type"), **settings)
     assert model_cfg.path is not None
     gguf = None
@@ -29,9 +31,20 @@ def _hf_config(cfg: JobConfig):
     try:
         if gguf is not None:
             return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        return AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
+        # A dry run downloads nothing: only a local folder or the local HF cache.
+        return AutoConfig.from_pretrained(
+            model_cfg.path, trust_remote_code=model_cfg.trust_remote_code, local_files_only=True
+        )
     except (OSError, ValueError):
         return None
+
+
+def _tokenizer_size(cfg: JobConfig) -> int:
+    """The vocabulary a config-built model will get; a common size if the tokenizer is remote."""
+    try:
+        return len(model_room.load_tokenizer(cfg.model, None))
+    except (ModelError, OSError, ValueError):
+        return 32000
 
 
 def meta_model(cfg: JobConfig) -> torch.nn.Module | None:
@@ -64,7 +77,7 @@ def describe_plan(cfg: JobConfig, world_size: int) -> str:
         f"lora             {'r=%d alpha=%g' % (cfg.lora.r, cfg.lora.alpha) if cfg.lora.enabled else 'off (full fine-tuning)'}",
     ]
     if model is None:
-        lines.append(f"parameters       unknown: the config of {cfg.model.path} is not reachable offline")
+        lines.append(f"parameters       unknown: {cfg.model.path} is not in the local HF cache (a dry run downloads nothing)")
         lines.append(f"strategy         {cfg.dist.strategy}")
     else:
         total, trainable = model_room.parameter_counts(model)

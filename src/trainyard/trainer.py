@@ -8,11 +8,14 @@ at their intervals evaluate and checkpoint.
 
 from __future__ import annotations
 
+import logging
 import math
 import platform
+import signal
 import subprocess
 import time
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +28,7 @@ import transformers
 from trainyard import checkpoint, dist, model as model_room, parallel
 from trainyard.config import JobConfig, accumulation_steps, dump_config
 from trainyard.data import PreparedData, ResumableSampler, micro_batches, prepare_datasets
-from trainyard.errors import TrainyardError
+from trainyard.errors import CheckpointError, TrainyardError
 from trainyard.evaluate import evaluate, token_loss_sum
 from trainyard.metrics import MetricsSink, flops_per_token, peak_memory_bytes, setup_logging, write_json
 
@@ -34,8 +37,25 @@ class NonFiniteError(TrainyardError):
     exit_code = 1
 
 
+class Preempted(TrainyardError):
+    """Stopped by a preemption signal after a checkpoint was committed: requeue me."""
+
+    exit_code = 75
+
+
+_SIGNALLED: list[str] = []
+
+
+def install_preemption_handlers(names: list[str]) -> None:
+    """Only note the signal: every rank agrees at the next step boundary, then saves."""
+    for name in names:
+        signal.signal(getattr(signal, name), lambda signum, _frame: _SIGNALLED.append(signal.Signals(signum).name))
+
+
 @dataclass
 class LoopState:
+    """Everything about the loop's progress a checkpoint must carry for an exact resume."""
+
     step: int = 0
     tokens: int = 0
     first_loss: float | None = None
@@ -44,6 +64,31 @@ class LoopState:
     baseline_eval: dict[str, float] = field(default_factory=dict)
     steady_tokens: int = 0
     steady_time: float = 0.0
+
+
+@dataclass
+class Job:
+    """What the loop works on, built once by `run`."""
+
+    cfg: JobConfig
+    info: dist.DistInfo
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sampler: ResumableSampler
+    data: PreparedData
+    tokenizer: Any
+    sink: MetricsSink
+    accum: int
+    flops_token: float
+    facts: dict[str, Any]
+    """What a checkpoint must match to be resumed by this job (see checkpoint.check_compatible)."""
+    checkpoint_group: Any = None
+    resumed_from: Path | None = None
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.cfg.run_dir / "checkpoints"
 
 
 def lr_lambda(cfg: JobConfig):
@@ -77,132 +122,210 @@ def grad_norm_and_clip(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     return full_tensor() if full_tensor else norm
 
 
-def fit(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    batches: Any,
-    cfg: JobConfig,
-    info: dist.DistInfo,
-    accum: int,
-    sink: MetricsSink,
-    data: PreparedData,
-    tokenizer: Any,
-    flops_token: float,
-) -> LoopState:
-    state = LoopState()
+# Slots of the one all-reduce each step makes: token counts for the loss normalisation, and
+# the flags every rank must agree on (async save finished or failed here, a preemption
+# signal here, rank 0's clock says a timed checkpoint is due).
+TARGETS, REAL, SAVE_DONE, SAVE_FAILED, PREEMPT, TIMED = range(6)
+
+
+def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
+    cfg, info, model = job.cfg, job.info, job.model
     interval = torch.zeros(3, dtype=torch.float64, device=info.device)  # loss sum, targets, real tokens
     interval_time = 0.0  # training time only: eval and checkpoints do not dilute tokens/s
-    run_eval = _evaluator(model, cfg, info, data, tokenizer)
-    if cfg.eval.baseline and run_eval:
+    run_eval = _evaluator(job)
+    if cfg.eval.baseline and run_eval and state.step == 0:
         state.baseline_eval = run_eval()
-        sink.emit("eval", step=0, baseline=True, **state.baseline_eval)
+        job.sink.emit("eval", step=0, baseline=True, **state.baseline_eval)
+    pending: checkpoint.PendingSave | None = None
+    last_full = time.monotonic()
     model.train()
-    for step in range(1, cfg.train.max_steps + 1):
+    for step in range(state.step + 1, cfg.train.max_steps + 1):
         step_start = time.monotonic()
-        window = [next(batches) for _ in range(accum)]
+        window = [next(batches) for _ in range(job.accum)]
         data_wait = time.monotonic() - step_start
-        counts = torch.tensor(
-            [sum(int((b["labels"][:, 1:] != -100).sum()) for b in window), sum(int(b.pop("real_tokens")) for b in window)],
-            dtype=torch.float64,
-            device=info.device,
-        )
-        dist.all_reduce_sum(counts)  # the one collective of the step outside DDP/FSDP
-        global_targets, global_real = counts.tolist()
+        control = torch.zeros(6, dtype=torch.float64, device=info.device)
+        control[TARGETS] = sum(int((b["labels"][:, 1:] != -100).sum()) for b in window)
+        control[REAL] = sum(int(b.pop("real_tokens")) for b in window)
+        control[SAVE_DONE] = float(pending is not None and pending.done_here() and not _failed(pending))
+        control[SAVE_FAILED] = float(pending is not None and _failed(pending))
+        control[PREEMPT] = float(bool(_SIGNALLED))
+        control[TIMED] = float(info.is_main and cfg.checkpoint.every_minutes > 0 and time.monotonic() - last_full > cfg.checkpoint.every_minutes * 60)
+        dist.all_reduce_sum(control)  # the one collective of the step outside DDP/FSDP
+        if pending is not None and (control[SAVE_FAILED] > 0 or control[SAVE_DONE] == info.world_size):
+            pending = _settle(job, pending, failed=control[SAVE_FAILED] > 0)
+        if control[PREEMPT] > 0:
+            _save_full(job, state, pending, async_save=False)
+            raise Preempted(
+                f"stopped by {(_SIGNALLED or ['a signal on another rank'])[0]} after step {state.step}; "
+                f"checkpoint step-{state.step:08d} is committed",
+                fix="run the same command again (checkpoint.resume: auto) to continue where it stopped",
+            )
         # DDP/FSDP average gradients over ranks; multiplying back by world makes the
         # gradient that of the summed loss over every target token in the global batch.
-        scale = info.world_size / max(global_targets, 1.0)
+        scale = info.world_size / max(control[TARGETS].item(), 1.0)
         for i, batch in enumerate(window):
             batch = {k: v.to(info.device) for k, v in batch.items()}
-            with parallel.gradient_sync(model, enabled=i == accum - 1):
+            with parallel.gradient_sync(model, enabled=i == job.accum - 1):
                 loss_sum, _ = token_loss_sum(model, batch)
                 (loss_sum * scale).backward()
             interval[0] += loss_sum.detach().double()
-        interval[1] += counts[0]
-        interval[2] += counts[1]
+        interval[1] += control[TARGETS]
+        interval[2] += control[REAL]
         grad_norm = grad_norm_and_clip(model, cfg.train.max_grad_norm)
         if not torch.isfinite(grad_norm):
-            optimizer.zero_grad(set_to_none=True)
+            job.optimizer.zero_grad(set_to_none=True)
             if cfg.train.on_nonfinite == "error":
                 raise NonFiniteError(
                     f"non-finite gradient norm at step {step} (rank {info.rank} saw {grad_norm.item()})",
                     fix="lower train.lr, check the data, or set train.on_nonfinite: skip",
                 )
-            sink.emit("system", step=step, event="skipped_nonfinite_step")
+            job.sink.emit("system", step=step, event="skipped_nonfinite_step")
             continue
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        lr = job.scheduler.get_last_lr()[0]
+        job.optimizer.step()
+        job.scheduler.step()
+        job.optimizer.zero_grad(set_to_none=True)
         step_time = time.monotonic() - step_start
         state.step = step
-        state.tokens += int(global_real)
+        state.tokens += int(control[REAL].item())
         if step > 1:
-            state.steady_tokens += int(global_real)
+            state.steady_tokens += int(control[REAL].item())
             state.steady_time += step_time
         interval_time += step_time
         if step % cfg.log.every_steps == 0 or step == cfg.train.max_steps:
-            _log_interval(state, sink, interval, interval_time, info, step, lr, grad_norm, data_wait / step_time, flops_token)
+            _log_interval(state, job, interval, interval_time, lr, grad_norm, data_wait / step_time)
             interval.zero_()
             interval_time = 0.0
         if run_eval and cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
             state.last_eval = run_eval()
-            sink.emit("eval", step=step, **state.last_eval)
-        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-            _save_lite(model, cfg, info, sink, step)
+            job.sink.emit("eval", step=step, **state.last_eval)
+        full_due = (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or control[TIMED] > 0
+        if full_due and step < cfg.train.max_steps:
+            pending = _save_full(job, state, pending, async_save=cfg.checkpoint.async_save)
+            last_full = time.monotonic()
+        elif cfg.checkpoint.lite_every_steps and step % cfg.checkpoint.lite_every_steps == 0:
+            _save_lite(job, step)
     if run_eval and cfg.eval.at_end and not (cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0):
         state.last_eval = run_eval()
-        sink.emit("eval", step=state.step, **state.last_eval)
-    if cfg.checkpoint.at_end and not (cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0):
-        _save_lite(model, cfg, info, sink, state.step)
+        job.sink.emit("eval", step=state.step, **state.last_eval)
+    if cfg.checkpoint.at_end:
+        _save_full(job, state, pending, async_save=False)
+    elif pending is not None:
+        _settle(job, pending, failed=False, wait=True)
     return state
 
 
+def _failed(pending: checkpoint.PendingSave) -> bool:
+    return pending.future is not None and pending.future.done() and pending.future.exception() is not None
+
+
+def _settle(job: Job, pending: checkpoint.PendingSave, failed: bool, wait: bool = False) -> None:
+    """Commit a finished background save, or report the failed one (never silently missing)."""
+    try:
+        if wait:
+            checkpoint.finish_save(pending)
+            dist.barrier()
+        if failed:
+            checkpoint.finish_save(pending)  # raises with this rank's error
+            raise CheckpointError(f"writing checkpoint {pending.path} failed on another rank", fix="see the logs of every rank")
+    except CheckpointError as err:
+        _checkpoint_failed(job, pending.step, err)
+        return None
+    _commit_full(job, pending)
+    return None
+
+
+def _commit_full(job: Job, pending: checkpoint.PendingSave, **figures: float) -> None:
+    checkpoint.commit(job.checkpoints, pending.path, "full", job.info)
+    if job.info.is_main:
+        removed = checkpoint.rotate(job.checkpoints, job.cfg.checkpoint.keep_last, job.resumed_from)
+        job.sink.emit(
+            "checkpoint", step=pending.step, mode="full", path=str(pending.path), committed=True,
+            removed=[p.name for p in removed], **figures,
+        )
+
+
+def _checkpoint_failed(job: Job, step: int, err: CheckpointError) -> None:
+    job.sink.emit("system", step=step, event="checkpoint_failed", error=err.what)
+    logging.getLogger("trainyard").error("checkpoint at step %d failed: %s", step, err.what)
+    if job.cfg.checkpoint.on_error == "stop":
+        raise err
+
+
+def _save_full(job: Job, state: LoopState, pending: checkpoint.PendingSave | None, async_save: bool) -> checkpoint.PendingSave | None:
+    """At most one save in flight: the previous one is finished and committed first."""
+    if pending is not None:
+        _settle(job, pending, failed=False, wait=True)
+    path = checkpoint.step_dir(job.checkpoints, state.step)
+    if checkpoint.committed_kind(path) == "full":
+        return None  # this step is already saved (a preemption right after a save)
+    started = time.monotonic()
+    trainer_state = {
+        "step": state.step,
+        "world_size": job.info.world_size,
+        "scheduler": job.scheduler.state_dict(),
+        "loop": asdict(state),
+        **job.facts,
+    }
+    rank_state = {"sampler": job.sampler.state_dict(), "rng": checkpoint.rng_state()}
+    try:
+        checkpoint.save_adapter(job.model, path / "adapter", job.info)
+        new = checkpoint.start_full_save(
+            job.model, job.optimizer, path, trainer_state=trainer_state, rank_state=rank_state, info=job.info,
+            async_save=async_save, save_frozen=job.cfg.checkpoint.save_frozen, process_group=job.checkpoint_group,
+        )
+    except (OSError, RuntimeError) as err:
+        _checkpoint_failed(job, state.step, CheckpointError(
+            f"saving checkpoint {path} failed: {err}",
+            fix="check free space and permissions of the checkpoint dir; the previous checkpoint is intact",
+        ))
+        return None
+    stall = time.monotonic() - started
+    if async_save:
+        job.sink.emit("checkpoint", step=state.step, mode="full", path=str(path), async_save=True, stall_s=stall)
+        return new
+    _commit_full(job, new, stall_s=stall)
+    return None
+
+
 def _log_interval(
-    state: LoopState,
-    sink: MetricsSink,
-    interval: torch.Tensor,
-    elapsed: float,
-    info: dist.DistInfo,
-    step: int,
-    lr: float,
-    grad_norm: torch.Tensor,
-    data_wait_share: float,
-    flops_token: float,
+    state: LoopState, job: Job, interval: torch.Tensor, elapsed: float, lr: float, grad_norm: torch.Tensor, data_wait_share: float
 ) -> None:
     loss_sum = dist.all_reduce_sum(interval[:1].clone())  # targets and real tokens are already global
     loss = (loss_sum[0] / interval[1].clamp(min=1)).item()
     tokens_per_s = interval[2].item() / max(elapsed, 1e-9)
+    world = job.info.world_size
     state.first_loss = loss if state.first_loss is None else state.first_loss
     state.last_loss = loss
-    sink.emit(
+    job.sink.emit(
         "train",
-        step=step,
+        step=state.step,
         loss=loss,
         lr=lr,
         grad_norm=float(grad_norm),
         tokens_per_s=tokens_per_s,
-        tokens_per_s_per_rank=tokens_per_s / info.world_size,
-        achieved_flops_per_rank=tokens_per_s * flops_token / info.world_size,
+        tokens_per_s_per_rank=tokens_per_s / world,
+        achieved_flops_per_rank=tokens_per_s * job.flops_token / world,
         data_wait_share=data_wait_share,
-        peak_memory_bytes=peak_memory_bytes(info.device),
+        peak_memory_bytes=peak_memory_bytes(job.info.device),
         tokens=state.tokens,
     )
 
 
-def _evaluator(model: torch.nn.Module, cfg: JobConfig, info: dist.DistInfo, data: PreparedData, tokenizer: Any):
-    if data.eval is None or len(data.eval) == 0:
+def _evaluator(job: Job):
+    cfg = job.cfg
+    if job.data.eval is None or len(job.data.eval) == 0:
         return None
 
     def run_eval() -> dict[str, float]:
         return evaluate(
-            model,
-            data.eval,
+            job.model,
+            job.data.eval,
             subset_size=cfg.eval.subset_size,
             seed=cfg.eval.seed,
             batch_size=cfg.eval.batch_size,
-            info=info,
-            tokenizer=tokenizer,
+            info=job.info,
+            tokenizer=job.tokenizer,
             generate=cfg.eval.generate,
             max_new_tokens=cfg.eval.max_new_tokens,
         )
@@ -210,11 +333,38 @@ def _evaluator(model: torch.nn.Module, cfg: JobConfig, info: dist.DistInfo, data
     return run_eval
 
 
-def _save_lite(model: torch.nn.Module, cfg: JobConfig, info: dist.DistInfo, sink: MetricsSink, step: int) -> None:
+def _save_lite(job: Job, step: int) -> None:
     started = time.monotonic()
-    path = checkpoint.save_adapter(model, cfg.run_dir / "checkpoints" / f"step-{step:08d}" / "adapter", info)
+    path = checkpoint.save_lite(job.model, job.checkpoints, step, job.info)
     if path is not None:
-        sink.emit("checkpoint", step=step, mode="lite", path=str(path), seconds=time.monotonic() - started)
+        job.sink.emit("checkpoint", step=step, mode="lite", path=str(path / "adapter"), stall_s=time.monotonic() - started)
+
+
+def resume(job: Job) -> LoopState:
+    """Clean partial saves, then load the checkpoint `checkpoint.resume` names (or start fresh)."""
+    logger = logging.getLogger("trainyard")
+    if job.info.is_main:
+        for partial in checkpoint.remove_uncommitted(job.checkpoints):
+            logger.info("removed partial checkpoint %s (no commit marker)", partial)
+    dist.barrier()
+    path = checkpoint.resolve_resume(job.cfg.checkpoint.resume, job.checkpoints)
+    if path is None:
+        logger.info("starting fresh (checkpoint.resume: %s, no committed checkpoint)", job.cfg.checkpoint.resume)
+        return LoopState()
+    saved = checkpoint.read_trainer_state(path)
+    checkpoint.check_compatible(saved, job.facts, path)
+    rank_state = checkpoint.load_full(job.model, job.optimizer, path, job.info, job.cfg.checkpoint.save_frozen)
+    job.scheduler.load_state_dict(saved["scheduler"])
+    sampler_state = dict(rank_state["sampler"])
+    if saved["world_size"] == job.info.world_size:
+        checkpoint.set_rng_state(rank_state["rng"])
+    else:  # same samples consumed in total, spread over the new number of ranks
+        sampler_state["index"] = sampler_state["index"] * saved["world_size"] // job.info.world_size
+    job.sampler.load_state_dict(sampler_state)
+    job.resumed_from = path
+    logger.info("resumed from %s at step %d", path, saved["step"])
+    job.sink.emit("system", step=saved["step"], event="resumed", path=str(path), saved_world_size=saved["world_size"])
+    return LoopState(**saved["loop"])
 
 
 def _git_commit() -> str | None:
@@ -246,6 +396,8 @@ def _environment(info: dist.DistInfo) -> dict[str, Any]:
 def run(cfg: JobConfig) -> dict[str, Any]:
     """The whole job: init, data, model, wrap, fit, summary. Every rank runs it."""
     wall_start = time.monotonic()
+    transformers.utils.logging.disable_progress_bar()  # our own progress line is the only one
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
     info = dist.init(cfg.dist)
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -284,17 +436,27 @@ def run(cfg: JobConfig) -> dict[str, Any]:
 
     torch.manual_seed(cfg.train.seed + info.rank)  # dropout differs per rank, data order does not
     sampler = ResumableSampler(len(data.train), seed=cfg.train.seed, rank=info.rank, world_size=info.world_size)
-    batches = micro_batches(data.train, sampler, cfg.train.micro_batch_size, tokenizer.pad_token_id)
     optimizer, scheduler = build_optimizer(model, cfg)
     hf_config = parallel.unwrap(model).config
-    flops_token = flops_per_token(
-        total_params, trainable_params, hf_config.num_hidden_layers, hf_config.hidden_size, cfg.data.max_length
+    job = Job(
+        cfg=cfg, info=info, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler, data=data,
+        tokenizer=tokenizer, sink=MetricsSink(cfg, info, logger), accum=accum,
+        flops_token=flops_per_token(total_params, trainable_params, hf_config.num_hidden_layers, hf_config.hidden_size, cfg.data.max_length),
+        facts={
+            "model_signature": checkpoint.model_signature(model),
+            "lora": cfg.lora.model_dump(mode="json") if cfg.lora.enabled else None,
+            "data_fingerprint": data.fingerprint,
+            "global_batch_samples": cfg.train.micro_batch_size * accum * info.world_size,
+        },
+        checkpoint_group=torch_dist.new_group(backend="gloo") if info.distributed and cfg.checkpoint.async_save else None,
     )
-    sink = MetricsSink(cfg, info, logger)
+    state = resume(job)
+    install_preemption_handlers(cfg.checkpoint.preemption_signals)
+    batches = micro_batches(data.train, sampler, cfg.train.micro_batch_size, tokenizer.pad_token_id)
     try:
-        state = fit(model, optimizer, scheduler, batches, cfg, info, accum, sink, data, tokenizer, flops_token)
+        state = fit(job, batches, state)
     finally:
-        sink.close()
+        job.sink.close()
     summary = {
         "wall_time_s": time.monotonic() - wall_start,
         "steps": state.step,

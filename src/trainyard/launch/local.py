@@ -14,6 +14,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -67,6 +68,9 @@ def run_local(nproc: int, argv: list[str], max_restarts: int = 0) -> tuple[int, 
         command = worker_command(argv)
         try:
             elastic_launch(config, entrypoint=command[0])(*command[1:])
+        except SignalException as err:  # this launcher was told to stop; workers saved and left
+            reported = read_exit_files(prefix)
+            return reported or (128 + int(err.sigval), f"stopped by {err.sigval.name}")
         except ChildFailedError as err:
             reported = read_exit_files(prefix)
             if reported:

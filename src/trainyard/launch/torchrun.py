@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +48,9 @@ class LaunchPlan:
     rdzv_conf: tuple[str, ...] = ()
     max_restarts: int = 0
     shutdown_timeout_s: int | None = None
+    local_addr: str | None = None
+    """How this node is advertised at a c10d rendezvous (else its host name, which nodes
+    in containers or network namespaces may share, or which may resolve to the wrong NIC)."""
     sources: dict[str, str] = field(default_factory=dict)
     """Which flag or variable each value came from, for the printed summary."""
 
@@ -107,6 +111,35 @@ def _check_nproc(nproc: str) -> str:
     raise ConfigError(f"--nproc '{nproc}' is not a positive number", fix=f"give a count, or one of {', '.join(NPROC_WORDS)}")
 
 
+def interface_ipv4(name: str) -> str | None:
+    """The IPv4 address of a network interface, or None (no such interface, or Linux-only call failed)."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            packed = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode()))
+    except OSError:
+        return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _local_addr(local_addr: str | None, nic: str | None, env: Mapping[str, str], sources: dict[str, str]) -> str | None:
+    """--local-addr, else the address of the job's NIC (dist.nic, GLOO_/NCCL_SOCKET_IFNAME)."""
+    if local_addr:
+        sources["--local-addr"] = "--local-addr"
+        return local_addr
+    candidates = [(nic, "dist.nic")] + [(env.get(name), name) for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")]
+    for name, origin in candidates:
+        if name and re.fullmatch(r"[\w.:-]+", name):  # one interface, not a list or ^exclusion
+            address = interface_ipv4(name)
+            if address:
+                sources["--local-addr"] = f"{origin} ({name})"
+                return address
+    return None
+
+
 def _default_nproc() -> str:
     import torch
 
@@ -124,6 +157,8 @@ def resolve_plan(
     rdzv_conf: list[str] | tuple[str, ...] = (),
     max_restarts: int = 0,
     shutdown_timeout_s: int | None = None,
+    local_addr: str | None = None,
+    nic: str | None = None,
     default_rdzv_id: str | None = None,
     env: Mapping[str, str] | None = None,
 ) -> LaunchPlan:
@@ -149,6 +184,7 @@ def resolve_plan(
         rdzv_conf=_with_is_host(tuple(rdzv_conf), rdzv, int(rank_text) if rank_text is not None else None),
         max_restarts=max_restarts,
         shutdown_timeout_s=shutdown_timeout_s,
+        local_addr=_local_addr(local_addr, nic, env, sources) if rdzv == "c10d" else None,
         sources=sources,
     )
     _check_multinode(plan)
@@ -216,6 +252,8 @@ def torchrun_argv(plan: LaunchPlan, config: str, overrides: list[str] | tuple[st
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}:{plan.master_port}", f"--rdzv-id={plan.rdzv_id}"]
         if plan.rdzv_conf:
             argv.append(f"--rdzv-conf={','.join(plan.rdzv_conf)}")
+        if plan.local_addr:
+            argv.append(f"--local-addr={plan.local_addr}")
     argv += [f"--max-restarts={plan.max_restarts}", f"--signals-to-handle={','.join(SIGNALS_TO_FORWARD)}"]
     if plan.shutdown_timeout_s is not None:
         argv.append(f"--shutdown-timeout={plan.shutdown_timeout_s}")

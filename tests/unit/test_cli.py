@@ -1,0 +1,64 @@
+"""The CLI contract: bad input exits 2 with a message and no traceback; --dry-run plans."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, TINY, trainyard
+
+
+def assert_user_error(result, *needles: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+
+
+def test_unknown_key_exits_2_with_suggestion(tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text("run_name: x\ntrain:\n  lr: 0.1\n  micro_batch: 3\n")
+    assert_user_error(trainyard("train", str(job)), f"{job}:4", "train.micro_batch", "did you mean 'train.micro_batch_size'")
+
+
+def test_bad_override_value_exits_2() -> None:
+    assert_user_error(trainyard("train", TINY, "train.lr=fast"), "train.lr", "'fast'", "override 'train.lr=fast'")
+
+
+def test_missing_config_file_exits_2() -> None:
+    assert_user_error(trainyard("train", "nope.yaml"), "nope.yaml")
+
+
+def test_missing_data_file_exits_2(tmp_path: Path) -> None:
+    missing = tmp_path / "absent.jsonl"
+    result = trainyard("train", TINY, f"output_dir={tmp_path}", f"data.path={missing}")
+    assert_user_error(result, str(missing))
+
+
+def test_global_batch_that_does_not_divide_exits_2(tmp_path: Path) -> None:
+    result = trainyard("train", TINY, f"output_dir={tmp_path}", "train.global_batch_size=12", "--dry-run", "--world-size", "8")
+    assert_user_error(result, "train.global_batch_size=12")
+
+
+@pytest.mark.parametrize(
+    ("config", "world", "needles"),
+    [
+        ("mistral7b-lora-ddp.yaml", 8, ["world size       8", "strategy         ddp", "lora             r=16"]),
+        ("glm45air-fsdp-lora.yaml", 16, ["world size       16", "fsdp", "x 4 accumulation x 16 ranks"]),
+        ("scratch-1.5b.yaml", 16, ["524,288 tokens per step", "fsdp", "off (full fine-tuning)", "parameters       1,"]),
+        ("tiny.yaml", 2, ["parameters       90,816 total, 90,816 trainable", "strategy         ddp"]),
+    ],
+)
+def test_dry_run_prints_the_plan_without_weights(config: str, world: int, needles: list[str]) -> None:
+    result = trainyard("train", str(REPO / "configs" / config), "--dry-run", "--world-size", str(world))
+    assert result.returncode == 0, result.stderr
+    for needle in needles:
+        assert needle in result.stdout, result.stdout
+
+
+def test_help_lists_commands() -> None:
+    result = trainyard("--help")
+    assert result.returncode == 0
+    for command in ("train", "doctor", "report"):
+        assert command in result.stdout
