@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -124,6 +126,24 @@ class MetricsSink:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+class Heartbeat:
+    """Each rank's proof of life in the run dir, so any node can tell who stopped (status)."""
+
+    def __init__(self, run_dir: Path, info: DistInfo, every_s: float = 5.0) -> None:
+        self.path = run_dir / "heartbeats" / f"rank-{info.rank}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank = info.rank
+        self.every_s = every_s
+        self.last = 0.0
+
+    def beat(self, step: int, force: bool = False) -> None:
+        now = time.time()
+        if force or now - self.last >= self.every_s:
+            record = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": step, "time": now}
+            write_json(self.path, record)
+            self.last = now
 
 
 def _brief(fields: dict[str, Any]) -> str:

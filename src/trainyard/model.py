@@ -44,7 +44,7 @@ def builtin_gguf_file(name: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / filename
 
 
-def _default_cache_dir() -> Path:
+def default_model_cache() -> Path:
     return Path(os.environ.get("TRAINYARD_CACHE", Path.home() / ".cache" / "trainyard")) / "models"
 
 
@@ -83,7 +83,7 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
 def resolve_model_path(cfg: ModelConfig) -> str:
     """A folder or hub id that from_pretrained can load; GGUF files are converted first."""
     assert cfg.path is not None
-    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else _default_cache_dir()
+    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_model_cache()
     if cfg.path in BUILTIN_MODELS:
         gguf = builtin_gguf_file(cfg.path)
     elif cfg.path.endswith(".gguf"):

@@ -30,7 +30,7 @@ from trainyard.config import JobConfig, accumulation_steps, dump_config
 from trainyard.data import PreparedData, ResumableSampler, micro_batches, prepare_datasets
 from trainyard.errors import CheckpointError, TrainyardError
 from trainyard.evaluate import evaluate, token_loss_sum
-from trainyard.metrics import MetricsSink, flops_per_token, peak_memory_bytes, setup_logging, write_json
+from trainyard.metrics import Heartbeat, MetricsSink, flops_per_token, peak_memory_bytes, setup_logging, write_json
 
 
 class NonFiniteError(TrainyardError):
@@ -138,6 +138,8 @@ def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
         job.sink.emit("eval", step=0, baseline=True, **state.baseline_eval)
     pending: checkpoint.PendingSave | None = None
     last_full = time.monotonic()
+    heartbeat = Heartbeat(cfg.run_dir, info)
+    heartbeat.beat(state.step, force=True)
     model.train()
     for step in range(state.step + 1, cfg.train.max_steps + 1):
         step_start = time.monotonic()
@@ -192,6 +194,7 @@ def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
             state.steady_tokens += int(control[REAL].item())
             state.steady_time += step_time
         interval_time += step_time
+        heartbeat.beat(step)
         if step % cfg.log.every_steps == 0 or step == cfg.train.max_steps:
             _log_interval(state, job, interval, interval_time, lr, grad_norm, data_wait / step_time)
             interval.zero_()

@@ -1,0 +1,47 @@
+"""The quickstart on the real pretrained SmolLM2-135M-Instruct: LoRA, 2 DDP processes on CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import assert_ok, events, trainyard
+
+pytestmark = pytest.mark.e2e
+
+
+def test_quickstart_learns_the_task_and_saves_a_peft_adapter(tmp_path: Path) -> None:
+    result = trainyard("train", f"output_dir={tmp_path}", timeout=1200)
+    assert_ok(result)
+    run_dir = tmp_path / "quickstart"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    before, after = summary["baseline_eval_accuracy"], summary["final_eval_accuracy"]
+    assert before <= 0.2, f"untuned model already scores {before}"
+    assert after >= before + 0.4, f"accuracy {before} -> {after}"
+    assert "held-out exact match before training" in result.stderr
+    assert summary["world_size"] == 2 and summary["strategy"] == "ddp"
+    assert summary["final_train_loss"] < summary["first_train_loss"]
+    train = events(run_dir, "train")
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(train[0])
+
+    from peft import PeftModel
+
+    from trainyard.model import default_model_cache
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter = run_dir / "checkpoints" / f"step-{summary['steps']:08d}" / "adapter"
+    assert (adapter / "adapter_model.safetensors").is_file()
+    base_dir = next(default_model_cache().glob("SmolLM2-135M-Instruct*"))
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(adapter))
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Rewrite the date 1987-11-04 in the form 'Month D, YYYY'. Reply with the date only."}],
+        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+    )
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    answer = tokenizer.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    assert answer == "November 4, 1987"
