@@ -21,7 +21,8 @@ def _root() -> None:
 
 
 def _fail(code: int, message: str) -> None:
-    err_console.print(f"[bold red]trainyard: error[/]\n{message}")
+    err_console.print("[bold red]trainyard: error[/]")
+    err_console.print(message, markup=False)
     raise typer.Exit(code)
 
 
@@ -56,7 +57,7 @@ def train(
         return
     if nproc > 1 and not launched_by_torchrun():
         argv = ["train", *([config_path] if config_path else []), *overrides]
-        err_console.print(f"launching: {torchrun_equivalent(nproc, argv, max_restarts)}")
+        err_console.print(f"launching: {torchrun_equivalent(nproc, argv, max_restarts)}", markup=False)
         code, message = run_local(nproc, argv, max_restarts)
         if code:
             _fail(code, message or "a worker failed")
@@ -79,7 +80,7 @@ def _print_outcome(summary: dict, run_dir: Path) -> None:
         lines.append(f"held-out exact match after training:  {summary['final_eval_accuracy']:.1%}")
     if summary.get("final_eval_loss") is not None:
         lines.append(f"final eval loss {summary['final_eval_loss']:.4f}")
-    err_console.print("\n".join(lines))
+    err_console.print("\n".join(lines), markup=False)
 
 
 def _config_and_overrides(args: list[str]) -> tuple[str, list[str]]:
@@ -256,6 +257,47 @@ def status(
     print(json.dumps(report, indent=2, default=str) if as_json else format_status(report))
 
 
+@app.command()
+def export(
+    ckpt: Annotated[Path, typer.Argument(help="a run dir (its newest committed full checkpoint) or a checkpoints/step-XXXXXXXX folder")],
+    out: Annotated[Path, typer.Option("--out", help="new (or empty) folder to write the model into")],
+    merge_lora: Annotated[bool, typer.Option("--merge-lora", help="LoRA jobs: fold the adapter into the weights (default: base + adapter/)")] = False,
+) -> None:
+    """Write a checkpoint as a folder transformers (and PEFT) load directly."""
+    from trainyard.export import export as export_checkpoint
+
+    print(export_checkpoint(ckpt, out, merge_lora))
+
+
+@app.command("eval")
+def eval_checkpoint(
+    args: Annotated[list[str], typer.Argument(help="CONFIG then key=value overrides")],
+    checkpoint: Annotated[Path, typer.Option("--checkpoint", help="a run dir or a checkpoints/step-XXXXXXXX folder")],
+    nproc: Annotated[int, typer.Option("--nproc", help="processes on this machine; >1 re-executes under torchrun")] = 1,
+) -> None:
+    """Evaluate a checkpoint on the job's eval set: loss, perplexity, exact match (eval.generate)."""
+    import os
+
+    from trainyard import config as config_room
+    from trainyard.dist import launched_by_torchrun
+    from trainyard.launch.local import run_local, torchrun_equivalent
+
+    config_path, overrides = _config_and_overrides(args)
+    cfg = config_room.load_config(config_path, overrides)
+    if nproc > 1 and not launched_by_torchrun():
+        argv = ["eval", config_path, *overrides, "--checkpoint", str(checkpoint)]
+        err_console.print(f"launching: {torchrun_equivalent(nproc, argv, 0)}", markup=False)
+        code, message = run_local(nproc, argv)
+        if code:
+            _fail(code, message or "a worker failed")
+        return
+    from trainyard.eval_checkpoint import evaluate_checkpoint, format_figures
+
+    figures = evaluate_checkpoint(cfg, checkpoint)
+    if os.environ.get("RANK", "0") == "0":
+        print(format_figures(figures), flush=True)
+
+
 def main() -> None:
     import click
 
@@ -284,7 +326,8 @@ def _report_user_error(err: TrainyardError) -> None:
     else:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         prefix = f" (rank {os.environ.get('RANK', '0')})" if world > 1 else ""
-        err_console.print(f"[bold red]trainyard: error{prefix}[/]\n{err.render()}")
+        err_console.print(f"[bold red]trainyard: error{prefix}[/]")
+        err_console.print(err.render(), markup=False)
     from trainyard.dist import exit_process
 
     exit_process(err.exit_code)

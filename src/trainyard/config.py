@@ -141,6 +141,9 @@ class DistConfig(Section):
     """Collective timeout: a lost rank fails the job after this, not after 30 minutes."""
     network: Literal["default", "socket", "infiniband", "wan"] = "default"
     nic: str | None = None
+    desync_check_steps: int = Field(100, ge=0)
+    """Every N steps DDP replicas compare weight norms (one all-gather); 0 turns it off."""
+    desync_tolerance: float = Field(1e-6, ge=0.0)
 
 
 class LogConfig(Section):

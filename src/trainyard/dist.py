@@ -97,6 +97,15 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_gather_rows(row: torch.Tensor) -> torch.Tensor:
+    """Every rank's `row`, stacked in rank order (just the row when running alone)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return row.unsqueeze(0)
+    rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, row)
+    return torch.stack(rows)
+
+
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()

@@ -24,8 +24,9 @@ import peft
 import torch
 import torch.distributed as torch_dist
 import transformers
+from torch.distributed.fsdp import FSDPModule
 
-from trainyard import checkpoint, dist, model as model_room, parallel
+from trainyard import checkpoint, dist, health, model as model_room, parallel
 from trainyard.config import JobConfig, accumulation_steps, dump_config
 from trainyard.data import PreparedData, ResumableSampler, micro_batches, prepare_datasets
 from trainyard.errors import CheckpointError, TrainyardError
@@ -131,16 +132,36 @@ TARGETS, REAL, SAVE_DONE, SAVE_FAILED, PREEMPT, TIMED = range(6)
 def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
     cfg, info, model = job.cfg, job.info, job.model
     interval = torch.zeros(3, dtype=torch.float64, device=info.device)  # loss sum, targets, real tokens
-    interval_time = 0.0  # training time only: eval and checkpoints do not dilute tokens/s
     run_eval = _evaluator(job)
     if cfg.eval.baseline and run_eval and state.step == 0:
         state.baseline_eval = run_eval()
         job.sink.emit("eval", step=0, baseline=True, **state.baseline_eval)
-    pending: checkpoint.PendingSave | None = None
-    last_full = time.monotonic()
     heartbeat = Heartbeat(cfg.run_dir, info)
     heartbeat.beat(state.step, force=True)
     model.train()
+    try:
+        pending = _train_steps(job, batches, state, run_eval, heartbeat, interval)
+    except RuntimeError as err:
+        if info.distributed and health.looks_like_comm_failure(err):
+            raise health.explain_comm_failure(err, info, cfg.run_dir, state.step + 1, cfg.dist.timeout_s) from None
+        raise
+    heartbeat.beat(state.step, force=True)
+    if run_eval and cfg.eval.at_end and not (cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0):
+        state.last_eval = run_eval()
+        job.sink.emit("eval", step=state.step, **state.last_eval)
+    if cfg.checkpoint.at_end:
+        _save_full(job, state, pending, async_save=False)
+    elif pending is not None:
+        _settle(job, pending, failed=False, wait=True)
+    return state
+
+
+def _train_steps(job: Job, batches: Any, state: LoopState, run_eval: Any, heartbeat: Heartbeat, interval: torch.Tensor) -> checkpoint.PendingSave | None:
+    """Steps until max_steps; returns the save still in flight, if any."""
+    cfg, info, model = job.cfg, job.info, job.model
+    interval_time = 0.0  # training time only: eval and checkpoints do not dilute tokens/s
+    pending: checkpoint.PendingSave | None = None
+    last_full = time.monotonic()
     for step in range(state.step + 1, cfg.train.max_steps + 1):
         step_start = time.monotonic()
         window = [next(batches) for _ in range(job.accum)]
@@ -152,6 +173,7 @@ def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
         control[SAVE_FAILED] = float(pending is not None and _failed(pending))
         control[PREEMPT] = float(bool(_SIGNALLED))
         control[TIMED] = float(info.is_main and cfg.checkpoint.every_minutes > 0 and time.monotonic() - last_full > cfg.checkpoint.every_minutes * 60)
+        health.record_progress(info, step, health.CONTROL)
         dist.all_reduce_sum(control)  # the one collective of the step outside DDP/FSDP
         if pending is not None and (control[SAVE_FAILED] > 0 or control[SAVE_DONE] == info.world_size):
             pending = _settle(job, pending, failed=control[SAVE_FAILED] > 0)
@@ -165,28 +187,41 @@ def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
         # DDP/FSDP average gradients over ranks; multiplying back by world makes the
         # gradient that of the summed loss over every target token in the global batch.
         scale = info.world_size / max(control[TARGETS].item(), 1.0)
+        step_loss = torch.zeros((), dtype=torch.float64, device=info.device)
         for i, batch in enumerate(window):
             batch = {k: v.to(info.device) for k, v in batch.items()}
             with parallel.gradient_sync(model, enabled=i == job.accum - 1):
                 loss_sum, _ = token_loss_sum(model, batch)
+                if health.injected("nan", info, step):
+                    loss_sum = loss_sum * float("nan")
+                if i == job.accum - 1:
+                    health.record_progress(info, step, health.GRAD_SYNC)
                 (loss_sum * scale).backward()
-            interval[0] += loss_sum.detach().double()
+            step_loss += loss_sum.detach().double()
+        interval[0] += step_loss
         interval[1] += control[TARGETS]
         interval[2] += control[REAL]
+        health.record_progress(info, step, health.REPORT)  # clipping and logging gather next
         grad_norm = grad_norm_and_clip(model, cfg.train.max_grad_norm)
-        if not torch.isfinite(grad_norm):
+        if not torch.isfinite(grad_norm):  # the norm is global: every rank takes this branch
             job.optimizer.zero_grad(set_to_none=True)
+            culprits = health.flagged_ranks(not bool(torch.isfinite(step_loss)), info)
             if cfg.train.on_nonfinite == "error":
                 raise NonFiniteError(
-                    f"non-finite gradient norm at step {step} (rank {info.rank} saw {grad_norm.item()})",
-                    fix="lower train.lr, check the data, or set train.on_nonfinite: skip",
+                    f"non-finite loss or gradient at step {step}: "
+                    + (f"the loss was non-finite on rank(s) {culprits}" if culprits else f"gradient norm {grad_norm.item()}, losses finite"),
+                    fix="lower train.lr, check that rank's data, or set train.on_nonfinite: skip",
                 )
-            job.sink.emit("system", step=step, event="skipped_nonfinite_step")
+            job.sink.emit("system", step=step, event="skipped_nonfinite_step", ranks=culprits)
             continue
         lr = job.scheduler.get_last_lr()[0]
         job.optimizer.step()
         job.scheduler.step()
         job.optimizer.zero_grad(set_to_none=True)
+        if cfg.dist.desync_check_steps and step % cfg.dist.desync_check_steps == 0 and info.distributed and not isinstance(model, FSDPModule):
+            if health.injected("desync", info, step):
+                health.corrupt_one_parameter(model)
+            health.check_replicas_agree(model, info, step, cfg.dist.desync_tolerance)
         step_time = time.monotonic() - step_start
         state.step = step
         state.tokens += int(control[REAL].item())
@@ -208,14 +243,7 @@ def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
             last_full = time.monotonic()
         elif cfg.checkpoint.lite_every_steps and step % cfg.checkpoint.lite_every_steps == 0:
             _save_lite(job, step)
-    if run_eval and cfg.eval.at_end and not (cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0):
-        state.last_eval = run_eval()
-        job.sink.emit("eval", step=state.step, **state.last_eval)
-    if cfg.checkpoint.at_end:
-        _save_full(job, state, pending, async_save=False)
-    elif pending is not None:
-        _settle(job, pending, failed=False, wait=True)
-    return state
+    return pending
 
 
 def _failed(pending: checkpoint.PendingSave) -> bool:
@@ -294,8 +322,13 @@ def _save_full(job: Job, state: LoopState, pending: checkpoint.PendingSave | Non
 def _log_interval(
     state: LoopState, job: Job, interval: torch.Tensor, elapsed: float, lr: float, grad_norm: torch.Tensor, data_wait_share: float
 ) -> None:
-    loss_sum = dist.all_reduce_sum(interval[:1].clone())  # targets and real tokens are already global
-    loss = (loss_sum[0] / interval[1].clamp(min=1)).item()
+    # One all-gather: loss sums to add up, and each rank's busy time to spot stragglers.
+    mine = torch.stack([interval[0], torch.tensor(elapsed, dtype=torch.float64, device=interval.device)])
+    every = dist.all_gather_rows(mine)
+    loss = (every[:, 0].sum() / interval[1].clamp(min=1)).item()
+    times = every[:, 1]
+    median = times.median().item()
+    stragglers = [r for r, t in enumerate(times.tolist()) if median > 0 and t > 1.2 * median]
     tokens_per_s = interval[2].item() / max(elapsed, 1e-9)
     world = job.info.world_size
     state.first_loss = loss if state.first_loss is None else state.first_loss
@@ -310,6 +343,8 @@ def _log_interval(
         tokens_per_s_per_rank=tokens_per_s / world,
         achieved_flops_per_rank=tokens_per_s * job.flops_token / world,
         data_wait_share=data_wait_share,
+        step_time_spread=(times.max() - times.min()).item() / max(median, 1e-9),
+        stragglers=stragglers,
         peak_memory_bytes=peak_memory_bytes(job.info.device),
         tokens=state.tokens,
     )
@@ -407,7 +442,6 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     logger = setup_logging(run_dir, info)
     network = dist.apply_network_preset(cfg.dist)
     if info.is_main:
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
         logger.info("run dir %s  world %d  device %s  network %s", run_dir, info.world_size, info.device, network or "default")
     environment = _environment(info)
     if info.is_main:
@@ -454,6 +488,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         checkpoint_group=torch_dist.new_group(backend="gloo") if info.distributed and cfg.checkpoint.async_save else None,
     )
     state = resume(job)
+    if info.is_main:  # after resume's checks: a rejected job never replaces the run's config
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
     install_preemption_handlers(cfg.checkpoint.preemption_signals)
     batches = micro_batches(data.train, sampler, cfg.train.micro_batch_size, tokenizer.pad_token_id)
     try:

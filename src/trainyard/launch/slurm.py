@@ -53,6 +53,8 @@ def _check(job: SlurmJob) -> None:
         raise ConfigError(f"--gpus-per-node {job.gpus_per_node} is negative", fix="use 0 for CPU-only nodes")
     if job.nproc_per_node is not None and job.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node {job.nproc_per_node} must be at least 1", fix="for example --nproc-per-node 2")
+    if job.env_file is not None and not Path(job.env_file).is_file():
+        raise ConfigError(f"--env-file {job.env_file} does not exist", fix="write VAR=value lines (e.g. WANDB_API_KEY=...) to a file every node can read")
     for option, value in (("--partition", job.partition), ("--time", job.time), ("--account", job.account), ("--mem", job.mem), ("--nic", job.nic)):
         if value is not None and not _SAFE_VALUE.fullmatch(value):
             raise ConfigError(f"{option} '{value}' has characters Slurm does not take here", fix=f"pass {option} as one plain word")

@@ -1,0 +1,74 @@
+"""`trainyard eval`: score a committed checkpoint on the job's eval set, on any world size.
+
+The model is built and wrapped as `trainer.run` builds it; LoRA jobs put the checkpoint's
+adapter on the base before wrapping, full fine-tuning jobs read the DCP model shards into
+the wrapped model (DCP reshards, so the world size need not match training's).
+Then one call to `evaluate.evaluate`: the fixed subset, one all-reduce.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import transformers
+from peft import PeftModel
+
+from trainyard import dist, model as model_room, parallel
+from trainyard.config import JobConfig
+from trainyard.data import prepare_datasets
+from trainyard.errors import DataError
+from trainyard.evaluate import evaluate
+from trainyard.export import adapter_dir, check_model_matches, find_checkpoint, load_full_weights
+
+
+def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path) -> dict[str, object]:
+    """Loss, perplexity (and exact match with eval.generate) of a checkpoint's weights."""
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    step = find_checkpoint(checkpoint)
+    info = dist.init(cfg.dist)
+    log = logging.getLogger("trainyard").info
+    model_path = None
+    with dist.first_on_node(info):
+        if cfg.model.path is not None:
+            model_path = model_room.resolve_model_path(cfg.model)
+        tokenizer = model_room.load_tokenizer(cfg.model, model_path)
+    cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output_dir) / ".cache" / "data"
+    data = prepare_datasets(cfg.data, tokenizer, cache_root, log=log)
+    if data.eval is None or len(data.eval) == 0:
+        raise DataError(
+            f"the job has no eval set (data.path {cfg.data.path})",
+            fix="set data.eval_path, or data.eval_fraction to hold out part of data.path",
+        )
+    dtype = model_room.resolve_dtype(cfg.model, info.device)
+    model = model_room.load_model(cfg.model, model_path, tokenizer, dtype, cfg.train.seed)
+    if cfg.lora.enabled:
+        model = PeftModel.from_pretrained(model, str(adapter_dir(step)))
+        model.to(dtype)
+    strategy = parallel.choose_strategy(cfg.dist.strategy, model, info)
+    # Forward-only: DDP's replicas add nothing (and it refuses a model with no trainable
+    # parameter); FSDP stays, as it is what lets a model too big for one device fit.
+    model = parallel.wrap(model, "none" if strategy == "ddp" else strategy, info)
+    if not cfg.lora.enabled:
+        check_model_matches(model, step)
+        load_full_weights(model, step)
+    figures = evaluate(
+        model,
+        data.eval,
+        subset_size=cfg.eval.subset_size,
+        seed=cfg.eval.seed,
+        batch_size=cfg.eval.batch_size,
+        info=info,
+        tokenizer=tokenizer,
+        generate=cfg.eval.generate,
+        max_new_tokens=cfg.eval.max_new_tokens,
+    )
+    dist.teardown()
+    return {"checkpoint": str(step), **figures}
+
+
+def format_figures(figures: dict[str, object]) -> str:
+    """One `name value` line per figure, full precision: easy to read and to parse."""
+    return "\n".join(f"{name} {value}" for name, value in figures.items())

@@ -1,0 +1,163 @@
+"""Turn a committed checkpoint into a folder that transformers (and PEFT) load directly.
+
+A checkpoint holds only what training changed: the adapter for LoRA jobs, DCP shards for
+full fine-tuning. The base comes from the job, so the run dir's `config.yaml` rebuilds it
+exactly (same model.path, or the same config and seed). One process, CPU, no process group:
+DCP reads shards written by any number of ranks into one plain model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as torch_dist
+import torch.distributed.checkpoint as dcp
+import transformers
+from peft import PeftModel
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from trainyard import model as model_room
+from trainyard.checkpoint import MARKER, STEP_DIR, committed_kind, latest_full, model_signature, read_trainer_state
+from trainyard.config import JobConfig, load_config
+from trainyard.errors import CheckpointError, OptionError
+
+
+def find_checkpoint(path: Path) -> Path:
+    """A committed step folder as given, or a run dir's newest committed full checkpoint."""
+    if not path.is_dir():
+        raise CheckpointError(
+            f"checkpoint {path} does not exist or is not a folder",
+            fix="pass a run dir or one of its checkpoints/step-XXXXXXXX folders",
+        )
+    if STEP_DIR.match(path.name) is None and (path / "checkpoints").is_dir():
+        newest = latest_full(path / "checkpoints")
+        if newest is None:
+            raise CheckpointError(
+                f"run dir {path} has no committed full checkpoint",
+                fix=f"pass one of {path / 'checkpoints'}/step-XXXXXXXX (lite ones too), or train with checkpoint.at_end: true",
+            )
+        return newest
+    if committed_kind(path) is None:
+        raise CheckpointError(
+            f"{path} is not a committed checkpoint (no {MARKER} marker: a partial or foreign folder)",
+            fix="pass a run dir or a checkpoints/step-XXXXXXXX folder of a finished save",
+        )
+    return path
+
+
+def job_of(step: Path) -> JobConfig:
+    """The job that wrote a checkpoint, from its run dir's config.yaml."""
+    config = step.parent.parent / "config.yaml"
+    if not config.is_file():
+        raise CheckpointError(
+            f"{config} is missing, so the job that wrote {step} is unknown",
+            fix="keep checkpoints inside their run dir (run_dir/checkpoints/step-XXXXXXXX)",
+        )
+    return load_config(str(config))
+
+
+def training_dtype(cfg: JobConfig, run_dir: Path) -> torch.dtype:
+    """The dtype training used: `auto` meant bf16 on GPU, fp32 on CPU (env.json says which)."""
+    try:
+        device = json.loads((run_dir / "env.json").read_text()).get("device", "cpu")
+    except (OSError, ValueError):
+        device = "cpu"
+    return model_room.resolve_dtype(cfg.model, torch.device(device))
+
+
+def build_base(cfg: JobConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
+    """The job's base model and tokenizer, as `trainer.run` builds them before LoRA."""
+    model_path = model_room.resolve_model_path(cfg.model) if cfg.model.path is not None else None
+    tokenizer = model_room.load_tokenizer(cfg.model, model_path)
+    model = model_room.load_model(cfg.model, model_path, tokenizer, dtype, cfg.train.seed)
+    return model, tokenizer
+
+
+def adapter_dir(step: Path) -> Path:
+    path = step / "adapter"
+    if not (path / "adapter_config.json").is_file():
+        raise CheckpointError(f"LoRA checkpoint {step} has no adapter/ folder", fix="pass another checkpoint of this run")
+    return path
+
+
+def load_full_weights(model: torch.nn.Module, step: Path) -> None:
+    """Read the DCP `model` entries into `model` (plain or wrapped), resharded to this world."""
+    if committed_kind(step) != "full":
+        raise CheckpointError(
+            f"{step} is a {committed_kind(step)} checkpoint, without the full weights this job needs",
+            fix="pass a full checkpoint (checkpoint.every_steps or checkpoint.at_end)",
+        )
+    state = {"model": get_model_state_dict(model)}
+    try:
+        dcp.load(state, checkpoint_id=str(step), no_dist=not torch_dist.is_initialized())
+    except CheckpointException as err:  # a BaseException: turn it into a user error
+        raise CheckpointError(f"cannot load model weights from {step}: {err}", fix="pass a checkpoint of this job") from None
+    set_model_state_dict(model, state["model"])
+
+
+def check_model_matches(model: torch.nn.Module, step: Path) -> None:
+    """The rebuilt model must have the parameters the checkpoint was written for."""
+    saved = read_trainer_state(step).get("model_signature")
+    if saved is not None and saved != model_signature(model):
+        raise CheckpointError(
+            f"checkpoint {step} was written for another model (model_signature {saved}, this job builds {model_signature(model)})",
+            fix="use the job config that wrote the checkpoint",
+        )
+
+
+def _prepare_out(out: Path) -> Path:
+    """A fresh temp folder beside `out`: a failed export leaves nothing half written."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise OptionError(f"--out {out} exists and is not empty", fix="choose a new folder, or remove that one first")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    if out.exists():
+        out.rmdir()  # checked empty before
+    tmp.rename(out)
+
+
+def export(ckpt: Path, out: Path, merge_lora: bool = False) -> Path:
+    """Write `out`: a plain HF model folder (+ `adapter/` for unmerged LoRA) and the tokenizer."""
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+    step = find_checkpoint(ckpt)
+    cfg = job_of(step)
+    if merge_lora and not cfg.lora.enabled:
+        raise OptionError(f"--merge-lora: {step} is from a full fine-tuning job (lora.enabled is false)", fix="drop --merge-lora")
+    tmp = _prepare_out(out)
+    try:
+        model, tokenizer = build_base(cfg, training_dtype(cfg, step.parent.parent))
+        if cfg.lora.enabled:
+            _export_lora(model, step, tmp, merge_lora)
+        else:
+            check_model_matches(model, step)
+            load_full_weights(model, step)
+            model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        _publish(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _export_lora(base: torch.nn.Module, step: Path, out: Path, merge: bool) -> None:
+    """Merged: one plain model. Unmerged: the base, and the adapter PEFT loads onto it."""
+    if not merge:
+        base.save_pretrained(out)  # before PEFT injects its layers into the same modules
+    peft_model = PeftModel.from_pretrained(base, str(adapter_dir(step)))
+    if merge:
+        peft_model.merge_and_unload().save_pretrained(out)
+    else:
+        peft_model.save_pretrained(out / "adapter")

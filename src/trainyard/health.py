@@ -1,0 +1,132 @@
+"""Find the fault in minutes: which rank went non-finite, drifted, or never arrived.
+
+These checks run only at their interval or on a failure path, where every rank is present,
+so they cost nothing on a healthy step. `TRAINYARD_FAULT` injects a fault on purpose
+(`nan@rank1:step3`, `desync@rank1:step3`) so the detection itself can be tested.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import math
+import os
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainyard.dist import DistInfo
+from trainyard.errors import DistError
+from trainyard.parallel import unwrap
+
+FAULT_ENV = "TRAINYARD_FAULT"
+_COMM_FAILURE = re.compile(r"timed out|timeout|connection (closed|reset)|broken pipe|peer|gloo|nccl", re.IGNORECASE)
+
+
+def injected(kind: str, info: DistInfo, step: int) -> bool:
+    """True where TRAINYARD_FAULT asks for this fault on this rank at this step."""
+    wanted = os.environ.get(FAULT_ENV, "")
+    return wanted == f"{kind}@rank{info.rank}:step{step}"
+
+
+def corrupt_one_parameter(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        next(p for p in unwrap(model).parameters() if p.requires_grad).add_(0.5)
+
+
+def flagged_ranks(flag: bool, info: DistInfo) -> list[int]:
+    """Ranks where `flag` holds; call only where every rank reaches this line."""
+    if not info.distributed:
+        return [0] if flag else []
+    mine = torch.tensor([1.0 if flag else 0.0], device=info.device)
+    every = [torch.zeros_like(mine) for _ in range(info.world_size)]
+    dist.all_gather(every, mine)
+    return [rank for rank, value in enumerate(every) if value.item() > 0]
+
+
+def replica_norm(model: torch.nn.Module) -> float:
+    """Norm of the trainable weights: identical on every DDP replica unless they drifted."""
+    total = sum(p.detach().double().pow(2).sum() for p in unwrap(model).parameters() if p.requires_grad)
+    return math.sqrt(float(total))
+
+
+def check_replicas_agree(model: torch.nn.Module, info: DistInfo, step: int, tolerance: float) -> None:
+    """All-gather each rank's weight norm; name the ranks that differ from rank 0."""
+    mine = torch.tensor([replica_norm(model)], dtype=torch.float64, device=info.device)
+    every = [torch.zeros_like(mine) for _ in range(info.world_size)]
+    dist.all_gather(every, mine)
+    norms = [value.item() for value in every]
+    reference = norms[0]
+    drifted = [r for r, norm in enumerate(norms) if abs(norm - reference) > tolerance * max(1.0, abs(reference))]
+    if drifted:
+        shown = ", ".join(f"rank {r}: {norms[r]:.8g}" for r in drifted)
+        raise DistError(
+            f"replicas desynced at step {step}: weight norm on rank 0 is {reference:.8g}, but {shown}",
+            fix="a rank ran different code or data, or hardware corrupted memory: stop, check that node, resume from the last checkpoint",
+        )
+
+
+def dump_stacks(run_dir: Path, info: DistInfo) -> Path:
+    """This rank's Python stacks (every thread), for the post-mortem of a hang."""
+    path = run_dir / "logs" / f"stack-rank-{info.rank}.txt"
+    with open(path, "w") as handle:
+        faulthandler.dump_traceback(file=handle, all_threads=True)
+    return path
+
+
+def looks_like_comm_failure(err: BaseException) -> bool:
+    return bool(_COMM_FAILURE.search(str(err)))
+
+
+def _store():
+    """The rendezvous key-value store every rank already reaches (outside gloo/NCCL pairs)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+# Where in a step a rank last was, written just before it enters a collective.
+CONTROL, GRAD_SYNC, REPORT = 0.1, 0.5, 0.8
+
+
+def record_progress(info: DistInfo, step: int, phase: float) -> None:
+    """A store write before each blocking collective: after a hang, the ranks whose mark is
+    behind the others' are the ones that never arrived."""
+    store = _store() if info.distributed else None
+    if store is not None:
+        store.set(f"trainyard/progress/{info.rank}", f"{step + phase:.1f}")
+
+
+def missing_ranks(info: DistInfo) -> str:
+    """Ranks that never reached the step the others are stuck in, read from the store."""
+    store = _store()
+    if store is None:
+        return "the rendezvous store is gone too (the launcher or rank 0's node died?)"
+    reached = {}
+    for rank in range(info.world_size):
+        try:
+            reached[rank] = float(store.get(f"trainyard/progress/{rank}").decode())
+        except (RuntimeError, ValueError):
+            reached[rank] = -1
+    front = max(reached.values())
+    behind = sorted(rank for rank, step in reached.items() if step < front)
+    if behind:
+        shown = ", ".join(f"rank {r} last seen at step {reached[r]:g}" for r in behind)
+        return f"ranks {','.join(map(str, behind))} did not arrive ({shown}; the others waited at {front:g})"
+    return f"every rank reached the same point ({front:g}); the fault is inside that collective"
+
+
+def explain_comm_failure(err: BaseException, info: DistInfo, run_dir: Path, step: int, timeout_s: float) -> DistError:
+    """Turn a collective timeout or lost peer into a message naming the ranks and hosts."""
+    stacks = dump_stacks(run_dir, info)
+    who = missing_ranks(info)
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return DistError(
+        f"rank {info.rank} lost its peers at step {step}: {who}. The collective failed with: {first_line}",
+        fix=(
+            f"look at logs/rank-*.log and heartbeats/ (`trainyard status {run_dir}`) for the rank that stopped; "
+            f"this rank's stacks are in {stacks}. dist.timeout_s is {timeout_s:g}s"
+        ),
+    )

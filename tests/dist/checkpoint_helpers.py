@@ -1,0 +1,126 @@
+"""Runs of the tiny job that checkpoint every few steps, and ways to interrupt them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.conftest import REPO, TINY
+
+STEPS = 24
+EVERY = 4
+COMMON = [
+    f"train.max_steps={STEPS}",
+    "train.micro_batch_size=8",
+    "train.global_batch_size=16",
+    "train.lr=3e-3",
+    "log.every_steps=1",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "eval.every_steps=0",
+    "eval.at_end=false",
+    f"checkpoint.every_steps={EVERY}",
+    "checkpoint.keep_last=2",
+]
+LORA_DDP = ["lora.enabled=true", "dist.strategy=ddp"]
+FULL_FSDP = ["lora.enabled=false", "dist.strategy=fsdp"]
+
+
+def train_args(out: Path, *overrides: str, nproc: int = 2) -> list[str]:
+    return ["train", TINY, f"output_dir={out}", *COMMON, *overrides, "--nproc", str(nproc)]
+
+
+def start(args: list[str]) -> subprocess.Popen[str]:
+    """The CLI in its own session, as a scheduler would start it."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainyard.cli", *args], cwd=REPO, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def last_step(run_dir: Path) -> int:
+    """The newest train step in metrics.jsonl (0 before the first)."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    steps = [event["step"] for event in map(_parse, lines) if event and event["kind"] == "train"]
+    return max(steps, default=0)
+
+
+def _parse(line: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None  # the line being written right now
+
+
+def wait_for_step(proc: subprocess.Popen[str], run_dir: Path, step: int, timeout: float = 120) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen = last_step(run_dir)
+        if seen >= step:
+            return seen
+        if proc.poll() is not None:
+            _, err = proc.communicate()
+            raise AssertionError(f"run ended (exit {proc.returncode}) before step {step}:\n{err[-3000:]}")
+        time.sleep(0.005)
+    kill_tree(proc)
+    raise AssertionError(f"no step {step} within {timeout}s")
+
+
+def kill_tree(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL the launcher and every worker at once: the agent puts workers in their own
+    sessions, so killing the launcher's process group alone would leave them training."""
+    try:
+        tree = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for process in tree:
+        try:
+            os.kill(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.communicate()
+    psutil.wait_procs(tree, timeout=10)
+
+
+def resumed_events(run_dir: Path) -> list[dict[str, Any]]:
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [e for e in events if e.get("event") == "resumed"]
+
+
+def events_after_last_resume(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    starts = [i for i, e in enumerate(events) if e.get("event") == "resumed"]
+    return [e for e in events[(starts[-1] if starts else 0) :] if e["kind"] == kind]
+
+
+def model_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
+    """The model entries of a full DCP checkpoint, consolidated into one file and read back."""
+    with tempfile.TemporaryDirectory() as scratch:
+        target = Path(scratch) / "consolidated.pt"
+        dcp_to_torch_save(step_dir, target)
+        return torch.load(target, weights_only=True)["model"]
+
+
+def adapter_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(step_dir / "adapter" / "adapter_model.safetensors")
+
+
+def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    differing = [name for name in want if not torch.equal(got[name], want[name])]
+    assert not differing, f"{len(differing)} of {len(want)} tensors differ, e.g. {differing[:3]}"

@@ -1,0 +1,27 @@
+"""Uninterrupted reference runs shared by the checkpoint tests (each costs a 2-rank run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import assert_ok, trainyard
+from tests.dist.checkpoint_helpers import FULL_FSDP, LORA_DDP, train_args
+
+
+def _reference(out: Path, overrides: list[str]) -> Path:
+    assert_ok(trainyard(*train_args(out, *overrides)))
+    return out / "tiny"
+
+
+@pytest.fixture(scope="session")
+def lora_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DDP + LoRA, synchronous checkpoints, never interrupted: its run dir."""
+    return _reference(tmp_path_factory.mktemp("lora-reference"), LORA_DDP)
+
+
+@pytest.fixture(scope="session")
+def full_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """FSDP2 + full fine-tuning, synchronous checkpoints, never interrupted: its run dir."""
+    return _reference(tmp_path_factory.mktemp("full-reference"), FULL_FSDP)

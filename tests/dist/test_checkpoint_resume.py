@@ -1,0 +1,158 @@
+"""A killed or preempted 2-rank run, run again, ends bitwise where the uninterrupted one ends."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import assert_ok, events, trainyard
+from tests.dist.checkpoint_helpers import (
+    EVERY,
+    FULL_FSDP,
+    LORA_DDP,
+    STEPS,
+    adapter_tensors,
+    assert_same_tensors,
+    events_after_last_resume,
+    kill_tree,
+    last_step,
+    model_tensors,
+    resumed_events,
+    start,
+    train_args,
+    wait_for_step,
+)
+from trainyard.checkpoint import MARKER, committed, latest_full, step_dir
+
+pytestmark = pytest.mark.dist
+
+MODES = {
+    "ddp-lora-sync": LORA_DDP,
+    "fsdp-full-async": [*FULL_FSDP, "checkpoint.async=true"],
+}
+
+
+def final_tensors(run_dir: Path, lora: bool) -> dict:
+    final = step_dir(run_dir / "checkpoints", STEPS)
+    return adapter_tensors(final) if lora else model_tensors(final)
+
+
+def craft_partial(checkpoints: Path, like: Path | None) -> Path:
+    """What a kill in the middle of a save leaves: shards on disk, no commit marker."""
+    step = last_step(checkpoints.parent) + 1
+    while step % EVERY == 0 or step_dir(checkpoints, step).exists():
+        step += 1  # a step the rerun never saves, so it can only vanish by being cleaned up
+    partial = step_dir(checkpoints, step)
+    if like is not None:
+        shutil.copytree(like, partial)
+        (partial / MARKER).unlink()
+        shard = next(partial.glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[:100])
+    else:
+        partial.mkdir()
+    return partial
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sigkill_at_a_random_step_then_rerun_ends_bitwise_identical(
+    tmp_path: Path, mode: str, lora_reference: Path, full_reference: Path
+) -> None:
+    lora = mode.startswith("ddp-lora")
+    reference = lora_reference if lora else full_reference
+    args = train_args(tmp_path, *MODES[mode])
+    run_dir, checkpoints = tmp_path / "tiny", tmp_path / "tiny" / "checkpoints"
+    kill_at = random.randint(EVERY + 1, STEPS - EVERY)
+    proc = start(args)
+    seen = wait_for_step(proc, run_dir, kill_at)
+    kill_tree(proc)
+    assert proc.returncode == -signal.SIGKILL
+    assert last_step(run_dir) < STEPS, "the run finished before the kill"
+    saved = latest_full(checkpoints)
+    partial = craft_partial(checkpoints, saved)
+
+    result = trainyard(*args)
+    assert_ok(result)
+
+    context = f"killed at step >= {kill_at} (saw {seen}), last committed {saved}"
+    assert not partial.exists(), context
+    resumed = resumed_events(run_dir)
+    if saved is None:  # killed before the first commit: a fresh start is right
+        assert resumed == [], context
+        first_step = 1
+    else:
+        assert [e["path"] for e in resumed] == [str(saved)], context
+        first_step = int(saved.name[5:]) + 1
+    train = events_after_last_resume(run_dir, "train")
+    assert [e["step"] for e in train] == list(range(first_step, STEPS + 1)), context
+    assert_same_tensors(final_tensors(run_dir, lora), final_tensors(reference, lora))
+    kept = [p.name for p in committed(checkpoints)]
+    assert kept[-2:] == [f"step-{STEPS - EVERY:08d}", f"step-{STEPS:08d}"], context
+    if saved is not None:  # rotation keeps 2, plus the one this run resumed from
+        assert saved.name in kept and len(kept) <= 3, (context, kept)
+    if not lora:  # async saves: reported at once, committed a step or two later, never lost
+        saves = events_after_last_resume(run_dir, "checkpoint")
+        started = {e["step"] for e in saves if e.get("async_save")}
+        assert started and started <= {e["step"] for e in saves if e.get("committed")}, saves
+
+
+def test_sigterm_to_the_launcher_saves_exits_75_and_loses_no_step(tmp_path: Path, lora_reference: Path) -> None:
+    args = train_args(tmp_path, *LORA_DDP)
+    run_dir, checkpoints = tmp_path / "tiny", tmp_path / "tiny" / "checkpoints"
+    stop_at = random.randint(EVERY + 1, STEPS - EVERY)
+    proc = start(args)
+    try:
+        wait_for_step(proc, run_dir, stop_at)
+        proc.send_signal(signal.SIGTERM)  # the launcher only: it forwards to its workers
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.returncode is None:
+            kill_tree(proc)
+    assert proc.returncode == 75, stderr[-3000:]
+    assert "SIGTERM" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    stopped = last_step(run_dir)
+    assert stopped < STEPS
+    assert latest_full(checkpoints) == step_dir(checkpoints, stopped), "the preemption save is not the last step trained"
+
+    result = trainyard(*args)
+    assert_ok(result)
+    train = events_after_last_resume(run_dir, "train")
+    assert [e["step"] for e in train] == list(range(stopped + 1, STEPS + 1))
+    summary = (run_dir / "summary.json").read_text()
+    assert f'"steps": {STEPS}' in summary
+    assert_same_tensors(final_tensors(run_dir, True), final_tensors(lora_reference, True))
+
+
+def test_two_rank_fsdp_checkpoint_resumes_in_one_process(tmp_path: Path, full_reference: Path) -> None:
+    """DCP reshards model and optimizer: the one-process run continues the 2-rank trajectory."""
+    start_from = step_dir(full_reference / "checkpoints", STEPS - EVERY)
+    result = trainyard(*train_args(tmp_path, "lora.enabled=false", "dist.strategy=none", f"checkpoint.resume={start_from}", nproc=1))
+    assert_ok(result)
+    run_dir = tmp_path / "tiny"
+    assert [e["saved_world_size"] for e in resumed_events(run_dir)] == [2]
+    losses = {e["step"]: e["loss"] for e in events(run_dir, "train")}
+    reference = {e["step"]: e["loss"] for e in events(full_reference, "train")}
+    assert sorted(losses) == list(range(STEPS - EVERY + 1, STEPS + 1))
+    np.testing.assert_allclose([losses[s] for s in losses], [reference[s] for s in losses], rtol=2e-4, atol=1e-5)
+    got = model_tensors(step_dir(run_dir / "checkpoints", STEPS))
+    want = model_tensors(step_dir(full_reference / "checkpoints", STEPS))
+    for name in want:
+        np.testing.assert_allclose(got[name].numpy(), want[name].numpy(), rtol=1e-3, atol=1e-5, err_msg=name)
+
+
+def test_resuming_with_another_lora_rank_or_data_fails_naming_both(tmp_path: Path, lora_reference: Path) -> None:
+    run_dir = tmp_path / "tiny"
+    shutil.copytree(lora_reference, run_dir)
+    config_before = (run_dir / "config.yaml").read_text()
+    result = trainyard(*train_args(tmp_path, *LORA_DDP, "lora.r=8", "data.synthetic_train_size=256", nproc=1))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    message = "".join(result.stderr.split())  # the console wraps long lines anywhere
+    assert str(latest_full(run_dir / "checkpoints")) in message
+    assert "lora:checkpointhas" in message and "'r':16" in message and "'r':8" in message
+    assert "data_fingerprint:checkpointhas" in message
+    assert (run_dir / "config.yaml").read_text() == config_before, "a rejected resume rewrote the run's config.yaml"

@@ -1,0 +1,147 @@
+"""Two hosts as two network namespaces joined by a veth pair, each running `trainyard launch`.
+
+Every byte between the "hosts" crosses a real network boundary (their own addresses
+10.123.0.1 and 10.123.0.2 only). Both share this machine's host name, which is what makes
+c10d need an explicit store host and an advertised address.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, TINY, assert_ok, events, trainyard
+
+pytestmark = pytest.mark.e2e
+
+HOST_ADDRESSES = ("10.123.0.1", "10.123.0.2")
+FAST = ["log.every_steps=1", "eval.every_steps=0", "eval.at_end=false", "checkpoint.at_end=false"]
+
+
+@dataclass
+class Host:
+    namespace: str
+    nic: str
+    address: str
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def _ensure_ip_tool() -> None:
+    if shutil.which("ip"):
+        return
+    subprocess.run(["apt-get", "update"], check=True, capture_output=True)
+    subprocess.run(["apt-get", "install", "-y", "iproute2"], check=True, capture_output=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+
+
+def _kill_namespace_processes(namespace: str) -> None:
+    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture
+def hosts() -> Iterator[tuple[Host, Host]]:
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    _ensure_ip_tool()
+    tag = f"{os.getpid() % 100000}"
+    pair = (Host(f"trainyard-a{tag}", f"tyv{tag}a", HOST_ADDRESSES[0]), Host(f"trainyard-b{tag}", f"tyv{tag}b", HOST_ADDRESSES[1]))
+    try:
+        for host in pair:
+            _ip("netns", "add", host.namespace)
+        _ip("link", "add", pair[0].nic, "type", "veth", "peer", "name", pair[1].nic)
+        for host in pair:
+            _ip("link", "set", host.nic, "netns", host.namespace)
+            _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.nic)
+            _ip("-n", host.namespace, "link", "set", host.nic, "up")
+            _ip("-n", host.namespace, "link", "set", "lo", "up")
+        yield pair
+    finally:
+        for host in pair:
+            _kill_namespace_processes(host.namespace)
+            subprocess.run(["ip", "netns", "delete", host.namespace], capture_output=True)
+
+
+def launch_on(host: Host, cwd: Path, *args: str) -> subprocess.Popen[str]:
+    """`trainyard launch` inside the host's namespace, talking through its veth."""
+    command = ["ip", "netns", "exec", host.namespace, sys.executable, "-m", "trainyard.cli", "launch", *args]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": host.nic, "PYTHONPATH": str(REPO / "src")}
+    return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(process: subprocess.Popen[str], timeout: float) -> tuple[int, str]:
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+        pytest.fail(f"launch did not finish in {timeout} s:\n{output[-4000:]}")
+    return process.returncode, output
+
+
+def test_two_hosts_train_exactly_like_one_host_with_four_processes(hosts: tuple[Host, Host], tmp_path: Path) -> None:
+    job = [TINY, f"output_dir={tmp_path / 'two-hosts'}", "train.max_steps=6", *FAST]
+    master = f"{HOST_ADDRESSES[0]}:29500"
+    nodes = [launch_on(host, tmp_path, *job, "--nnodes", "2", "--node-rank", str(rank), "--master", master, "--nproc", "2") for rank, host in enumerate(hosts)]
+    outcomes = [finish(node, timeout=240) for node in nodes]
+    for code, output in outcomes:
+        assert code == 0, output[-4000:]
+    head_output = outcomes[0][1]
+    assert "running: " in head_output and "--node-rank=0" in head_output and f"--master-addr={HOST_ADDRESSES[0]}" in head_output
+    assert f"GLOO_SOCKET_IFNAME={hosts[0].nic}  (yours, kept)" in head_output
+
+    single = trainyard("train", TINY, f"output_dir={tmp_path / 'one-host'}", "train.max_steps=6", *FAST, "--nproc", "4", cwd=tmp_path)
+    assert_ok(single)
+
+    two_hosts, one_host = tmp_path / "two-hosts" / "tiny", tmp_path / "one-host" / "tiny"
+    assert json.loads((two_hosts / "summary.json").read_text())["world_size"] == 4
+    across, local = events(two_hosts, "train"), events(one_host, "train")
+    assert [e["step"] for e in across] == [e["step"] for e in local] == list(range(1, 7))
+    assert [e["loss"] for e in across] == pytest.approx([e["loss"] for e in local], rel=1e-5)
+    assert [e["grad_norm"] for e in across] == pytest.approx([e["grad_norm"] for e in local], rel=1e-4)
+
+
+def _wait_for_train_events(run_dir: Path, count: int, timeout: float, nodes: list[subprocess.Popen[str]]) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").is_file() and len(events(run_dir, "train")) >= count:
+            return
+        if any(node.poll() is not None for node in nodes):
+            pytest.fail("a node stopped before training got going:\n" + "\n".join(node.communicate()[0][-3000:] for node in nodes))
+        time.sleep(0.5)
+    pytest.fail(f"no {count} train steps within {timeout} s")
+
+
+def test_killing_one_host_fails_the_other_fast_and_names_it(hosts: tuple[Host, Host], tmp_path: Path) -> None:
+    timeout_s = 30
+    job = [TINY, f"output_dir={tmp_path}", "train.max_steps=100000", f"dist.timeout_s={timeout_s}", *FAST]
+    rendezvous = ["--nnodes", "2", "--rdzv", "c10d", "--rdzv-id", "kill-test", "--master", f"{HOST_ADDRESSES[0]}:29600", "--nproc", "2"]
+    nodes = [launch_on(host, tmp_path, *job, *rendezvous, "--node-rank", str(rank)) for rank, host in enumerate(hosts)]
+    _wait_for_train_events(tmp_path / "tiny", 3, timeout=180, nodes=nodes)
+
+    killed_at = time.monotonic()
+    _kill_namespace_processes(hosts[1].namespace)
+    code, output = finish(nodes[0], timeout=timeout_s + 90)
+    took = time.monotonic() - killed_at
+    nodes[1].wait(timeout=10)
+
+    assert code != 0, output[-4000:]
+    assert took < timeout_s + 30, f"the surviving host needed {took:.0f} s to fail"
+    lost = [HOST_ADDRESSES[1], "rank 2", "rank 3", "ranks 2, 3"]
+    assert any(name in output for name in lost), output[-4000:]

@@ -1,0 +1,117 @@
+"""`trainyard k8s`: the objects written, restart rules, secret references and user errors.
+
+Validation against the CRD and core schemas is in tests/e2e/test_k8s.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tests.conftest import TINY
+from trainyard.config import load_config
+from trainyard.errors import ConfigError
+from trainyard.launch.k8s import (
+    RETRYABLE_PREEMPTED_EXIT_CODE,
+    K8sJob,
+    cluster_config,
+    k8s_name,
+    render_manifests,
+    secret_env,
+)
+
+
+def documents(text: str) -> dict[str, dict]:
+    return {doc["kind"]: doc for doc in yaml.safe_load_all(text)}
+
+
+def render(overrides: tuple[str, ...] = (), **options) -> dict[str, dict]:
+    options.setdefault("nodes", 2)
+    options.setdefault("gpus_per_node", 8)
+    options.setdefault("image", "registry.example/trainyard:1")
+    return documents(render_manifests(load_config(TINY, list(overrides)), K8sJob(**options)))
+
+
+def test_pytorchjob_has_a_master_and_n_minus_one_workers() -> None:
+    docs = render(nodes=3)
+    specs = docs["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]
+    assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] == 2
+    assert {spec["restartPolicy"] for spec in specs.values()} == {"ExitCode"}
+    assert docs["PyTorchJob"]["spec"]["nprocPerNode"] == "8"
+    assert "Worker" not in render(nodes=1)["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]
+
+
+def test_pytorchjob_pod_runs_trainyard_launch_with_a_retryable_preemption_code() -> None:
+    pod = render(grace_s=600)["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["name"] == "pytorch" and container["command"][:3] == ["trainyard", "launch", "/etc/trainyard/job.yaml"]
+    command = " ".join(container["command"])
+    assert f"--preempt-exit-code {RETRYABLE_PREEMPTED_EXIT_CODE}" in command and RETRYABLE_PREEMPTED_EXIT_CODE >= 128
+    assert "--node-rank $(RANK) --master $(MASTER_ADDR):$(MASTER_PORT)" in command
+    assert pod["terminationGracePeriodSeconds"] == 600 and "--shutdown-timeout 585" in command
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": 8}}
+    assert {m["mountPath"] for m in container["volumeMounts"]} == {"/etc/trainyard", "/mnt/trainyard", "/dev/shm"}
+
+
+def test_config_map_holds_the_job_with_outputs_on_the_shared_volume() -> None:
+    docs = render(("train.max_steps=7",))
+    job = yaml.safe_load(docs["ConfigMap"]["data"]["job.yaml"])
+    assert job["train"]["max_steps"] == 7 and job["output_dir"] == "/mnt/trainyard/runs"
+    assert job["model"]["config"]["num_key_value_heads"] == 2  # a model field is not mistaken for a secret
+    assert docs["PersistentVolumeClaim"]["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_existing_claim_is_used_not_written() -> None:
+    docs = render(pvc="team-shared")
+    assert "PersistentVolumeClaim" not in docs
+    volumes = docs["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["volumes"]
+    assert {"name": "data", "persistentVolumeClaim": {"claimName": "team-shared"}} in volumes
+
+
+def test_network_preset_goes_into_the_pod_env() -> None:
+    env = render(("dist.network=socket", "dist.nic=eth0"))["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "NCCL_SOCKET_IFNAME", "value": "eth0"} in env and {"name": "NCCL_IB_DISABLE", "value": "1"} in env
+
+
+def test_secrets_are_references_only() -> None:
+    env = secret_env(("team-tokens", "WANDB_API_KEY=wandb:api-key"))
+    by_name = {entry["name"]: entry for entry in env}
+    assert by_name["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "team-tokens", "key": "HF_TOKEN", "optional": True}
+    assert by_name["WANDB_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "wandb", "key": "api-key", "optional": False}
+    assert all("value" not in entry for entry in env)
+
+
+def test_trainjob_writes_a_runtime_with_the_exit_code_rules() -> None:
+    docs = render(kind="trainjob", gpus_per_node=0, nproc_per_node=2)
+    assert docs["TrainJob"]["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "name": "tiny-runtime", "kind": "TrainingRuntime"}
+    assert docs["TrainJob"]["spec"]["trainer"]["numProcPerNode"] == 2
+    job = docs["TrainingRuntime"]["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]
+    rules = {(rule["action"], tuple(rule.get("onExitCodes", {}).get("values", ()))) for rule in job["podFailurePolicy"]["rules"]}
+    assert ("Ignore", (75,)) in rules and ("FailJob", (2,)) in rules
+    assert job["template"]["spec"]["restartPolicy"] == "Never"
+
+
+def test_trainjob_can_use_a_cluster_runtime() -> None:
+    docs = render(kind="trainjob", runtime="torch-distributed")
+    assert "TrainingRuntime" not in docs
+    assert docs["TrainJob"]["spec"]["runtimeRef"]["kind"] == "ClusterTrainingRuntime"
+
+
+def test_cluster_config_keeps_absolute_paths() -> None:
+    cfg = cluster_config(load_config(TINY, ["output_dir=/data/runs", "data.cache_dir=cache"]))
+    assert cfg.output_dir == "/data/runs" and cfg.data.cache_dir == "/mnt/trainyard/cache"
+
+
+@pytest.mark.parametrize(("run_name", "name"), [("tiny", "tiny"), ("My_Run.v2", "my-run-v2"), ("x" * 80, "x" * 40)])
+def test_names_are_dns_labels(run_name: str, name: str) -> None:
+    assert k8s_name(run_name) == name
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [({"kind": "tfjob"}, "--kind 'tfjob'"), ({"image": ""}, "--image"), ({"grace_s": 5}, "--grace 5"), ({"secrets": ("Bad Name",)}, "--secret 'Bad Name'"), ({"nodes": 0}, "--nodes 0")],
+)
+def test_bad_options_are_user_errors(options: dict, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        render(**options)
+    assert needle in err.value.render()

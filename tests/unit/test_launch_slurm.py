@@ -1,0 +1,101 @@
+"""`trainyard slurm`: the sbatch script's shape, its requeue rule, and what it never contains."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY, trainyard
+from trainyard.config import load_config
+from trainyard.errors import ConfigError
+from trainyard.launch.slurm import SlurmJob, render_sbatch
+
+
+def render(tmp_path: Path, overrides: tuple[str, ...] = (), **options) -> str:
+    options.setdefault("nodes", 2)
+    options.setdefault("gpus_per_node", 8)
+    job = SlurmJob(config=TINY, overrides=overrides, workdir=str(tmp_path), **options)
+    return render_sbatch(job, load_config(TINY, list(overrides)))
+
+
+def test_gpu_script_runs_one_launcher_per_node_with_c10d(tmp_path: Path) -> None:
+    text = render(tmp_path, ("train.max_steps=5",), partition="gpu", time="24:00:00", account="proj", mem="0", cpus_per_task=16, venv="/opt/venv")
+    for line in ["#SBATCH --nodes=2", "#SBATCH --gres=gpu:8", "#SBATCH --partition=gpu", "#SBATCH --time=24:00:00", "#SBATCH --account=proj", "#SBATCH --mem=0", "#SBATCH --cpus-per-task=16"]:
+        assert line in text, line
+    assert "#SBATCH --ntasks-per-node=1" in text and "srun --ntasks-per-node=1 bash -c run_node" in text
+    assert f"trainyard launch {TINY} train.max_steps=5" in text
+    assert '--node-rank "$SLURM_NODEID" --nproc 8' in text
+    assert '--rdzv c10d --rdzv-id "$SLURM_JOB_ID" --master "$MASTER_ADDR:$MASTER_PORT"' in text
+    assert text.count("source /opt/venv/bin/activate") == 2  # the batch shell and every node
+
+
+def test_preemption_signal_and_requeue_on_75(tmp_path: Path) -> None:
+    text = render(tmp_path)
+    assert "#SBATCH --signal=USR1@90" in text and "#SBATCH --requeue" in text
+    branch = text[text.index('if [ "$status" -eq 75 ]') :]
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in branch.split("fi")[0]
+    assert text.rstrip().endswith('exit "$status"')
+    assert "--shutdown-timeout 80" in text  # the workers' save ends before Slurm's kill
+
+
+def test_per_job_log_in_the_run_dir(tmp_path: Path) -> None:
+    text = render(tmp_path)
+    assert f"#SBATCH --output={tmp_path}/runs/tiny/logs/slurm-%j.out" in text
+    assert "#SBATCH --open-mode=append" in text
+
+
+def test_cpu_only_cluster_takes_nproc_from_option_and_no_gres(tmp_path: Path) -> None:
+    text = render(tmp_path, gpus_per_node=0, nproc_per_node=3)
+    assert "--gres" not in text and "--nproc 3" in text
+
+
+def test_network_preset_exported_unless_the_user_set_it(tmp_path: Path) -> None:
+    text = render(tmp_path, ("dist.network=socket",), nic="eth0")
+    assert 'export NCCL_IB_DISABLE="${NCCL_IB_DISABLE:-1}"' in text
+    assert 'export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-eth0}"' in text
+    assert "MASTER_ADDR=$(ip -4 -o addr show dev eth0" in text
+
+
+def test_without_nic_the_head_is_the_first_node_by_name(tmp_path: Path) -> None:
+    text = render(tmp_path)
+    assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in text
+
+
+def test_secrets_stay_in_the_env_file(tmp_path: Path) -> None:
+    secret = "wandb-v1-plantedSECRETvalue42"
+    env_file = tmp_path / "tokens.env"
+    env_file.write_text(f"WANDB_API_KEY={secret}\n")
+    text = render(tmp_path, env_file=str(env_file))
+    assert f"set -a; source {env_file}; set +a" in text
+    assert secret not in text
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
+def test_script_is_valid_bash(tmp_path: Path) -> None:
+    script = tmp_path / "job.sbatch"
+    env_file = tmp_path / "tokens.env"
+    env_file.write_text("HF_TOKEN=x\n")
+    script.write_text(render(tmp_path, ("dist.network=wan",), nic="eth0", env_file=str(env_file), venv="/opt/v"))
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [({"nodes": 0}, "--nodes 0"), ({"env_file": "/no/such/tokens.env"}, "--env-file /no/such/tokens.env"), ({"gpus_per_node": -1}, "--gpus-per-node -1"), ({"partition": "gpu; rm -rf /"}, "--partition"), ({"nproc_per_node": 0}, "--nproc-per-node 0")],
+)
+def test_bad_options_are_user_errors(tmp_path: Path, options: dict, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        render(tmp_path, **options)
+    assert needle in err.value.render()
+
+
+def test_cli_writes_the_script_and_its_log_folder(tmp_path: Path) -> None:
+    out = tmp_path / "job.sbatch"
+    result = trainyard("slurm", TINY, f"output_dir={tmp_path / 'runs'}", "--nodes", "2", "--gpus-per-node", "4", "--out", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "#SBATCH --gres=gpu:4" in out.read_text()
+    assert (tmp_path / "runs" / "tiny" / "logs").is_dir()  # sbatch would not create it, and would log nothing
