@@ -32,12 +32,13 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from peft import PeftModel, get_peft_model_state_dict
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from trainyard.dist import DistInfo, barrier
+from trainyard.dist import DistInfo, all_reduce_sum, barrier
 from trainyard.errors import CheckpointError
 from trainyard.parallel import unwrap
 
@@ -168,10 +169,7 @@ def start_full_save(
     process_group: Any = None,
 ) -> PendingSave:
     """Write every rank's shard (in parallel); return before the write ends when async."""
-    path.mkdir(parents=True, exist_ok=True)
-    write_atomically(path / f"rank-{info.rank}.json", json.dumps(rank_state))
-    if info.is_main:
-        write_atomically(path / "trainer_state.json", json.dumps(trainer_state, indent=2))
+    _write_own_files(model, path, trainer_state, rank_state, info)
     model_state, optim_state = get_state_dict(model, optimizer, options=_state_options(save_frozen, model))
     state = {"model": model_state, "optim": optim_state}
     if async_save:
@@ -183,6 +181,22 @@ def start_full_save(
     except CheckpointException as err:  # a BaseException: turn it into an ordinary error
         raise RuntimeError(str(err)) from None
     return PendingSave(path, trainer_state["step"], None)
+
+
+def _write_own_files(model: torch.nn.Module, path: Path, trainer_state: dict[str, Any], rank_state: dict[str, Any], info: DistInfo) -> None:
+    """Adapter and JSON files beside the shards. Every rank learns whether any rank failed:
+    one that went on alone would wait in DCP's collectives (or the next step's) forever."""
+    error: Exception | None = None
+    try:
+        save_adapter(model, path / "adapter", info)
+        path.mkdir(parents=True, exist_ok=True)
+        write_atomically(path / f"rank-{info.rank}.json", json.dumps(rank_state))
+        if info.is_main:
+            write_atomically(path / "trainer_state.json", json.dumps(trainer_state, indent=2))
+    except (OSError, SafetensorError) as err:  # safetensors' I/O errors are not OSErrors
+        error = err
+    if all_reduce_sum(torch.tensor([float(error is not None)], device=info.device)).item() > 0:
+        raise OSError(str(error) if error is not None else "another rank could not write its files")
 
 
 def finish_save(pending: PendingSave) -> None:

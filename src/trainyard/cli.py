@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from trainyard.config import redact_text
 from trainyard.errors import TrainyardError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="One YAML-described LLM training job, from a CPU to many nodes.")
@@ -22,7 +23,7 @@ def _root() -> None:
 
 def _fail(code: int, message: str) -> None:
     err_console.print("[bold red]trainyard: error[/]")
-    err_console.print(message, markup=False)
+    err_console.print(redact_text(message), markup=False)
     raise typer.Exit(code)
 
 
@@ -57,7 +58,7 @@ def train(
         return
     if nproc > 1 and not launched_by_torchrun():
         argv = ["train", *([config_path] if config_path else []), *overrides]
-        err_console.print(f"launching: {torchrun_equivalent(nproc, argv, max_restarts)}", markup=False)
+        err_console.print(redact_text(f"launching: {torchrun_equivalent(nproc, argv, max_restarts)}"), markup=False, soft_wrap=True)
         code, message = run_local(nproc, argv, max_restarts)
         if code:
             _fail(code, message or "a worker failed")
@@ -286,7 +287,7 @@ def eval_checkpoint(
     cfg = config_room.load_config(config_path, overrides)
     if nproc > 1 and not launched_by_torchrun():
         argv = ["eval", config_path, *overrides, "--checkpoint", str(checkpoint)]
-        err_console.print(f"launching: {torchrun_equivalent(nproc, argv, 0)}", markup=False)
+        err_console.print(redact_text(f"launching: {torchrun_equivalent(nproc, argv, 0)}"), markup=False, soft_wrap=True)
         code, message = run_local(nproc, argv)
         if code:
             _fail(code, message or "a worker failed")
@@ -327,7 +328,7 @@ def _report_user_error(err: TrainyardError) -> None:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         prefix = f" (rank {os.environ.get('RANK', '0')})" if world > 1 else ""
         err_console.print(f"[bold red]trainyard: error{prefix}[/]")
-        err_console.print(err.render(), markup=False)
+        err_console.print(redact_text(err.render()), markup=False)
     from trainyard.dist import exit_process
 
     exit_process(err.exit_code)

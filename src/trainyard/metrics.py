@@ -91,6 +91,7 @@ class MetricsSink:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        self._wandb = start_wandb(cfg) if info.is_main and cfg.log.wandb else None
 
     def emit(self, kind: str, **fields: Any) -> None:
         if not self.info.is_main:
@@ -103,6 +104,9 @@ class MetricsSink:
             for name, value in fields.items():
                 if isinstance(value, int | float) and name != "step" and math.isfinite(value):
                     self._tb.add_scalar(f"{kind}/{name}", value, fields["step"])
+        if self._wandb is not None and "step" in fields:
+            numbers = {f"{kind}/{k}": v for k, v in fields.items() if isinstance(v, int | float) and k != "step"}
+            self._wandb.log(numbers, step=fields["step"])
         if kind == "train" and self.show_progress:
             self._print_train(fields)
         elif kind != "train":
@@ -126,6 +130,25 @@ class MetricsSink:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def start_wandb(cfg: JobConfig) -> Any:
+    """Rank 0's W&B run. The key comes only from the environment (WANDB_API_KEY) or
+    `wandb login`; WANDB_MODE=offline works. Command line and environment capture are off,
+    since either can carry a secret."""
+    import wandb
+
+    settings = wandb.Settings(disable_code=True, disable_git=True, x_disable_meta=True, console="off")
+    return wandb.init(
+        project=cfg.log.wandb_project,
+        name=cfg.run_name,
+        dir=str(cfg.run_dir),
+        config=redact(cfg.model_dump(mode="json", by_alias=True)),
+        settings=settings,
+        reinit="finish_previous",
+    )
 
 
 class Heartbeat:

@@ -86,6 +86,7 @@ class Job:
     """What a checkpoint must match to be resumed by this job (see checkpoint.check_compatible)."""
     checkpoint_group: Any = None
     resumed_from: Path | None = None
+    comm_timer: parallel.CommTimer | None = None
 
     @property
     def checkpoints(self) -> Path:
@@ -300,7 +301,6 @@ def _save_full(job: Job, state: LoopState, pending: checkpoint.PendingSave | Non
     }
     rank_state = {"sampler": job.sampler.state_dict(), "rng": checkpoint.rng_state()}
     try:
-        checkpoint.save_adapter(job.model, path / "adapter", job.info)
         new = checkpoint.start_full_save(
             job.model, job.optimizer, path, trainer_state=trainer_state, rank_state=rank_state, info=job.info,
             async_save=async_save, save_frozen=job.cfg.checkpoint.save_frozen, process_group=job.checkpoint_group,
@@ -344,6 +344,7 @@ def _log_interval(
         achieved_flops_per_rank=tokens_per_s * job.flops_token / world,
         data_wait_share=data_wait_share,
         step_time_spread=(times.max() - times.min()).item() / max(median, 1e-9),
+        comm_share=job.comm_timer.take() / max(elapsed, 1e-9) if job.comm_timer else None,
         stragglers=stragglers,
         peak_memory_bytes=peak_memory_bytes(job.info.device),
         tokens=state.tokens,
@@ -487,6 +488,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         },
         checkpoint_group=torch_dist.new_group(backend="gloo") if info.distributed and cfg.checkpoint.async_save else None,
     )
+    job.comm_timer = parallel.attach_comm_timer(model)
     state = resume(job)
     if info.is_main:  # after resume's checks: a rejected job never replaces the run's config
         (run_dir / "config.yaml").write_text(dump_config(cfg))
