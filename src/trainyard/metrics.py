@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import platform
+import subprocess
 import os
 import socket
 import sys
@@ -17,11 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import datasets
+import peft
 import torch
+import transformers
 from rich.console import Console
 
 from trainyard.config import JobConfig, redact, redact_text
-from trainyard.dist import DistInfo
+from trainyard.dist import DistInfo, host_summary
 
 # Dense bf16 peaks (FLOP/s) for MFU; devices not listed report achieved FLOP/s only.
 DEVICE_PEAK_FLOPS = {
@@ -171,6 +176,33 @@ class Heartbeat:
 
 def _brief(fields: dict[str, Any]) -> str:
     return "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in fields.items())
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment_record(info: DistInfo) -> dict[str, Any]:
+    """What env.json records: versions, every rank's host and device, the code's commit."""
+    hosts: list[Any] = [host_summary(info)]
+    if info.distributed:
+        hosts = [None] * info.world_size
+        torch.distributed.all_gather_object(hosts, host_summary(info))
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "datasets": datasets.__version__,
+        "world_size": info.world_size,
+        "device": str(info.device.type),
+        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "hosts": hosts,
+        "git_commit": _git_commit(),
+    }
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

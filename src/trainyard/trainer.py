@@ -10,17 +10,13 @@ from __future__ import annotations
 
 import logging
 import math
-import platform
 import signal
-import subprocess
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import datasets
-import peft
 import torch
 import torch.distributed as torch_dist
 import transformers
@@ -31,7 +27,7 @@ from trainyard.config import JobConfig, accumulation_steps, dump_config
 from trainyard.data import PreparedData, ResumableSampler, micro_batches, prepare_datasets
 from trainyard.errors import CheckpointError, TrainyardError
 from trainyard.evaluate import evaluate, token_loss_sum
-from trainyard.metrics import Heartbeat, MetricsSink, flops_per_token, peak_memory_bytes, setup_logging, write_json
+from trainyard.metrics import Heartbeat, MetricsSink, environment_record, flops_per_token, peak_memory_bytes, setup_logging, write_json
 
 
 class NonFiniteError(TrainyardError):
@@ -406,32 +402,6 @@ def resume(job: Job) -> LoopState:
     return LoopState(**saved["loop"])
 
 
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _environment(info: dist.DistInfo) -> dict[str, Any]:
-    hosts: list[Any] = [dist.host_summary(info)]
-    if info.distributed:
-        hosts = [None] * info.world_size
-        torch_dist.all_gather_object(hosts, dist.host_summary(info))
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
-        "datasets": datasets.__version__,
-        "world_size": info.world_size,
-        "device": str(info.device.type),
-        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "hosts": hosts,
-        "git_commit": _git_commit(),
-    }
-
-
 def run(cfg: JobConfig) -> dict[str, Any]:
     """The whole job: init, data, model, wrap, fit, summary. Every rank runs it."""
     wall_start = time.monotonic()
@@ -444,7 +414,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     network = dist.apply_network_preset(cfg.dist)
     if info.is_main:
         logger.info("run dir %s  world %d  device %s  network %s", run_dir, info.world_size, info.device, network or "default")
-    environment = _environment(info)
+    environment = environment_record(info)
     if info.is_main:
         write_json(run_dir / "env.json", environment)
 

@@ -131,7 +131,7 @@ def test_secret_names() -> None:
 def test_dump_redacts_secret_values_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     planted = "hf_plantedSECRETvalue123"
     monkeypatch.setenv("HF_TOKEN", planted)
-    cfg = load_config("tiny", [f"run_name=leak", f"data.path=/data/{planted}/x.jsonl"])
+    cfg = load_config("tiny", ["run_name=leak", f"data.path=/data/{planted}/x.jsonl"])
     text = dump_config(cfg)
     assert planted not in text
     assert REDACTED in text
