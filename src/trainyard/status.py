@@ -113,7 +113,8 @@ def describe_ranks(beats: list[dict[str, Any]], now: float) -> str:
 # ---------------------------------------------------------------- lost peers (called by the trainer)
 
 _PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:(\d+)")
-_LOST_PEER_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "timed out", "Timed out", "NCCL", "Gloo", "gloo")
+_LOST_PEER_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "timed out", "Timed out", "timeout", "NCCL", "Gloo", "gloo")
+_LOST_PEER_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
 
 
 def lost_peer_error(run_dir: Path, err: BaseException, rank: int, wait_s: float = 2.5 * HEARTBEAT_INTERVAL_S) -> DistError | None:
@@ -125,7 +126,7 @@ def lost_peer_error(run_dir: Path, err: BaseException, rank: int, wait_s: float 
     the lost ones do not. None means the error does not look like a lost peer.
     """
     text = str(err)
-    if not any(word in text for word in _LOST_PEER_WORDS):
+    if type(err).__name__ not in _LOST_PEER_TYPES and not any(word in text for word in _LOST_PEER_WORDS):
         return None
     before = {beat["rank"]: beat["time"] for beat in read_heartbeats(run_dir)}
     time.sleep(wait_s)

@@ -153,7 +153,7 @@ def job_field(job_id: str, field: str, env: dict[str, str]) -> str:
 
 def test_generated_script_trains_is_preempted_requeues_and_finishes(slurm: dict[str, str], tmp_path: Path) -> None:
     script = tmp_path / "job.sbatch"
-    job = [TINY, "train.max_steps=60", "log.every_steps=1", "eval.every_steps=0", "eval.at_end=false"]
+    job = [TINY, "train.max_steps=40", "log.every_steps=1", "eval.every_steps=0", "eval.at_end=false"]
     submitted = trainyard("slurm", *job, "--nodes", "1", "--gpus-per-node", "0", "--nproc-per-node", "2", "--out", str(script), "--submit", cwd=tmp_path, env=slurm)
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
@@ -176,4 +176,4 @@ def test_generated_script_trains_is_preempted_requeues_and_finishes(slurm: dict[
     assert f"requeueing job {job_id}" in text and "checkpoint step-" in text
     assert "resumed from" in text, text[-4000:]
     summary = (run_dir / "summary.json").read_text()
-    assert '"steps": 60' in summary and '"world_size": 2' in summary
+    assert '"steps": 40' in summary and '"world_size": 2' in summary

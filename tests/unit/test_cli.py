@@ -51,10 +51,14 @@ def test_global_batch_that_does_not_divide_exits_2(tmp_path: Path) -> None:
     ],
 )
 def test_dry_run_prints_the_plan_without_weights(config: str, world: int, needles: list[str]) -> None:
-    result = trainyard("train", str(REPO / "configs" / config), "--dry-run", "--world-size", str(world))
-    assert result.returncode == 0, result.stderr
+    from typer.testing import CliRunner
+
+    from trainyard.cli import app
+
+    result = CliRunner().invoke(app, ["train", str(REPO / "configs" / config), "--dry-run", "--world-size", str(world)])
+    assert result.exit_code == 0, result.output
     for needle in needles:
-        assert needle in result.stdout, result.stdout
+        assert needle in result.output, result.output
 
 
 def test_help_lists_commands() -> None:

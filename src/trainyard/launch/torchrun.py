@@ -172,16 +172,17 @@ def resolve_plan(
     rank_text = _pick(node_rank, "--node-rank", env, ("PET_NODE_RANK", "SLURM_NODEID"), sources)
     if rank_text is not None and not rank_text.isdigit():
         raise ConfigError(f"node rank '{rank_text}' (from {sources['--node-rank']}) is not a number", fix="pass --node-rank 0, 1, ...")
+    rank = int(rank_text) if rank_text is not None else None
     addr, port = _resolve_master(master, env, sources)
     plan = LaunchPlan(
         nnodes=nnodes,
         nproc=_check_nproc(nproc),
-        node_rank=int(rank_text) if rank_text is not None else None,
+        node_rank=rank,
         master_addr=addr,
         master_port=port,
         rdzv=rdzv,
         rdzv_id=_pick(rdzv_id, "--rdzv-id", env, ("PET_RDZV_ID", "SLURM_JOB_ID"), sources) or default_rdzv_id,
-        rdzv_conf=_with_is_host(tuple(rdzv_conf), rdzv, int(rank_text) if rank_text is not None else None),
+        rdzv_conf=_with_is_host(tuple(rdzv_conf), rdzv, rank),
         max_restarts=max_restarts,
         shutdown_timeout_s=shutdown_timeout_s,
         local_addr=_local_addr(local_addr, nic, env, sources) if rdzv == "c10d" else None,
@@ -284,8 +285,8 @@ def format_command(argv: list[str]) -> str:
 def describe_plan(plan: LaunchPlan) -> str:
     """One line a person can check against the other nodes' lines."""
     where = ", ".join(f"{option} from {source}" for option, source in plan.sources.items() if source != option)
-    rank = "assigned at rendezvous" if plan.node_rank is None else str(plan.node_rank)
-    text = f"node {rank} of {plan.nnodes}, {plan.nproc} processes, {plan.rdzv} rendezvous"
+    node = f"node {plan.node_rank} of {plan.nnodes}" if plan.node_rank is not None else f"one of {plan.nnodes} nodes (rank set at rendezvous)"
+    text = f"{node}, {plan.nproc} processes each, {plan.rdzv} rendezvous"
     if plan.master_addr:
         text += f" at {plan.master_addr}:{plan.master_port}"
     return text + (f" ({where})" if where else "")

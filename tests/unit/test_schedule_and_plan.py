@@ -1,0 +1,54 @@
+"""Learning-rate schedules and the auto strategy rule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainyard.config import load_config
+from trainyard.dist import DistInfo
+from trainyard.parallel import choose_strategy, replicated_state_bytes
+from trainyard.trainer import lr_lambda
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_warmup_then_schedule(schedule: str) -> None:
+    cfg = load_config("tiny", ["train.max_steps=11", "train.warmup_steps=2", f"train.schedule={schedule}", "train.min_lr_ratio=0.1"])
+    factor = lr_lambda(cfg)
+    assert factor(0) == pytest.approx(0.5) and factor(1) == pytest.approx(1.0)
+    assert factor(2) == pytest.approx(1.0)
+    end = factor(11)
+    expected_end = {"cosine": 0.1, "linear": 0.1, "constant": 1.0}[schedule]
+    assert end == pytest.approx(expected_end)
+    if schedule == "cosine":
+        assert factor(2 + 9 // 2) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (4 / 9))))
+
+
+def _info(world: int) -> DistInfo:
+    return DistInfo(0, world, 0, world, torch.device("cpu"), None)
+
+
+def test_auto_picks_none_alone_ddp_when_it_fits() -> None:
+    model = torch.nn.Linear(10, 10)
+    assert choose_strategy("auto", model, _info(1)) == "none"
+    assert choose_strategy("auto", model, _info(2)) == "ddp"
+    assert choose_strategy("fsdp", model, _info(1)) == "none"
+
+
+def test_replicated_state_counts_adam_only_for_trainable() -> None:
+    model = torch.nn.Linear(100, 100, bias=False)  # 10,000 fp32 parameters
+    assert replicated_state_bytes(model) == 10_000 * (4 + 4 + 8)
+    model.weight.requires_grad_(False)
+    assert replicated_state_bytes(model) == 10_000 * 4
+
+
+def test_auto_picks_fsdp_when_replicated_state_exceeds_half_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trainyard.parallel as parallel
+
+    model = torch.nn.Linear(100, 100, bias=False)
+    monkeypatch.setattr(parallel, "device_memory_bytes", lambda info: 2 * replicated_state_bytes(model) - 1)
+    assert choose_strategy("auto", model, _info(2)) == "fsdp"
+    monkeypatch.setattr(parallel, "device_memory_bytes", lambda info: 2 * replicated_state_bytes(model))
+    assert choose_strategy("auto", model, _info(2)) == "ddp"
