@@ -36,7 +36,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 REPO = Path(__file__).resolve().parent.parent
 HF_SCRIPT = "benchmarks/hf_trainer_baseline.py"
@@ -77,7 +77,7 @@ def parse_args() -> argparse.Namespace:
 
 def sh(command: list[str]) -> str:
     try:
-        return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+        return subprocess.run(command, check=False, cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "(unavailable)"
 
@@ -88,6 +88,36 @@ def loadavg() -> str:
 
 def load1() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+class LoadSampler:
+    """The 1-minute load average every few seconds while the runs go (they add ~nproc)."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        import threading
+
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(every_s,), daemon=True)
+
+    def _loop(self, every_s: float) -> None:
+        while not self._stop.is_set():
+            self.samples.append(load1())
+            self._stop.wait(every_s)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def describe(self) -> str:
+        if not self.samples:
+            return "no samples"
+        mean = sum(self.samples) / len(self.samples)
+        return f"min {min(self.samples):.2f}, mean {mean:.2f}, max {max(self.samples):.2f} over {len(self.samples)} samples"
 
 
 def wait_for_quiet(threshold: float, max_wait_s: float) -> tuple[float, bool]:
@@ -184,7 +214,7 @@ def execute(run: Run, out_dir: Path, env: dict[str, str]) -> None:
     print(f"\n== {run.name}: {run.shown}", flush=True)
     started = time.monotonic()
     with open(log, "w") as handle:
-        proc = subprocess.run(run.argv, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT)
+        proc = subprocess.run(run.argv, check=False, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT)
     run.seconds = time.monotonic() - started
     run.load_after = loadavg()
     if proc.returncode != 0:
@@ -254,7 +284,8 @@ def verdicts(runs: list[Run]) -> list[str]:
                 continue
             r = run.result["tokens_per_s"] / other.result["tokens_per_s"]
             if r < 1.0:
-                lines.append(f"- MISS: {run.name} is slower than {base}: {r:.2f}x.")
+                lines.append(f"- MISS: {run.name} is slower than {base} ({r:.2f}x), though not at the same samples per step "
+                             f"({run.samples_per_step} vs {other.samples_per_step}).")
     for run in runs:
         if run.error:
             lines.append(f"- {run.name} FAILED: {run.error}")
@@ -280,7 +311,7 @@ def versions() -> str:
 
 
 def record(path: Path, args: argparse.Namespace, runs: list[Run], env_threads: str, date: str, wait: tuple[float, bool],
-           load_start: str, load_end: str) -> None:
+           load_start: str, load_end: str, load_during: str) -> None:
     dirty = bool(sh(["git", "status", "--porcelain", "--untracked-files=no"]))
     commit = sh(["git", "rev-parse", "--short", "HEAD"]) + (" (plus uncommitted changes)" if dirty else "")
     waited, quiet = wait
@@ -296,9 +327,12 @@ def record(path: Path, args: argparse.Namespace, runs: list[Run], env_threads: s
         *machine()[1:],
         f"- commit: {commit}",
         f"- software: {versions()}",
-        f"- processes per run: {args.nproc}, OMP_NUM_THREADS={env_threads}; {args.steps} optimizer steps per run; "
-        f"builtin:dates, train rows = steps x samples/step (each row once), {EVAL_ROWS} eval rows held out",
+        (
+            f"- processes per run: {args.nproc}, OMP_NUM_THREADS={env_threads}; {args.steps} optimizer steps per run; "
+            f"builtin:dates, train rows = steps x samples/step (each row once), {EVAL_ROWS} eval rows held out"
+        ),
         f"- load average (1/5/15 min): {load_start} at the start, {load_end} at the end; {load_note}",
+        f"- 1-minute load during the runs (every 10 s; the benchmark's own {args.nproc} processes add about {args.nproc}): {load_during}",
         "",
         "Real (non-padding) tokens/s over the steps after the first; ratios are trainyard / HF.",
         "",
@@ -347,15 +381,18 @@ def main() -> None:
     wait = (0.0, True) if args.no_wait else wait_for_quiet(args.quiet_load, args.max_wait_s)
     date = sh(["date", "-u"])
     load_start = loadavg()
-    for run in runs:
-        execute(run, out_dir, env)
+    with LoadSampler() as sampler:
+        for run in runs:
+            execute(run, out_dir, env)
     load_end = loadavg()
+    print(f"1-minute load during the runs: {sampler.describe()}")
 
     print("\n" + "\n".join(table(runs)))
     print("\n" + "\n".join(verdicts(runs)))
     if not args.no_record:
         results = Path(args.results)
-        record(results if results.is_absolute() else REPO / results, args, runs, threads, date, wait, load_start, load_end)
+        record(results if results.is_absolute() else REPO / results, args, runs, threads, date, wait, load_start, load_end,
+               sampler.describe())
 
 
 if __name__ == "__main__":

@@ -97,12 +97,12 @@ def _config_and_overrides(args: list[str]) -> tuple[str, list[str]]:
 @app.command()
 def launch(
     args: Annotated[list[str], typer.Argument(help="CONFIG then key=value overrides")],
-    nnodes: Annotated[Optional[str], typer.Option("--nnodes", help="nodes: N, or MIN:MAX with --rdzv c10d [env: PET_NNODES, SLURM_NNODES]")] = None,
-    node_rank: Annotated[Optional[int], typer.Option("--node-rank", help="this node's rank, 0 on the head node [env: PET_NODE_RANK, SLURM_NODEID]")] = None,
-    master: Annotated[Optional[str], typer.Option("--master", help="head node HOST:PORT, the same on every node [env: PET_MASTER_ADDR/PORT]")] = None,
-    nproc: Annotated[Optional[str], typer.Option("--nproc", help="processes on this node (default: GPUs, or 1) [env: PET_NPROC_PER_NODE]")] = None,
+    nnodes: Annotated[Optional[str], typer.Option("--nnodes", help="nodes: N, or MIN:MAX with --rdzv c10d (or PET_NNODES, SLURM_NNODES)")] = None,
+    node_rank: Annotated[Optional[int], typer.Option("--node-rank", help="this node's rank, 0 on the head node (or PET_NODE_RANK, SLURM_NODEID)")] = None,
+    master: Annotated[Optional[str], typer.Option("--master", help="head node HOST:PORT, the same on every node (or PET_MASTER_ADDR/PORT, MASTER_ADDR/PORT)")] = None,
+    nproc: Annotated[Optional[str], typer.Option("--nproc", help="processes on this node (or PET_NPROC_PER_NODE; default: GPUs, or 1)")] = None,
     rdzv: Annotated[str, typer.Option("--rdzv", help="static (fixed node ranks) or c10d (elastic, ranks taken on joining)")] = "static",
-    rdzv_id: Annotated[Optional[str], typer.Option("--rdzv-id", help="job id shared by all nodes (c10d) [env: SLURM_JOB_ID; default: run_name]")] = None,
+    rdzv_id: Annotated[Optional[str], typer.Option("--rdzv-id", help="c10d: job id shared by all nodes (or SLURM_JOB_ID; default: run_name)")] = None,
     rdzv_conf: Annotated[Optional[list[str]], typer.Option("--rdzv-conf", help="k=v passed to the c10d rendezvous, e.g. is_host=1; repeatable")] = None,
     max_restarts: Annotated[int, typer.Option("--max-restarts", help="restart this node's workers this many times")] = 0,
     shutdown_timeout: Annotated[Optional[int], typer.Option("--shutdown-timeout", help="seconds workers get to save after a stop signal")] = None,
@@ -124,7 +124,8 @@ def launch(
     )
     added, network_lines = tr.network_settings(cfg.dist, os.environ)
     argv = tr.torchrun_argv(plan, config_path, overrides)
-    err_console.print("\n".join([tr.describe_plan(plan), *network_lines, f"running: {tr.format_command(argv)}"]), highlight=False, markup=False)
+    summary = "\n".join([tr.describe_plan(plan), *network_lines, f"running: {tr.format_command(argv)}"])
+    err_console.print(config_room.redact_text(summary), highlight=False, markup=False, soft_wrap=True)
     code, message = tr.run_torchrun(argv, {**os.environ, **added}, preempt_exit_code)
     if code:
         _fail(code, message or f"torchrun exited with {code}; each rank's log is under {cfg.run_dir}/logs/")

@@ -15,7 +15,8 @@ from pathlib import Path
 import transformers
 from peft import PeftModel
 
-from trainyard import dist, model as model_room, parallel
+from trainyard import dist, parallel
+from trainyard import model as model_room
 from trainyard.config import JobConfig
 from trainyard.data import prepare_datasets
 from trainyard.errors import DataError

@@ -82,7 +82,10 @@ def build_base(cfg: JobConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, obj
 def adapter_dir(step: Path) -> Path:
     path = step / "adapter"
     if not (path / "adapter_config.json").is_file():
-        raise CheckpointError(f"LoRA checkpoint {step} has no adapter/ folder", fix="pass another checkpoint of this run")
+        raise CheckpointError(
+            f"{step} has no adapter/ folder, but the job has lora.enabled: true",
+            fix="use the job config that wrote the checkpoint, or another checkpoint of a LoRA run",
+        )
     return path
 
 

@@ -1,16 +1,16 @@
-"""Where a run stands, read from its run dir alone, and the heartbeats that make it possible.
+"""Where a run stands, read from its run dir alone.
 
 Seed 003 watched a four-node job with `kubectl logs | grep` on each pod. Everything needed
-to answer "how far, how fast, when done, is anyone dead" is already in the run dir on the
-shared disk: metrics.jsonl, checkpoints/LATEST, summary.json, and one heartbeat file per
-rank. So any node, or a laptop with the disk mounted, can ask.
+to answer "how far, how fast, when done, is anyone silent" is already in the run dir on the
+shared disk: metrics.jsonl, checkpoints/LATEST, summary.json, and the heartbeat each rank
+rewrites as it steps (heartbeats/rank-<r>.json). So any node, or a laptop with the disk
+mounted, can ask, and nothing here touches torch.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import threading
 import time
@@ -19,65 +19,66 @@ from typing import Any
 
 import yaml
 
-from trainyard.errors import ConfigError, DistError
+from trainyard.errors import ConfigError
 
-HEARTBEAT_INTERVAL_S = 2.0
 STALE_AFTER_S = 60.0
+HEARTBEAT_INTERVAL_S = 2.0
 _TAIL_BYTES = 1 << 20
 _RATE_WINDOW = 10
 
 
-# ---------------------------------------------------------------- heartbeats (written by ranks)
+# ---------------------------------------------------------------- heartbeats
 
 
-def heartbeat_path(run_dir: Path, rank: int) -> Path:
-    return Path(run_dir) / "heartbeats" / f"rank-{rank}.json"
+class BackgroundHeartbeat:
+    """Rewrites heartbeats/rank-<r>.json every few seconds from a daemon thread.
 
-
-def write_heartbeat(run_dir: Path, rank: int, step: int) -> None:
-    """{"rank","host","pid","step","time"} (+ "node", torchrun's node rank), replaced atomically."""
-    path = heartbeat_path(run_dir, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    beat = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "step": step, "time": time.time()}
-    if os.environ.get("GROUP_RANK", "").isdigit():
-        beat["node"] = int(os.environ["GROUP_RANK"])
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(beat))
-    tmp.replace(path)
-
-
-class Heartbeat:
-    """A daemon thread that rewrites this rank's heartbeat every few seconds.
-
-    It beats while the process lives, even when the main thread is stuck in a collective,
-    so a stale heartbeat means a dead process or host, not a slow step. The trainer sets
-    `.step` after each optimizer step.
+    Beating from a thread rather than from the training loop makes a stale heartbeat mean
+    a dead process or host, never a rank merely blocked in a collective: that is what a
+    failed collective needs to tell the lost ranks from the ones they dragged down. The
+    trainer sets `.step` after each optimizer step.
     """
 
     def __init__(self, run_dir: Path, rank: int, interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
-        self.run_dir = Path(run_dir)
+        self.path = Path(run_dir) / "heartbeats" / f"rank-{rank}.json"
         self.rank = rank
         self.interval_s = interval_s
         self.step = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"heartbeat-rank{rank}", daemon=True)
 
-    def start(self) -> "Heartbeat":
-        write_heartbeat(self.run_dir, self.rank, self.step)
+    def start(self) -> BackgroundHeartbeat:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._write()
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=self.interval_s * 2)
+        self._thread.join(timeout=2 * self.interval_s)
+
+    def _write(self) -> None:
+        record = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": self.step, "time": time.time()}
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps(record))
+        tmp.replace(self.path)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                write_heartbeat(self.run_dir, self.rank, self.step)
+                self._write()
             except OSError:
-                pass  # a full or flaky shared disk must not kill training; status will show the gap
+                pass  # a flaky shared disk must not stop training; status shows the gap
+
+
+def silent_ranks(run_dir: Path, own_rank: int, wait_s: float = 2.5 * HEARTBEAT_INTERVAL_S) -> list[dict[str, Any]]:
+    """Ranks whose heartbeat did not move during `wait_s`: the lost ones, after a failed
+    collective. Ranks that are alive keep beating meanwhile (BackgroundHeartbeat)."""
+    before = {beat["rank"]: beat.get("time") for beat in read_heartbeats(run_dir)}
+    time.sleep(wait_s)
+    return [beat for beat in read_heartbeats(run_dir) if beat["rank"] != own_rank and beat.get("time") == before.get(beat["rank"])]
+
+
 
 
 def read_heartbeats(run_dir: Path) -> list[dict[str, Any]]:
@@ -95,59 +96,18 @@ def stale_heartbeats(beats: list[dict[str, Any]], now: float, stale_after_s: flo
 
 
 def describe_ranks(beats: list[dict[str, Any]], now: float) -> str:
-    """'ranks 2, 3 (node 1, host gpu7; silent 12 s, last at step 40)' grouped by host."""
-    groups: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    """'ranks 2, 3 (host gpu7; silent 12 s, last at step 40)', one group per host."""
+    groups: dict[str, list[dict[str, Any]]] = {}
     for beat in beats:
-        groups.setdefault((beat.get("node"), beat.get("host")), []).append(beat)
+        groups.setdefault(str(beat.get("host", "?")), []).append(beat)
     parts = []
-    for (node, host), group in groups.items():
+    for host, group in groups.items():
         ranks = ", ".join(str(beat["rank"]) for beat in group)
-        where = ", ".join(item for item in (f"node {node}" if node is not None else "", f"host {host}") if item)
         silent = max(now - float(beat["time"]) for beat in group)
         step = max(int(beat.get("step", 0)) for beat in group)
         noun = "rank" if len(group) == 1 else "ranks"
-        parts.append(f"{noun} {ranks} ({where}; silent {silent:.0f} s, last at step {step})")
+        parts.append(f"{noun} {ranks} (host {host}; silent {silent:.0f} s, last at step {step})")
     return "; ".join(parts)
-
-
-# ---------------------------------------------------------------- lost peers (called by the trainer)
-
-_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:(\d+)")
-_LOST_PEER_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "timed out", "Timed out", "timeout", "NCCL", "Gloo", "gloo")
-_LOST_PEER_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
-
-
-def lost_peer_error(run_dir: Path, err: BaseException, rank: int, wait_s: float = 2.5 * HEARTBEAT_INTERVAL_S) -> DistError | None:
-    """Turn a failed collective into an error that names the ranks that went away.
-
-    The trainer calls this when a collective raises (DistBackendError, or a RuntimeError
-    from gloo/NCCL) and raises what it returns. It waits a little more than two heartbeat
-    intervals: ranks still alive keep beating meanwhile (their own collective failed too),
-    the lost ones do not. None means the error does not look like a lost peer.
-    """
-    text = str(err)
-    if type(err).__name__ not in _LOST_PEER_TYPES and not any(word in text for word in _LOST_PEER_WORDS):
-        return None
-    before = {beat["rank"]: beat["time"] for beat in read_heartbeats(run_dir)}
-    time.sleep(wait_s)
-    now = time.time()
-    silent = [beat for beat in read_heartbeats(run_dir) if beat["rank"] != rank and beat["time"] == before.get(beat["rank"])]
-    peers = sorted({f"{host}:{port}" for host, port in _PEER_ADDRESS.findall(text)})
-    first_line = text.strip().splitlines()[0] if text.strip() else type(err).__name__
-    if silent:
-        what = f"rank {rank} lost contact with {describe_ranks(silent, now)}"
-    elif peers:
-        what = f"rank {rank} lost contact with the process at {', '.join(peers)}"
-    else:
-        what = f"a collective failed on rank {rank}"
-    if peers and silent:
-        what += f"; the failed connection was to {', '.join(peers)}"
-    return DistError(
-        f"{what}. Cause: {first_line}",
-        where=str(run_dir),
-        fix="that node's processes died or its network went away: check its logs under "
-        f"{Path(run_dir) / 'logs'}, then start the job again on every node (it resumes from checkpoints/LATEST)",
-    )
 
 
 # ---------------------------------------------------------------- status (read by anyone)

@@ -161,6 +161,7 @@ def _train_steps(job: Job, batches: Any, state: LoopState, run_eval: Any, heartb
     last_full = time.monotonic()
     for step in range(state.step + 1, cfg.train.max_steps + 1):
         step_start = time.monotonic()
+        position = job.sampler.state_dict()  # where this step's data starts: a preemption save resumes here
         window = [next(batches) for _ in range(job.accum)]
         data_wait = time.monotonic() - step_start
         control = torch.zeros(6, dtype=torch.float64, device=info.device)
@@ -175,6 +176,7 @@ def _train_steps(job: Job, batches: Any, state: LoopState, run_eval: Any, heartb
         if pending is not None and (control[SAVE_FAILED] > 0 or control[SAVE_DONE] == info.world_size):
             pending = _settle(job, pending, failed=control[SAVE_FAILED] > 0)
         if control[PREEMPT] > 0:
+            job.sampler.load_state_dict(position)  # the window drawn above is never trained on
             _save_full(job, state, pending, async_save=False)
             raise Preempted(
                 f"stopped by {(_SIGNALLED or ['a signal on another rank'])[0]} after step {state.step}; "

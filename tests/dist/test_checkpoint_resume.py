@@ -62,6 +62,9 @@ def craft_partial(checkpoints: Path, like: Path | None) -> Path:
 def test_sigkill_at_a_random_step_then_rerun_ends_bitwise_identical(
     tmp_path: Path, mode: str, lora_reference: Path, full_reference: Path
 ) -> None:
+    """A node dies at a random step (maybe mid-save); a save cut short (shards, no marker) is
+    crafted beside it. The rerun removes the partial folder, resumes from the last committed
+    checkpoint, replays no step and skips none, and ends with the reference's exact weights."""
     lora = mode.startswith("ddp-lora")
     reference = lora_reference if lora else full_reference
     args = train_args(tmp_path, *MODES[mode])
@@ -101,7 +104,8 @@ def test_sigkill_at_a_random_step_then_rerun_ends_bitwise_identical(
 
 
 def test_sigterm_to_the_launcher_saves_exits_75_and_loses_no_step(tmp_path: Path, lora_reference: Path) -> None:
-    args = train_args(tmp_path, *LORA_DDP)
+    # No periodic saves: the preemption save is always a new one, at whatever step it lands.
+    args = train_args(tmp_path, *LORA_DDP, "checkpoint.every_steps=0")
     run_dir, checkpoints = tmp_path / "tiny", tmp_path / "tiny" / "checkpoints"
     stop_at = random.randint(EVERY + 1, STEPS - EVERY)
     proc = start(args)

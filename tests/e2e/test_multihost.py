@@ -47,7 +47,7 @@ def _ensure_ip_tool() -> None:
 
 
 def _kill_namespace_processes(namespace: str) -> None:
-    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
+    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False).stdout.split()
     for pid in pids:
         try:
             os.kill(int(pid), signal.SIGKILL)
@@ -75,7 +75,7 @@ def hosts() -> Iterator[tuple[Host, Host]]:
     finally:
         for host in pair:
             _kill_namespace_processes(host.namespace)
-            subprocess.run(["ip", "netns", "delete", host.namespace], capture_output=True)
+            subprocess.run(["ip", "netns", "delete", host.namespace], capture_output=True, check=False)
 
 
 def launch_on(host: Host, cwd: Path, *args: str) -> subprocess.Popen[str]:
@@ -145,3 +145,21 @@ def test_killing_one_host_fails_the_other_fast_and_names_it(hosts: tuple[Host, H
     assert took < timeout_s + 30, f"the surviving host needed {took:.0f} s to fail"
     lost = [HOST_ADDRESSES[1], "rank 2", "rank 3", "ranks 2, 3"]
     assert any(name in output for name in lost), output[-4000:]
+
+
+def test_cutting_the_network_fails_the_head_within_the_collective_timeout(hosts: tuple[Host, Host], tmp_path: Path) -> None:
+    """A host that stays alive but unreachable: only dist.timeout_s can end the wait."""
+    timeout_s = 15
+    job = [TINY, f"output_dir={tmp_path}", "train.max_steps=100000", f"dist.timeout_s={timeout_s}", *FAST]
+    rendezvous = ["--nnodes", "2", "--master", f"{HOST_ADDRESSES[0]}:29700", "--nproc", "2"]
+    nodes = [launch_on(host, tmp_path, *job, *rendezvous, "--node-rank", str(rank)) for rank, host in enumerate(hosts)]
+    _wait_for_train_events(tmp_path / "tiny", 3, timeout=180, nodes=nodes)
+
+    cut_at = time.monotonic()
+    _ip("-n", hosts[1].namespace, "link", "set", hosts[1].nic, "down")
+    code, output = finish(nodes[0], timeout=timeout_s + 90)
+    took = time.monotonic() - cut_at
+
+    assert code != 0, output[-4000:]
+    assert timeout_s - 1 < took < timeout_s + 30, f"the head failed after {took:.0f} s with dist.timeout_s={timeout_s}"
+    assert f"{timeout_s * 1000}ms" in output, output[-4000:]  # the collective used the job's timeout, not torch's default

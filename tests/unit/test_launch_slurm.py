@@ -73,13 +73,21 @@ def test_secrets_stay_in_the_env_file(tmp_path: Path) -> None:
     assert secret not in text
 
 
+def test_secret_in_an_override_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    planted = "hf_plantedTOKENinOverride77"
+    monkeypatch.setenv("HF_TOKEN", planted)
+    for override in (f"data.path=/data/{planted}/train.jsonl", "model.config.api_key=abc123456"):
+        with pytest.raises(ConfigError, match="--env-file"):
+            render(tmp_path, (override,))
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
 def test_script_is_valid_bash(tmp_path: Path) -> None:
     script = tmp_path / "job.sbatch"
     env_file = tmp_path / "tokens.env"
     env_file.write_text("HF_TOKEN=x\n")
     script.write_text(render(tmp_path, ("dist.network=wan",), nic="eth0", env_file=str(env_file), venv="/opt/v"))
-    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
 
 

@@ -17,6 +17,7 @@ from trainyard.errors import ConfigError
 from trainyard.launch.torchrun import (
     describe_plan,
     first_host,
+    first_reported_failure,
     network_settings,
     resolve_plan,
     run_torchrun,
@@ -163,6 +164,16 @@ def test_preemption_signal_is_forwarded_and_75_survives_torchrun(tmp_path: Path,
     assert launcher.stdout is not None and launcher.stdout.readline().strip() == "ready"
     launcher.send_signal(signal.SIGUSR1)
     assert launcher.wait(timeout=20) == preempt_code
+
+
+def test_the_first_report_is_the_root_cause(tmp_path: Path) -> None:
+    """Rank 1 lost the remote peer; rank 0 failed later, on rank 1's exit."""
+    (tmp_path / "exit.rank1").write_text("1\nrank 1 lost its peers: Connection reset by peer [10.123.0.2]:4000")
+    (tmp_path / "exit.rank0").write_text("1\nrank 0 lost its peers: Connection closed by peer [10.123.0.1]:4001")
+    os.utime(tmp_path / "exit.rank1", ns=(1_000_000_000, 1_000_000_000))
+    code, message = first_reported_failure(str(tmp_path / "exit"))
+    assert code == 1 and "10.123.0.2" in message
+    assert first_reported_failure(str(tmp_path / "none")) is None
 
 
 def test_plain_failure_keeps_its_exit_code() -> None:

@@ -200,18 +200,18 @@ def pytorchjob(name: str, cfg: JobConfig, job: K8sJob) -> dict[str, Any]:
     }
 
 
+def _on_exit_code(action: str, code: int) -> dict[str, Any]:
+    return {"action": action, "onExitCodes": {"containerName": "node", "operator": "In", "values": [code]}}
+
+
 def training_runtime(name: str, job: K8sJob) -> dict[str, Any]:
     """A namespaced runtime whose pod failure policy retries exit 75 and stops on exit 2."""
-    on_exit = lambda action, code: {  # noqa: E731
-        "action": action,
-        "onExitCodes": {"containerName": "node", "operator": "In", "values": [code]},
-    }
     job_spec = {
         "backoffLimit": job.backoff_limit,
         "podFailurePolicy": {
             "rules": [
-                on_exit("Ignore", PREEMPTED_EXIT_CODE),
-                on_exit("FailJob", USER_ERROR_EXIT_CODE),
+                _on_exit_code("Ignore", PREEMPTED_EXIT_CODE),
+                _on_exit_code("FailJob", USER_ERROR_EXIT_CODE),
                 {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
             ]
         },

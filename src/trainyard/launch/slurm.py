@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainyard.config import JobConfig
+from trainyard.config import JobConfig, is_secret_name, redact_text
 from trainyard.dist import network_env
 from trainyard.errors import ConfigError
 from trainyard.launch.torchrun import PREEMPTED_EXIT_CODE
@@ -55,6 +55,13 @@ def _check(job: SlurmJob) -> None:
         raise ConfigError(f"--nproc-per-node {job.nproc_per_node} must be at least 1", fix="for example --nproc-per-node 2")
     if job.env_file is not None and not Path(job.env_file).is_file():
         raise ConfigError(f"--env-file {job.env_file} does not exist", fix="write VAR=value lines (e.g. WANDB_API_KEY=...) to a file every node can read")
+    for item in job.overrides:
+        key, _, value = item.partition("=")
+        if is_secret_name(key.split(".")[-1]) or redact_text(value) != value:
+            raise ConfigError(
+                f"override '{key}=...' carries a secret, and the script would keep it in plain text",
+                fix="put the value in a file of VAR=value lines and pass it with --env-file",
+            )
     for option, value in (("--partition", job.partition), ("--time", job.time), ("--account", job.account), ("--mem", job.mem), ("--nic", job.nic)):
         if value is not None and not _SAFE_VALUE.fullmatch(value):
             raise ConfigError(f"{option} '{value}' has characters Slurm does not take here", fix=f"pass {option} as one plain word")
@@ -193,7 +200,7 @@ def write_sbatch(text: str, path: Path, cfg: JobConfig, workdir: str) -> Path:
 def submit(path: Path) -> str:
     """`sbatch --parsable PATH`; returns the job id."""
     try:
-        result = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, timeout=60)
+        result = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, timeout=60, check=False)
     except FileNotFoundError:
         raise ConfigError("sbatch is not on PATH", fix="run --submit on a Slurm login node, or submit the written script there") from None
     if result.returncode != 0:

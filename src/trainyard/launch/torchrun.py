@@ -24,7 +24,7 @@ from pathlib import Path
 from trainyard.config import DistConfig
 from trainyard.dist import network_env
 from trainyard.errors import ConfigError
-from trainyard.launch.local import EXIT_FILE_ENV, read_exit_files
+from trainyard.launch.local import EXIT_FILE_ENV
 
 PREEMPTED_EXIT_CODE = 75
 DEFAULT_MASTER_PORT = 29500
@@ -311,6 +311,19 @@ def _forward_signals(child: subprocess.Popen) -> tuple[dict[int, object], list[i
     return previous, received
 
 
+def first_reported_failure(prefix: str) -> tuple[int, str] | None:
+    """The exit code and message of the worker that reported first: the root cause.
+
+    When a peer is lost, one local rank fails on it and the others then fail on that
+    rank's exit, naming a local address; the earliest report names the real one.
+    """
+    reports = sorted(Path(prefix).parent.glob(Path(prefix).name + ".rank*"), key=lambda path: path.stat().st_mtime_ns)
+    if not reports:
+        return None
+    code, _, message = reports[0].read_text().partition("\n")
+    return int(code), message
+
+
 def run_torchrun(argv: list[str], env: Mapping[str, str], preempt_exit_code: int = PREEMPTED_EXIT_CODE) -> tuple[int, str | None]:
     """Run torchrun to the end; return (exit code, message from a worker if one reported).
 
@@ -327,7 +340,7 @@ def run_torchrun(argv: list[str], env: Mapping[str, str], preempt_exit_code: int
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)  # type: ignore[arg-type]
-        reported = read_exit_files(prefix) if code != 0 else None
+        reported = first_reported_failure(prefix) if code != 0 else None
     if reported:
         worker_code, message = reported
         return (preempt_exit_code if worker_code == PREEMPTED_EXIT_CODE else worker_code), message
