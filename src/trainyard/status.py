@@ -79,8 +79,6 @@ def silent_ranks(run_dir: Path, own_rank: int, wait_s: float = 2.5 * HEARTBEAT_I
     return [beat for beat in read_heartbeats(run_dir) if beat["rank"] != own_rank and beat.get("time") == before.get(beat["rank"])]
 
 
-
-
 def read_heartbeats(run_dir: Path) -> list[dict[str, Any]]:
     beats = []
     for path in sorted((Path(run_dir) / "heartbeats").glob("rank-*.json")):

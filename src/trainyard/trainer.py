@@ -27,7 +27,7 @@ from trainyard.config import JobConfig, accumulation_steps, dump_config
 from trainyard.data import PreparedData, ResumableSampler, micro_batches, prepare_datasets
 from trainyard.errors import CheckpointError, TrainyardError
 from trainyard.evaluate import evaluate, token_loss_sum
-from trainyard.metrics import Heartbeat, MetricsSink, environment_record, flops_per_token, peak_memory_bytes, setup_logging, write_json
+from trainyard.metrics import Heartbeat, MetricsSink, device_peak_flops, environment_record, flops_per_token, peak_memory_bytes, setup_logging, write_json
 
 
 class NonFiniteError(TrainyardError):
@@ -120,9 +120,8 @@ def grad_norm_and_clip(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     return full_tensor() if full_tensor else norm
 
 
-# Slots of the one all-reduce each step makes: token counts for the loss normalisation, and
-# the flags every rank must agree on (async save finished or failed here, a preemption
-# signal here, rank 0's clock says a timed checkpoint is due).
+# Slots of the step's one all-reduce: token counts for the loss normalisation, and flags every
+# rank must agree on (async save done/failed here, a preemption signal, a timed save due).
 TARGETS, REAL, SAVE_DONE, SAVE_FAILED, PREEMPT, TIMED = range(6)
 
 
@@ -340,6 +339,7 @@ def _log_interval(
         tokens_per_s=tokens_per_s,
         tokens_per_s_per_rank=tokens_per_s / world,
         achieved_flops_per_rank=tokens_per_s * job.flops_token / world,
+        mfu=tokens_per_s * job.flops_token / world / peak if (peak := device_peak_flops(job.info.device)) else None,
         data_wait_share=data_wait_share,
         step_time_spread=(times.max() - times.min()).item() / max(median, 1e-9),
         comm_share=job.comm_timer.take() / max(elapsed, 1e-9) if job.comm_timer else None,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, assert_ok, events, trainyard
+from tests.conftest import TINY, assert_ok, events, trainyard
 
 pytestmark = pytest.mark.e2e
 
@@ -81,7 +81,7 @@ def hosts() -> Iterator[tuple[Host, Host]]:
 def launch_on(host: Host, cwd: Path, *args: str) -> subprocess.Popen[str]:
     """`trainyard launch` inside the host's namespace, talking through its veth."""
     command = ["ip", "netns", "exec", host.namespace, sys.executable, "-m", "trainyard.cli", "launch", *args]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": host.nic, "PYTHONPATH": str(REPO / "src")}
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": host.nic}
     return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
