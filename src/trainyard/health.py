@@ -11,6 +11,7 @@ import faulthandler
 import math
 import os
 import re
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -104,11 +105,16 @@ def missing_ranks(info: DistInfo) -> str:
     store = _store()
     if store is None:
         return "the rendezvous store is gone too (the launcher or rank 0's node died?)"
+    store.set_timeout(timedelta(seconds=5))  # a cut-off node must not hang here too
+    try:
+        store.get(f"trainyard/progress/{info.rank}")
+    except RuntimeError:
+        return "this node cannot reach the rendezvous store either: it is the one cut off (or the store's host died)"
     reached = {}
     for rank in range(info.world_size):
         try:
             reached[rank] = float(store.get(f"trainyard/progress/{rank}").decode())
-        except (RuntimeError, ValueError):
+        except (RuntimeError, ValueError):  # unreachable store or a rank that never wrote
             reached[rank] = -1
     front = max(reached.values())
     behind = sorted(rank for rank, step in reached.items() if step < front)
