@@ -64,5 +64,5 @@ def test_dry_run_prints_the_plan_without_weights(config: str, world: int, needle
 def test_help_lists_commands() -> None:
     result = trainyard("--help")
     assert result.returncode == 0
-    for command in ("train", "doctor", "report"):
+    for command in ("train", "launch", "slurm", "k8s", "status", "eval", "export", "doctor", "report"):
         assert command in result.stdout
