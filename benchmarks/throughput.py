@@ -77,7 +77,7 @@ def parse_args() -> argparse.Namespace:
 
 def sh(command: list[str]) -> str:
     try:
-        return subprocess.run(command, check=False, cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+        return subprocess.run(command, check=False, cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip("\n")
     except (OSError, subprocess.SubprocessError):
         return "(unavailable)"
 
@@ -275,6 +275,11 @@ def verdicts(runs: list[Run]) -> list[str]:
         else:
             lines.append(f"- {ours} vs {theirs} (same samples per step): {r:.2f}x "
                          f"({a.result['tokens_per_s']:.1f} vs {b.result['tokens_per_s']:.1f} real tokens/s).")
+    gc, plain = by_name.get("ty-mb4-gc"), by_name.get("ty-mb4")
+    if gc and plain and not gc.error and not plain.error:
+        r = gc.result["tokens_per_s"] / plain.result["tokens_per_s"]
+        lines.append(f"- activation checkpointing (the quickstart's setting) costs trainyard {1 - r:.0%} of its throughput here "
+                     f"(ty-mb4-gc / ty-mb4 = {r:.2f}x): it recomputes every block's forward in the backward pass.")
     for run in runs:
         if run.stack != "trainyard" or run.error:
             continue
