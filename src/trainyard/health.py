@@ -11,6 +11,7 @@ import faulthandler
 import math
 import os
 import re
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from trainyard.dist import DistInfo
 from trainyard.errors import DistError
 from trainyard.parallel import unwrap
+from trainyard.status import describe_ranks, silent_ranks
 
 FAULT_ENV = "TRAINYARD_FAULT"
 _COMM_FAILURE = re.compile(r"timed out|timeout|connection (closed|reset)|broken pipe|peer|gloo|nccl", re.IGNORECASE)
@@ -128,6 +130,11 @@ def explain_comm_failure(err: BaseException, info: DistInfo, run_dir: Path, step
     """Turn a collective timeout or lost peer into a message naming the ranks and hosts."""
     stacks = dump_stacks(run_dir, info)
     who = missing_ranks(info)
+    if "did not arrive" not in who:  # same point in the store: ask the heartbeats who went silent
+        silent = silent_ranks(run_dir, info.rank)
+        if silent:
+            ranks = ",".join(str(beat["rank"]) for beat in silent)
+            who = f"ranks {ranks} did not arrive ({describe_ranks(silent, time.time())} stopped beating)"
     first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return DistError(
         f"rank {info.rank} lost its peers at step {step}: {who}. The collective failed with: {first_line}",

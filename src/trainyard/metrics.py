@@ -11,8 +11,6 @@ import logging
 import math
 import platform
 import subprocess
-import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -154,24 +152,6 @@ def start_wandb(cfg: JobConfig) -> Any:
         settings=settings,
         reinit="finish_previous",
     )
-
-
-class Heartbeat:
-    """Each rank's proof of life in the run dir, so any node can tell who stopped (status)."""
-
-    def __init__(self, run_dir: Path, info: DistInfo, every_s: float = 5.0) -> None:
-        self.path = run_dir / "heartbeats" / f"rank-{info.rank}.json"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.rank = info.rank
-        self.every_s = every_s
-        self.last = 0.0
-
-    def beat(self, step: int, force: bool = False) -> None:
-        now = time.time()
-        if force or now - self.last >= self.every_s:
-            record = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": step, "time": now}
-            write_json(self.path, record)
-            self.last = now
 
 
 def _brief(fields: dict[str, Any]) -> str:

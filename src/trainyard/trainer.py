@@ -27,7 +27,8 @@ from trainyard.config import JobConfig, accumulation_steps, dump_config
 from trainyard.data import PreparedData, ResumableSampler, micro_batches, prepare_datasets
 from trainyard.errors import CheckpointError, TrainyardError
 from trainyard.evaluate import evaluate, token_loss_sum
-from trainyard.metrics import Heartbeat, MetricsSink, device_peak_flops, environment_record, flops_per_token, peak_memory_bytes, setup_logging, write_json
+from trainyard.status import BackgroundHeartbeat
+from trainyard.metrics import MetricsSink, device_peak_flops, environment_record, flops_per_token, peak_memory_bytes, setup_logging, write_json
 
 
 class NonFiniteError(TrainyardError):
@@ -132,8 +133,9 @@ def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
     if cfg.eval.baseline and run_eval and state.step == 0:
         state.baseline_eval = run_eval()
         job.sink.emit("eval", step=0, baseline=True, **state.baseline_eval)
-    heartbeat = Heartbeat(cfg.run_dir, info)
-    heartbeat.beat(state.step, force=True)
+    heartbeat = BackgroundHeartbeat(cfg.run_dir, info.rank)
+    heartbeat.step = state.step
+    heartbeat.start()
     model.train()
     try:
         pending = _train_steps(job, batches, state, run_eval, heartbeat, interval)
@@ -141,7 +143,8 @@ def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
         if info.distributed and health.looks_like_comm_failure(err):
             raise health.explain_comm_failure(err, info, cfg.run_dir, state.step + 1, cfg.dist.timeout_s) from None
         raise
-    heartbeat.beat(state.step, force=True)
+    heartbeat.step = state.step
+    heartbeat.stop()
     if run_eval and cfg.eval.at_end and not (cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0):
         state.last_eval = run_eval()
         job.sink.emit("eval", step=state.step, **state.last_eval)
@@ -152,7 +155,7 @@ def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
     return state
 
 
-def _train_steps(job: Job, batches: Any, state: LoopState, run_eval: Any, heartbeat: Heartbeat, interval: torch.Tensor) -> checkpoint.PendingSave | None:
+def _train_steps(job: Job, batches: Any, state: LoopState, run_eval: Any, heartbeat: BackgroundHeartbeat, interval: torch.Tensor) -> checkpoint.PendingSave | None:
     """Steps until max_steps; returns the save still in flight, if any."""
     cfg, info, model = job.cfg, job.info, job.model
     interval_time = 0.0  # training time only: eval and checkpoints do not dilute tokens/s
@@ -227,7 +230,7 @@ def _train_steps(job: Job, batches: Any, state: LoopState, run_eval: Any, heartb
             state.steady_tokens += int(control[REAL].item())
             state.steady_time += step_time
         interval_time += step_time
-        heartbeat.beat(step)
+        heartbeat.step = step
         if step % cfg.log.every_steps == 0 or step == cfg.train.max_steps:
             _log_interval(state, job, interval, interval_time, lr, grad_norm, data_wait / step_time)
             interval.zero_()
