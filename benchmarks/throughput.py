@@ -59,12 +59,16 @@ class Run:
     load_after: str = ""
     seconds: float = 0.0
     error: str | None = None
+    round: int = 0
+    out: str = ""  # this run's output folder, relative to the repository
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run (the first is excluded from tokens/s)")
     parser.add_argument("--nproc", type=int, default=2, help="processes per run")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the list this many times, every other round in reverse order (ABBA); medians are reported")
     parser.add_argument("--only", nargs="*", default=None, help="run only these (hf-seeds hf-tuned ty-mb4-gc ty-mb4 ty-mb1)")
     parser.add_argument("--quiet-load", type=float, default=1.0, help="start when the 1-minute load average is below this")
     parser.add_argument("--max-wait-s", type=float, default=1200.0, help="then start anyway, noting the load")
@@ -144,8 +148,10 @@ def executable(name: str) -> list[str]:
     return [sys.executable, "-m", {"torchrun": "torch.distributed.run", "trainyard": "trainyard.cli"}[name]]
 
 
-def plan(args: argparse.Namespace, out_dir: str) -> list[Run]:
+def plan(args: argparse.Namespace, out_dir: str, round_: int = 0) -> list[Run]:
     steps, nproc = args.steps, args.nproc
+    if args.rounds > 1:
+        out_dir = f"{out_dir}/round-{round_ + 1}"
     runs = [
         Run("hf-seeds", "hf", 1 * nproc, 1, False, "HF Trainer, seed 002 recipe: pad to 512, batch 1/device, labels = input_ids"),
         Run("hf-tuned", "hf", 4 * nproc, 4, False, "HF Trainer, dynamic padding (DataCollatorForSeq2Seq), response-only labels, batch 4/device"),
@@ -156,6 +162,7 @@ def plan(args: argparse.Namespace, out_dir: str) -> list[Run]:
     if args.only:
         runs = [run for run in runs if run.name in args.only]
     for run in runs:
+        run.round, run.out = round_, out_dir
         rows = steps * run.samples_per_step
         if run.stack == "hf":
             mode = run.name.removeprefix("hf-")
@@ -208,7 +215,9 @@ def trainyard_result(run_dir: Path) -> dict[str, Any]:
     }
 
 
-def execute(run: Run, out_dir: Path, env: dict[str, str]) -> None:
+def execute(run: Run, env: dict[str, str]) -> None:
+    out_dir = REPO / run.out
+    out_dir.mkdir(parents=True, exist_ok=True)
     log = out_dir / f"{run.name}.log"
     run.load_before = loadavg()
     print(f"\n== {run.name}: {run.shown}", flush=True)
@@ -233,6 +242,37 @@ def execute(run: Run, out_dir: Path, env: dict[str, str]) -> None:
         return
     print(f"   {run.result['tokens_per_s']:.1f} real tokens/s, {run.result['s_per_step']:.2f} s/step, "
           f"{run.seconds:.0f}s in all, load {run.load_before} -> {run.load_after}", flush=True)
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def combine(executed: list[Run], rounds: int) -> list[Run]:
+    """One Run per name: the median over its successful rounds (itself when rounds is 1)."""
+    if rounds == 1:
+        return executed
+    combined = []
+    for name in dict.fromkeys(run.name for run in executed):
+        mine = [run for run in executed if run.name == name]
+        good = [run for run in mine if not run.error]
+        first = mine[0]
+        merged = Run(first.name, first.stack, first.samples_per_step, first.micro, first.checkpointing, first.what)
+        merged.seconds = sum(run.seconds for run in mine)
+        merged.load_before = " / ".join(run.load_before for run in mine)
+        merged.load_after = " / ".join(run.load_after for run in mine)
+        if not good:
+            merged.error = mine[0].error
+        else:
+            keys = [k for k, v in good[0].result.items() if isinstance(v, int | float) and all(isinstance(r.result.get(k), int | float) for r in good)]
+            merged.result = {k: median([r.result[k] for r in good]) for k in keys}
+            merged.result["rounds_tokens_per_s"] = [round(r.result["tokens_per_s"], 1) for r in good]
+            if len(good) < len(mine):
+                merged.result["failed_rounds"] = len(mine) - len(good)
+        combined.append(merged)
+    return combined
 
 
 def ratio(run: Run, base: Run | None) -> str:
@@ -315,7 +355,7 @@ def versions() -> str:
     return f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, python {sys.version.split()[0]}"
 
 
-def record(path: Path, args: argparse.Namespace, runs: list[Run], env_threads: str, date: str, wait: tuple[float, bool],
+def record(path: Path, args: argparse.Namespace, runs: list[Run], executed: list[Run], env_threads: str, date: str, wait: tuple[float, bool],
            load_start: str, load_end: str, load_during: str) -> None:
     dirty = bool(sh(["git", "status", "--porcelain", "--untracked-files=no"]))
     commit = sh(["git", "rev-parse", "--short", "HEAD"]) + (" (plus uncommitted changes)" if dirty else "")
@@ -334,7 +374,8 @@ def record(path: Path, args: argparse.Namespace, runs: list[Run], env_threads: s
         f"- software: {versions()}",
         (
             f"- processes per run: {args.nproc}, OMP_NUM_THREADS={env_threads}; {args.steps} optimizer steps per run; "
-            f"builtin:dates, train rows = steps x samples/step (each row once), {EVAL_ROWS} eval rows held out"
+            + (f"{args.rounds} rounds, every other one in reverse order, medians shown; " if args.rounds > 1 else "")
+            + f"builtin:dates, train rows = steps x samples/step (each row once), {EVAL_ROWS} eval rows held out"
         ),
         f"- load average (1/5/15 min): {load_start} at the start, {load_end} at the end; {load_note}",
         f"- 1-minute load during the runs (every 10 s; the benchmark's own {args.nproc} processes add about {args.nproc}): {load_during}",
@@ -354,9 +395,11 @@ def record(path: Path, args: argparse.Namespace, runs: list[Run], env_threads: s
         elif not run.error:
             cs, dw = run.result.get("comm_share"), run.result.get("data_wait_share")
             extra = (f"; comm share {cs:.1%}" if cs is not None else "") + (f"; data wait share {dw:.1%}" if dw is not None else "")
+        if not run.error and "rounds_tokens_per_s" in run.result:
+            extra += f"; tokens/s per round {run.result['rounds_tokens_per_s']}"
         lines.append(f"- {run.name}: {run.what}; load {run.load_before} -> {run.load_after}; {run.seconds:.0f}s{extra}")
     lines += ["", "Findings:", "", *(verdicts(runs) or ["- (no comparable pairs)"]), "", "Commands (from the repository root):", "", "```"]
-    lines += [f"OMP_NUM_THREADS={env_threads} {run.shown}" for run in runs]
+    lines += [f"OMP_NUM_THREADS={env_threads} {run.shown}" for run in executed]
     lines += ["```", "", ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
@@ -381,14 +424,17 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     threads = str(max(1, (os.cpu_count() or 1) // args.nproc))
     env = {**os.environ, "OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
-    runs = plan(args, out_rel)
-
     wait = (0.0, True) if args.no_wait else wait_for_quiet(args.quiet_load, args.max_wait_s)
     date = sh(["date", "-u"])
     load_start = loadavg()
+    executed: list[Run] = []
     with LoadSampler() as sampler:
-        for run in runs:
-            execute(run, out_dir, env)
+        for round_ in range(args.rounds):
+            order = plan(args, out_rel, round_)
+            for run in order if round_ % 2 == 0 else reversed(order):
+                execute(run, env)
+                executed.append(run)
+    runs = combine(executed, args.rounds)
     load_end = loadavg()
     print(f"1-minute load during the runs: {sampler.describe()}")
 
@@ -396,7 +442,7 @@ def main() -> None:
     print("\n" + "\n".join(verdicts(runs)))
     if not args.no_record:
         results = Path(args.results)
-        record(results if results.is_absolute() else REPO / results, args, runs, threads, date, wait, load_start, load_end,
+        record(results if results.is_absolute() else REPO / results, args, runs, executed, threads, date, wait, load_start, load_end,
                sampler.describe())
 
 
