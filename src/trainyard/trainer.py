@@ -27,8 +27,8 @@ from trainyard.config import JobConfig, accumulation_steps, dump_config
 from trainyard.data import PreparedData, ResumableSampler, micro_batches, prepare_datasets
 from trainyard.errors import CheckpointError, TrainyardError
 from trainyard.evaluate import evaluate, token_loss_sum
-from trainyard.status import BackgroundHeartbeat
 from trainyard.metrics import MetricsSink, device_peak_flops, environment_record, flops_per_token, peak_memory_bytes, setup_logging, write_json
+from trainyard.status import BackgroundHeartbeat
 
 
 class NonFiniteError(TrainyardError):
@@ -37,7 +37,6 @@ class NonFiniteError(TrainyardError):
 
 class Preempted(TrainyardError):
     """Stopped by a preemption signal after a checkpoint was committed: requeue me."""
-
     exit_code = 75
 
 
@@ -261,10 +260,8 @@ def _settle(job: Job, pending: checkpoint.PendingSave, failed: bool, wait: bool 
             checkpoint.finish_save(pending)  # raises with this rank's error
             raise CheckpointError(f"writing checkpoint {pending.path} failed on another rank", fix="see the logs of every rank")
     except CheckpointError as err:
-        _checkpoint_failed(job, pending.step, err)
-        return None
+        return _checkpoint_failed(job, pending.step, err)
     _commit_full(job, pending)
-    return None
 
 
 def _commit_full(job: Job, pending: checkpoint.PendingSave, **figures: float) -> None:
