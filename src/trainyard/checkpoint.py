@@ -1,10 +1,13 @@
-"""Checkpoints that never lose work: lite (adapter) and full (DCP), async, atomic, rotated.
+"""Checkpoints that never lose work: lite (adapter) and full (DCP), async, committed, rotated.
 
 Layout of `checkpoints/step-00000100/`: DCP shards + `.metadata` (model, optimizer),
 `trainer_state.json` (step, scheduler, loop figures, compatibility facts), `rank-<r>.json`
 (sampler position and RNG states of each rank), `adapter/` (PEFT format) for LoRA jobs, and
-`COMMITTED`, written last, after every rank's files are on disk. A directory without it is
-never loaded and is removed on the next start. `LATEST` names the newest committed full one.
+`COMMITTED`, written last, after every rank's files are on disk (see checkpoint_layout.py).
+
+`Checkpointer` runs the saves of one job: at most one full save in flight, committed once
+every rank has written its part, rotated, reported, and a failure handled as
+`checkpoint.on_error` says, the same way on every rank. The trainer decides when to save.
 
 Seed 000's LoRA checkpoint called the wrapped model's state_dict() and all-gathered a 108B
 base until NCCL timed out: here the adapter path touches only adapter tensors, and full
@@ -19,10 +22,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
+import logging
 import random
-import re
-import shutil
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as torch_dist
 import torch.distributed.checkpoint as dcp
 from peft import PeftModel, get_peft_model_state_dict
 from safetensors import SafetensorError
@@ -38,35 +42,27 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from trainyard.checkpoint_layout import (  # noqa: F401  (the checkpoint room's names, importable from here)
+    MARKER,
+    STEP_DIR,
+    check_compatible,
+    committed,
+    committed_kind,
+    latest_full,
+    read_trainer_state,
+    remove_uncommitted,
+    resolve_resume,
+    rotate,
+    step_dir,
+    write_marker,
+)
+from trainyard.config import CheckpointConfig
 from trainyard.dist import DistInfo, all_reduce_sum, barrier
 from trainyard.errors import CheckpointError
+from trainyard.files import fsync_dir, write_atomically
 from trainyard.parallel import unwrap
 
-MARKER = "COMMITTED"
-STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
-def step_dir(checkpoints: Path, step: int) -> Path:
-    return checkpoints / f"step-{step:08d}"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Temp file, fsync, rename: readers see the old file or the new one, never half."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    tmp.replace(path)
-    _fsync_dir(path.parent)
+DISK_FIX = "check free space and permissions of the checkpoint dir; the previous checkpoint is intact"
 
 
 # ---------------------------------------------------------------- lite
@@ -84,7 +80,8 @@ def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_adapter(model: torch.nn.Module, out_dir: Path, info: DistInfo) -> Path | None:
-    """adapter_model.safetensors + adapter_config.json, as PeftModel.from_pretrained reads them."""
+    """adapter_model.safetensors + adapter_config.json, as PeftModel.from_pretrained reads them.
+    Every rank gathers (FSDP), rank 0 writes; None when the model has no adapter."""
     peft_model = unwrap(model)
     if not isinstance(peft_model, PeftModel):
         return None
@@ -93,7 +90,7 @@ def save_adapter(model: torch.nn.Module, out_dir: Path, info: DistInfo) -> Path 
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file(state, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
         peft_model.peft_config["default"].save_pretrained(str(out_dir))
-        _fsync_dir(out_dir)
+        fsync_dir(out_dir)
     return out_dir
 
 
@@ -136,12 +133,17 @@ def model_signature(model: torch.nn.Module) -> str:
     return hashlib.sha256("\n".join(shapes).encode()).hexdigest()[:16]
 
 
-def _state_options(cfg_save_frozen: bool, model: torch.nn.Module) -> StateDictOptions:
+def _state_dicts(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, save_frozen: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Model and optimizer state as DCP writes and reads them; frozen weights only when asked
+    (they come from model.path)."""
     frozen = any(not p.requires_grad for p in model.parameters())
-    return StateDictOptions(ignore_frozen_params=frozen and not cfg_save_frozen, strict=False)
+    options = StateDictOptions(ignore_frozen_params=frozen and not save_frozen, strict=False)
+    return get_state_dict(model, optimizer, options=options)
 
 
-# ---------------------------------------------------------------- saving
+# ---------------------------------------------------------------- writing a full checkpoint
 
 
 @dataclass
@@ -154,6 +156,9 @@ class PendingSave:
 
     def done_here(self) -> bool:
         return self.future is None or self.future.done()
+
+    def failed_here(self) -> bool:
+        return self.future is not None and self.future.done() and self.future.exception() is not None
 
 
 def start_full_save(
@@ -170,10 +175,9 @@ def start_full_save(
 ) -> PendingSave:
     """Write every rank's shard (in parallel); return before the write ends when async."""
     _write_own_files(model, path, trainer_state, rank_state, info)
-    model_state, optim_state = get_state_dict(model, optimizer, options=_state_options(save_frozen, model))
+    model_state, optim_state = _state_dicts(model, optimizer, save_frozen)
     state = {"model": model_state, "optim": optim_state}
     if async_save:
-        # Its own gloo group: the background thread's collectives never interleave with training's.
         future = dcp.async_save(state, checkpoint_id=str(path), process_group=process_group)
         return PendingSave(path, trainer_state["step"], future)
     try:
@@ -183,7 +187,9 @@ def start_full_save(
     return PendingSave(path, trainer_state["step"], None)
 
 
-def _write_own_files(model: torch.nn.Module, path: Path, trainer_state: dict[str, Any], rank_state: dict[str, Any], info: DistInfo) -> None:
+def _write_own_files(
+    model: torch.nn.Module, path: Path, trainer_state: dict[str, Any], rank_state: dict[str, Any], info: DistInfo
+) -> None:
     """Adapter and JSON files beside the shards. Every rank learns whether any rank failed:
     one that went on alone would wait in DCP's collectives (or the next step's) forever."""
     error: Exception | None = None
@@ -205,135 +211,156 @@ def finish_save(pending: PendingSave) -> None:
         try:
             pending.future.result()
         except Exception as err:  # the writer thread's error, whatever it was
-            raise CheckpointError(
-                f"writing checkpoint {pending.path} failed: {err}",
-                fix="check free space and permissions of the checkpoint dir; the previous checkpoint is intact",
-            ) from None
+            raise CheckpointError(f"writing checkpoint {pending.path} failed: {err}", fix=DISK_FIX) from None
 
 
 def commit(checkpoints: Path, path: Path, kind: str, info: DistInfo) -> None:
     """Rank 0 writes the marker last, then points LATEST at it (full checkpoints only)."""
     if info.is_main:
-        _fsync_dir(path)
-        write_atomically(path / MARKER, json.dumps({"kind": kind}))
-        if kind == "full":
-            write_atomically(checkpoints / "LATEST", path.name + "\n")
+        write_marker(checkpoints, path, kind)
 
 
-def save_lite(model: torch.nn.Module, checkpoints: Path, step: int, info: DistInfo) -> Path | None:
-    """Adapter only, committed at once: seconds, no optimizer, no base weights."""
-    path = step_dir(checkpoints, step)
-    if save_adapter(model, path / "adapter", info) is None:
-        return None
-    barrier()
-    if info.is_main and not (path / MARKER).exists():
-        commit(checkpoints, path, "lite", info)
-    return path
+# ---------------------------------------------------------------- the saves of one job
 
 
-# ---------------------------------------------------------------- finding, cleaning, rotating
+class Checkpointer:
+    """Starts, settles, commits, rotates and reports the saves of one job; `emit` is the
+    metrics sink's. `resumed_from` is never rotated away."""
 
+    def __init__(self, cfg: CheckpointConfig, checkpoints: Path, info: DistInfo, emit: Callable[..., None]) -> None:
+        self.cfg = cfg
+        self.dir = checkpoints
+        self.info = info
+        self.emit = emit
+        self.pending: PendingSave | None = None
+        self.resumed_from: Path | None = None
+        # Its own gloo group: the background writer's collectives never interleave with training's.
+        self.group = torch_dist.new_group(backend="gloo") if info.distributed and cfg.async_save else None
 
-def committed_kind(path: Path) -> str | None:
-    try:
-        return json.loads((path / MARKER).read_text())["kind"]
-    except (OSError, ValueError, KeyError):
-        return None
+    def written_here(self) -> bool:
+        """This rank's part of the save in flight is on disk (a vote for the step's all-reduce)."""
+        return self.pending is not None and self.pending.done_here() and not self.pending.failed_here()
 
+    def failed_here(self) -> bool:
+        return self.pending is not None and self.pending.failed_here()
 
-def committed(checkpoints: Path, kind: str = "full") -> list[Path]:
-    """Committed checkpoints of one kind, oldest first."""
-    if not checkpoints.is_dir():
-        return []
-    found = [p for p in checkpoints.iterdir() if STEP_DIR.match(p.name) and committed_kind(p) == kind]
-    return sorted(found, key=lambda p: p.name)
+    def settle(self, written_everywhere: bool, failed_somewhere: bool) -> None:
+        """After the ranks voted: commit the save every rank has written, or report the failed
+        one (never silently missing). Nothing to do while it is still being written."""
+        if self.pending is None or not (written_everywhere or failed_somewhere):
+            return
+        pending, self.pending = self.pending, None
+        try:
+            if failed_somewhere:
+                finish_save(pending)  # raises with this rank's own error, if it has one
+                raise CheckpointError(f"writing checkpoint {pending.path} failed on another rank", fix=DISK_FIX)
+            self._commit(pending)
+        except CheckpointError as err:
+            self._failed(pending.step, err)
 
+    def wait(self) -> None:
+        """Finish the save in flight (before another starts, or at the end), then settle it."""
+        if self.pending is None:
+            return
+        try:
+            finish_save(self.pending)
+            failed_here = False
+        except CheckpointError:
+            failed_here = True
+        failed = all_reduce_sum(torch.tensor([float(failed_here)], device=self.info.device)).item() > 0
+        self.settle(written_everywhere=not failed, failed_somewhere=failed)
 
-def latest_full(checkpoints: Path) -> Path | None:
-    named = checkpoints / "LATEST"
-    if named.exists():
-        candidate = checkpoints / named.read_text().strip()
-        if committed_kind(candidate) == "full":
-            return candidate
-    found = committed(checkpoints, "full")
-    return found[-1] if found else None
+    def save_full(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        step: int,
+        trainer_state: dict[str, Any],
+        rank_state: dict[str, Any],
+        async_save: bool,
+    ) -> bool:
+        """A full checkpoint of `step`; True once it is committed (now, or by an earlier save).
+        Async: started here, committed by a later `settle`. At most one save is in flight."""
+        self.wait()
+        path = step_dir(self.dir, step)
+        if committed_kind(path) == "full":
+            return True  # this step is already saved (a preemption right after a save)
+        started = time.monotonic()
+        try:
+            pending = start_full_save(
+                model,
+                optimizer,
+                path,
+                trainer_state=trainer_state,
+                rank_state=rank_state,
+                info=self.info,
+                async_save=async_save,
+                save_frozen=self.cfg.save_frozen,
+                process_group=self.group,
+            )
+        except (OSError, RuntimeError) as err:
+            self._failed(step, CheckpointError(f"saving checkpoint {path} failed: {err}", fix=DISK_FIX))
+            return False
+        stall = time.monotonic() - started
+        if async_save:
+            self.pending = pending
+            self.emit("checkpoint", step=step, mode="full", path=str(path), async_save=True, stall_s=stall)
+            return False
+        try:
+            self._commit(pending, stall_s=stall)
+        except CheckpointError as err:
+            self._failed(step, err)
+            return False
+        return True
 
+    def save_lite(self, model: torch.nn.Module, step: int) -> None:
+        """The adapter alone, committed at once: seconds, no optimizer, no base weights."""
+        started = time.monotonic()
+        path = step_dir(self.dir, step)
+        if save_adapter(model, path / "adapter", self.info) is None:
+            return  # not a LoRA job: no rank has anything to save
+        barrier()
+        commit(self.dir, path, "lite", self.info)
+        self.emit("checkpoint", step=step, mode="lite", path=str(path / "adapter"), stall_s=time.monotonic() - started)
 
-def remove_uncommitted(checkpoints: Path) -> list[Path]:
-    """Partial checkpoints from a run that died mid-save: never loadable, so removed."""
-    removed = []
-    if checkpoints.is_dir():
-        for path in checkpoints.iterdir():
-            if STEP_DIR.match(path.name) and committed_kind(path) is None:
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-    return removed
+    def _commit(self, pending: PendingSave, **figures: float) -> None:
+        commit(self.dir, pending.path, "full", self.info)
+        if self.info.is_main:
+            removed = rotate(self.dir, self.cfg.keep_last, self.resumed_from)
+            self.emit(
+                "checkpoint",
+                step=pending.step,
+                mode="full",
+                path=str(pending.path),
+                committed=True,
+                removed=[p.name for p in removed],
+                **figures,
+            )
 
-
-def rotate(checkpoints: Path, keep_last: int, protected: Path | None) -> list[Path]:
-    """Drop the oldest full checkpoints beyond keep_last; never the newest or `protected`."""
-    full = committed(checkpoints, "full")
-    removed = []
-    for path in full[: max(0, len(full) - keep_last)]:
-        if protected is not None and path.resolve() == protected.resolve():
-            continue
-        (path / MARKER).unlink()  # uncommit first: a half-deleted dir is never loaded
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    return removed
-
-
-def resolve_resume(resume: str, checkpoints: Path) -> Path | None:
-    """`auto`: the newest committed full checkpoint (or None); `never`; or an explicit path."""
-    if resume == "never":
-        return None
-    if resume == "auto":
-        return latest_full(checkpoints)
-    path = Path(resume)
-    if path.is_dir() and STEP_DIR.match(path.name) is None and (path / "checkpoints").is_dir():
-        path = latest_full(path / "checkpoints") or path  # a run dir: its newest checkpoint
-    if committed_kind(path) != "full":
-        raise CheckpointError(
-            f"checkpoint.resume: {path} is not a committed full checkpoint (no {MARKER} marker of kind full)",
-            fix="point it at a checkpoints/step-XXXXXXXX folder of a finished save, or use auto",
-        )
-    return path
+    def _failed(self, step: int, err: CheckpointError) -> None:
+        """Every rank gets here with the same error: report it, then stop or go on."""
+        self.emit("system", step=step, event="checkpoint_failed", error=err.what)
+        logging.getLogger("trainyard").error("checkpoint at step %d failed: %s", step, err.what)
+        if self.cfg.on_error == "stop":
+            raise err
 
 
 # ---------------------------------------------------------------- loading
-
-
-def read_trainer_state(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads((path / "trainer_state.json").read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"cannot read {path / 'trainer_state.json'}: {err}", fix="resume from another checkpoint") from None
-
-
-def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
-    """Name every fact that differs between the checkpoint and this job."""
-    differences = [
-        f"{key}: checkpoint has {saved.get(key)!r}, this job has {current[key]!r}"
-        for key in ("model_signature", "lora", "data_fingerprint", "global_batch_samples")
-        if saved.get(key) != current[key]
-    ]
-    if differences:
-        raise CheckpointError(
-            f"checkpoint {path} does not match this job:\n  " + "\n  ".join(differences),
-            fix="resume with the job that wrote it, or set checkpoint.resume: never to start fresh",
-        )
 
 
 def load_full(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path, info: DistInfo, save_frozen: bool
 ) -> dict[str, Any]:
     """Load weights and optimizer (resharded by DCP to this world), return this rank's state."""
-    model_state, optim_state = get_state_dict(model, optimizer, options=_state_options(save_frozen, model))
+    model_state, optim_state = _state_dicts(model, optimizer, save_frozen)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-        options=_state_options(save_frozen, model),
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=StateDictOptions(ignore_frozen_params=not save_frozen, strict=False),
     )
     saved_world = read_trainer_state(path)["world_size"]
     own = path / f"rank-{info.rank}.json"

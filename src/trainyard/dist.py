@@ -111,15 +111,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-def broadcast_flag(flag: bool, device: torch.device) -> bool:
-    """Rank 0's decision, so every rank takes the same branch."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return flag
-    value = torch.tensor([1 if flag else 0], device=device)
-    dist.broadcast(value, src=0)
-    return bool(value.item())
-
-
 @contextlib.contextmanager
 def first_on_node(info: DistInfo) -> Iterator[None]:
     """Local rank 0 runs the block first (fills node caches); the others then run it too."""

@@ -9,7 +9,6 @@ DCP reads shards written by any number of ranks into one plain model.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -26,6 +25,7 @@ from trainyard import model as model_room
 from trainyard.checkpoint import MARKER, STEP_DIR, committed_kind, latest_full, model_signature, read_trainer_state
 from trainyard.config import JobConfig, load_config
 from trainyard.errors import CheckpointError, OptionError
+from trainyard.files import publish_folder, temp_sibling
 
 
 def find_checkpoint(path: Path) -> Path:
@@ -40,7 +40,8 @@ def find_checkpoint(path: Path) -> Path:
         if newest is None:
             raise CheckpointError(
                 f"run dir {path} has no committed full checkpoint",
-                fix=f"pass one of {path / 'checkpoints'}/step-XXXXXXXX (lite ones too), or train with checkpoint.at_end: true",
+                fix=f"pass one of {path / 'checkpoints'}/step-XXXXXXXX (lite ones too), "
+                "or train with checkpoint.at_end: true",
             )
         return newest
     if committed_kind(path) is None:
@@ -100,7 +101,9 @@ def load_full_weights(model: torch.nn.Module, step: Path) -> None:
     try:
         dcp.load(state, checkpoint_id=str(step), no_dist=not torch_dist.is_initialized())
     except CheckpointException as err:  # a BaseException: turn it into a user error
-        raise CheckpointError(f"cannot load model weights from {step}: {err}", fix="pass a checkpoint of this job") from None
+        raise CheckpointError(
+            f"cannot load model weights from {step}: {err}", fix="pass a checkpoint of this job"
+        ) from None
     set_model_state_dict(model, state["model"])
 
 
@@ -109,7 +112,8 @@ def check_model_matches(model: torch.nn.Module, step: Path) -> None:
     saved = read_trainer_state(step).get("model_signature")
     if saved is not None and saved != model_signature(model):
         raise CheckpointError(
-            f"checkpoint {step} was written for another model (model_signature {saved}, this job builds {model_signature(model)})",
+            f"checkpoint {step} was written for another model "
+            f"(model_signature {saved}, this job builds {model_signature(model)})",
             fix="use the job config that wrote the checkpoint",
         )
 
@@ -119,16 +123,10 @@ def _prepare_out(out: Path) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise OptionError(f"--out {out} exists and is not empty", fix="choose a new folder, or remove that one first")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    tmp = temp_sibling(out)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     return tmp
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    if out.exists():
-        out.rmdir()  # checked empty before
-    tmp.rename(out)
 
 
 def export(ckpt: Path, out: Path, merge_lora: bool = False) -> Path:
@@ -138,7 +136,9 @@ def export(ckpt: Path, out: Path, merge_lora: bool = False) -> Path:
     step = find_checkpoint(ckpt)
     cfg = job_of(step)
     if merge_lora and not cfg.lora.enabled:
-        raise OptionError(f"--merge-lora: {step} is from a full fine-tuning job (lora.enabled is false)", fix="drop --merge-lora")
+        raise OptionError(
+            f"--merge-lora: {step} is from a full fine-tuning job (lora.enabled is false)", fix="drop --merge-lora"
+        )
     tmp = _prepare_out(out)
     try:
         model, tokenizer = build_base(cfg, training_dtype(cfg, step.parent.parent))
@@ -149,7 +149,8 @@ def export(ckpt: Path, out: Path, merge_lora: bool = False) -> Path:
             load_full_weights(model, step)
             model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        _publish(tmp, out)
+        if not publish_folder(tmp, out):
+            raise OptionError(f"--out {out} was filled by another process meanwhile", fix="choose a new folder")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

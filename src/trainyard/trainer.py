@@ -9,25 +9,34 @@ at their intervals evaluate and checkpoint.
 from __future__ import annotations
 
 import logging
-import math
 import signal
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
-import torch.distributed as torch_dist
 import transformers
 from torch.distributed.fsdp import FSDPModule
 
-from trainyard import checkpoint, dist, health, model as model_room, parallel
+from trainyard import checkpoint, dist, health, parallel
+from trainyard import model as model_room
 from trainyard.config import JobConfig, accumulation_steps, dump_config
 from trainyard.data import PreparedData, ResumableSampler, micro_batches, prepare_datasets
-from trainyard.errors import CheckpointError, TrainyardError
+from trainyard.errors import TrainyardError
 from trainyard.evaluate import evaluate, token_loss_sum
-from trainyard.metrics import MetricsSink, device_peak_flops, environment_record, flops_per_token, peak_memory_bytes, setup_logging, write_json
+from trainyard.files import write_atomically
+from trainyard.metrics import (
+    MetricsSink,
+    device_peak_flops,
+    environment_record,
+    flops_per_token,
+    peak_memory_bytes,
+    setup_logging,
+    write_json,
+)
+from trainyard.optim import build_optimizer, grad_norm_and_clip
 from trainyard.status import BackgroundHeartbeat
 
 
@@ -37,6 +46,7 @@ class NonFiniteError(TrainyardError):
 
 class Preempted(TrainyardError):
     """Stopped by a preemption signal after a checkpoint was committed: requeue me."""
+
     exit_code = 75
 
 
@@ -80,8 +90,7 @@ class Job:
     flops_token: float
     facts: dict[str, Any]
     """What a checkpoint must match to be resumed by this job (see checkpoint.check_compatible)."""
-    checkpoint_group: Any = None
-    resumed_from: Path | None = None
+    saves: checkpoint.Checkpointer
     comm_timer: parallel.CommTimer | None = None
 
     @property
@@ -89,40 +98,23 @@ class Job:
         return self.cfg.run_dir / "checkpoints"
 
 
-def lr_lambda(cfg: JobConfig):
-    """Linear warmup, then cosine / linear decay to min_lr_ratio, or constant."""
-    train = cfg.train
+@dataclass
+class StepVotes:
+    """What every rank puts into the step's one all-reduce outside DDP/FSDP, by name: token
+    counts for the loss normalisation, and facts every rank must agree on before acting."""
 
-    def factor(step: int) -> float:
-        if step < train.warmup_steps:
-            return (step + 1) / train.warmup_steps
-        if train.schedule == "constant":
-            return 1.0
-        progress = (step - train.warmup_steps) / max(1, train.max_steps - train.warmup_steps)
-        progress = min(progress, 1.0)
-        shape = 0.5 * (1 + math.cos(math.pi * progress)) if train.schedule == "cosine" else 1 - progress
-        return train.min_lr_ratio + (1 - train.min_lr_ratio) * shape
+    targets: float = 0.0  # target tokens (labels not masked) in this rank's window
+    real_tokens: float = 0.0  # tokens that are not padding, for tokens/s
+    save_written: float = 0.0  # this rank's part of the async save in flight is on disk
+    save_failed: float = 0.0  # this rank's part of it failed
+    preempted: float = 0.0  # this rank caught a preemption signal
+    timed_save: float = 0.0  # rank 0: checkpoint.every_minutes passed since the last full save
 
-    return factor
-
-
-def build_optimizer(model: torch.nn.Module, cfg: JobConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-
-
-def grad_norm_and_clip(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """Total gradient norm over all ranks (DTensor-aware), clipped when max_norm > 0."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
-    full_tensor = getattr(norm, "full_tensor", None)
-    return full_tensor() if full_tensor else norm
-
-
-# Slots of the step's one all-reduce: token counts for the loss normalisation, and flags every
-# rank must agree on (async save done/failed here, a preemption signal, a timed save due).
-TARGETS, REAL, SAVE_DONE, SAVE_FAILED, PREEMPT, TIMED = range(6)
+    def summed(self, device: torch.device) -> StepVotes:
+        """Every field summed over all ranks, in one all-reduce."""
+        values = torch.tensor(astuple(self), dtype=torch.float64, device=device)
+        dist.all_reduce_sum(values)
+        return StepVotes(*values.tolist())
 
 
 def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
@@ -137,10 +129,11 @@ def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
     heartbeat.start()
     model.train()
     try:
-        pending = _train_steps(job, batches, state, run_eval, heartbeat, interval)
+        _train_steps(job, batches, state, run_eval, heartbeat, interval)
     except RuntimeError as err:
         if info.distributed and health.looks_like_comm_failure(err):
-            raise health.explain_comm_failure(err, info, cfg.run_dir, state.step + 1, cfg.dist.timeout_s) from None
+            step, timeout_s = state.step + 1, cfg.dist.timeout_s
+            raise health.explain_comm_failure(err, info, cfg.run_dir, step, timeout_s) from None
         raise
     heartbeat.step = state.step
     heartbeat.stop()
@@ -148,59 +141,42 @@ def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
         state.last_eval = run_eval()
         job.sink.emit("eval", step=state.step, **state.last_eval)
     if cfg.checkpoint.at_end:
-        _save_full(job, state, pending, async_save=False)
-    elif pending is not None:
-        _settle(job, pending, failed=False, wait=True)
+        _save_full(job, state, async_save=False)
+    job.saves.wait()
     return state
 
 
-def _train_steps(job: Job, batches: Any, state: LoopState, run_eval: Any, heartbeat: BackgroundHeartbeat, interval: torch.Tensor) -> checkpoint.PendingSave | None:
-    """Steps until max_steps; returns the save still in flight, if any."""
+def _train_steps(
+    job: Job, batches: Any, state: LoopState, run_eval: Any, heartbeat: BackgroundHeartbeat, interval: torch.Tensor
+) -> None:
+    """Steps until max_steps. An async save may still be in flight at the end (job.saves)."""
     cfg, info, model = job.cfg, job.info, job.model
     interval_time = 0.0  # training time only: eval and checkpoints do not dilute tokens/s
-    pending: checkpoint.PendingSave | None = None
     last_full = time.monotonic()
     for step in range(state.step + 1, cfg.train.max_steps + 1):
         step_start = time.monotonic()
         position = job.sampler.state_dict()  # where this step's data starts: a preemption save resumes here
         window = [next(batches) for _ in range(job.accum)]
         data_wait = time.monotonic() - step_start
-        control = torch.zeros(6, dtype=torch.float64, device=info.device)
-        control[TARGETS] = sum(int((b["labels"][:, 1:] != -100).sum()) for b in window)
-        control[REAL] = sum(int(b.pop("real_tokens")) for b in window)
-        control[SAVE_DONE] = float(pending is not None and pending.done_here() and not _failed(pending))
-        control[SAVE_FAILED] = float(pending is not None and _failed(pending))
-        control[PREEMPT] = float(bool(_SIGNALLED))
-        control[TIMED] = float(info.is_main and cfg.checkpoint.every_minutes > 0 and time.monotonic() - last_full > cfg.checkpoint.every_minutes * 60)
         health.record_progress(info, step, health.CONTROL)
-        dist.all_reduce_sum(control)  # the one collective of the step outside DDP/FSDP
-        if pending is not None and (control[SAVE_FAILED] > 0 or control[SAVE_DONE] == info.world_size):
-            pending = _settle(job, pending, failed=control[SAVE_FAILED] > 0)
-        if control[PREEMPT] > 0:
+        votes = StepVotes(
+            targets=sum(int((b["labels"][:, 1:] != -100).sum()) for b in window),
+            real_tokens=sum(int(b.pop("real_tokens")) for b in window),
+            save_written=float(job.saves.written_here()),
+            save_failed=float(job.saves.failed_here()),
+            preempted=float(bool(_SIGNALLED)),
+            timed_save=float(info.is_main and _timed_save_due(cfg, last_full)),
+        ).summed(info.device)
+        job.saves.settle(
+            written_everywhere=votes.save_written == info.world_size, failed_somewhere=votes.save_failed > 0
+        )
+        if votes.preempted:
             job.sampler.load_state_dict(position)  # the window drawn above is never trained on
-            _save_full(job, state, pending, async_save=False)
-            raise Preempted(
-                f"stopped by {(_SIGNALLED or ['a signal on another rank'])[0]} after step {state.step}; "
-                f"checkpoint step-{state.step:08d} is committed",
-                fix="run the same command again (checkpoint.resume: auto) to continue where it stopped",
-            )
-        # DDP/FSDP average gradients over ranks; multiplying back by world makes the
-        # gradient that of the summed loss over every target token in the global batch.
-        scale = info.world_size / max(control[TARGETS].item(), 1.0)
-        step_loss = torch.zeros((), dtype=torch.float64, device=info.device)
-        for i, batch in enumerate(window):
-            batch = {k: v.to(info.device) for k, v in batch.items()}
-            with parallel.gradient_sync(model, enabled=i == job.accum - 1):
-                loss_sum, _ = token_loss_sum(model, batch)
-                if health.injected("nan", info, step):
-                    loss_sum = loss_sum * float("nan")
-                if i == job.accum - 1:
-                    health.record_progress(info, step, health.GRAD_SYNC)
-                (loss_sum * scale).backward()
-            step_loss += loss_sum.detach().double()
+            _stop_for_preemption(job, state)
+        step_loss = _forward_backward(job, window, votes.targets, step)
         interval[0] += step_loss
-        interval[1] += control[TARGETS]
-        interval[2] += control[REAL]
+        interval[1] += votes.targets
+        interval[2] += votes.real_tokens
         health.record_progress(info, step, health.REPORT)  # clipping and logging gather next
         grad_norm = grad_norm_and_clip(model, cfg.train.max_grad_norm)
         if not torch.isfinite(grad_norm):  # the norm is global: every rank takes this branch
@@ -209,7 +185,11 @@ def _train_steps(job: Job, batches: Any, state: LoopState, run_eval: Any, heartb
             if cfg.train.on_nonfinite == "error":
                 raise NonFiniteError(
                     f"non-finite loss or gradient at step {step}: "
-                    + (f"the loss was non-finite on rank(s) {culprits}" if culprits else f"gradient norm {grad_norm.item()}, losses finite"),
+                    + (
+                        f"the loss was non-finite on rank(s) {culprits}"
+                        if culprits
+                        else f"gradient norm {grad_norm.item()}, losses finite"
+                    ),
                     fix="lower train.lr, check that rank's data, or set train.on_nonfinite: skip",
                 )
             job.sink.emit("system", step=step, event="skipped_nonfinite_step", ranks=culprits)
@@ -218,15 +198,12 @@ def _train_steps(job: Job, batches: Any, state: LoopState, run_eval: Any, heartb
         job.optimizer.step()
         job.scheduler.step()
         job.optimizer.zero_grad(set_to_none=True)
-        if cfg.dist.desync_check_steps and step % cfg.dist.desync_check_steps == 0 and info.distributed and not isinstance(model, FSDPModule):
-            if health.injected("desync", info, step):
-                health.corrupt_one_parameter(model)
-            health.check_replicas_agree(model, info, step, cfg.dist.desync_tolerance)
+        _check_replicas(job, step)
         step_time = time.monotonic() - step_start
         state.step = step
-        state.tokens += int(control[REAL].item())
+        state.tokens += int(votes.real_tokens)
         if step > 1:
-            state.steady_tokens += int(control[REAL].item())
+            state.steady_tokens += int(votes.real_tokens)
             state.steady_time += step_time
         interval_time += step_time
         heartbeat.step = step
@@ -237,58 +214,55 @@ def _train_steps(job: Job, batches: Any, state: LoopState, run_eval: Any, heartb
         if run_eval and cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
             state.last_eval = run_eval()
             job.sink.emit("eval", step=step, **state.last_eval)
-        full_due = (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or control[TIMED] > 0
+        full_due = (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or votes.timed_save > 0
         if full_due and step < cfg.train.max_steps:
-            pending = _save_full(job, state, pending, async_save=cfg.checkpoint.async_save)
+            _save_full(job, state, async_save=cfg.checkpoint.async_save)
             last_full = time.monotonic()
         elif cfg.checkpoint.lite_every_steps and step % cfg.checkpoint.lite_every_steps == 0:
-            _save_lite(job, step)
-    return pending
+            job.saves.save_lite(model, step)
 
 
-def _failed(pending: checkpoint.PendingSave) -> bool:
-    return pending.future is not None and pending.future.done() and pending.future.exception() is not None
+def _timed_save_due(cfg: JobConfig, last_full: float) -> bool:
+    """checkpoint.every_minutes passed since the last full save (or the start)."""
+    every = cfg.checkpoint.every_minutes
+    return every > 0 and time.monotonic() - last_full > every * 60
 
 
-def _settle(job: Job, pending: checkpoint.PendingSave, failed: bool, wait: bool = False) -> None:
-    """Commit a finished background save, or report the failed one (never silently missing)."""
-    try:
-        if wait:
-            checkpoint.finish_save(pending)
-            dist.barrier()
-        if failed:
-            checkpoint.finish_save(pending)  # raises with this rank's error
-            raise CheckpointError(f"writing checkpoint {pending.path} failed on another rank", fix="see the logs of every rank")
-    except CheckpointError as err:
-        return _checkpoint_failed(job, pending.step, err)
-    _commit_full(job, pending)
+def _forward_backward(job: Job, window: list[dict[str, torch.Tensor]], targets: float, step: int) -> torch.Tensor:
+    """Forward and backward over the window; gradients sync on its last micro-batch only.
+    Returns the summed (unscaled) loss of this rank's window."""
+    info, model = job.info, job.model
+    # DDP/FSDP average gradients over ranks; multiplying back by world makes the
+    # gradient that of the summed loss over every target token in the global batch.
+    scale = info.world_size / max(targets, 1.0)
+    step_loss = torch.zeros((), dtype=torch.float64, device=info.device)
+    for i, batch in enumerate(window):
+        batch = {k: v.to(info.device) for k, v in batch.items()}
+        last = i == len(window) - 1
+        with parallel.gradient_sync(model, enabled=last):
+            loss_sum, _ = token_loss_sum(model, batch)
+            if health.injected("nan", info, step):
+                loss_sum = loss_sum * float("nan")
+            if last:
+                health.record_progress(info, step, health.GRAD_SYNC)
+            (loss_sum * scale).backward()
+        step_loss += loss_sum.detach().double()
+    return step_loss
 
 
-def _commit_full(job: Job, pending: checkpoint.PendingSave, **figures: float) -> None:
-    checkpoint.commit(job.checkpoints, pending.path, "full", job.info)
-    if job.info.is_main:
-        removed = checkpoint.rotate(job.checkpoints, job.cfg.checkpoint.keep_last, job.resumed_from)
-        job.sink.emit(
-            "checkpoint", step=pending.step, mode="full", path=str(pending.path), committed=True,
-            removed=[p.name for p in removed], **figures,
-        )
+def _check_replicas(job: Job, step: int) -> None:
+    """Every desync_check_steps, DDP replicas compare their weights (FSDP shards differ by design)."""
+    cfg, info = job.cfg, job.info
+    every = cfg.dist.desync_check_steps
+    if not (every and step % every == 0 and info.distributed and not isinstance(job.model, FSDPModule)):
+        return
+    if health.injected("desync", info, step):
+        health.corrupt_one_parameter(job.model)
+    health.check_replicas_agree(job.model, info, step, cfg.dist.desync_tolerance)
 
 
-def _checkpoint_failed(job: Job, step: int, err: CheckpointError) -> None:
-    job.sink.emit("system", step=step, event="checkpoint_failed", error=err.what)
-    logging.getLogger("trainyard").error("checkpoint at step %d failed: %s", step, err.what)
-    if job.cfg.checkpoint.on_error == "stop":
-        raise err
-
-
-def _save_full(job: Job, state: LoopState, pending: checkpoint.PendingSave | None, async_save: bool) -> checkpoint.PendingSave | None:
-    """At most one save in flight: the previous one is finished and committed first."""
-    if pending is not None:
-        _settle(job, pending, failed=False, wait=True)
-    path = checkpoint.step_dir(job.checkpoints, state.step)
-    if checkpoint.committed_kind(path) == "full":
-        return None  # this step is already saved (a preemption right after a save)
-    started = time.monotonic()
+def _save_full(job: Job, state: LoopState, async_save: bool) -> bool:
+    """A full checkpoint of where the loop stands; True once it is committed."""
     trainer_state = {
         "step": state.step,
         "world_size": job.info.world_size,
@@ -297,27 +271,27 @@ def _save_full(job: Job, state: LoopState, pending: checkpoint.PendingSave | Non
         **job.facts,
     }
     rank_state = {"sampler": job.sampler.state_dict(), "rng": checkpoint.rng_state()}
-    try:
-        new = checkpoint.start_full_save(
-            job.model, job.optimizer, path, trainer_state=trainer_state, rank_state=rank_state, info=job.info,
-            async_save=async_save, save_frozen=job.cfg.checkpoint.save_frozen, process_group=job.checkpoint_group,
-        )
-    except (OSError, RuntimeError) as err:
-        _checkpoint_failed(job, state.step, CheckpointError(
-            f"saving checkpoint {path} failed: {err}",
-            fix="check free space and permissions of the checkpoint dir; the previous checkpoint is intact",
-        ))
-        return None
-    stall = time.monotonic() - started
-    if async_save:
-        job.sink.emit("checkpoint", step=state.step, mode="full", path=str(path), async_save=True, stall_s=stall)
-        return new
-    _commit_full(job, new, stall_s=stall)
-    return None
+    return job.saves.save_full(job.model, job.optimizer, state.step, trainer_state, rank_state, async_save)
+
+
+def _stop_for_preemption(job: Job, state: LoopState) -> NoReturn:
+    """Save where every rank stands, then leave with exit 75: requeue me."""
+    _save_full(job, state, async_save=False)
+    raise Preempted(
+        f"stopped by {(_SIGNALLED or ['a signal on another rank'])[0]} after step {state.step}; "
+        f"checkpoint step-{state.step:08d} is committed",
+        fix="run the same command again (checkpoint.resume: auto) to continue where it stopped",
+    )
 
 
 def _log_interval(
-    state: LoopState, job: Job, interval: torch.Tensor, elapsed: float, lr: float, grad_norm: torch.Tensor, data_wait_share: float
+    state: LoopState,
+    job: Job,
+    interval: torch.Tensor,
+    elapsed: float,
+    lr: float,
+    grad_norm: torch.Tensor,
+    data_wait_share: float,
 ) -> None:
     # One all-gather: loss sums to add up, and each rank's busy time to spot stragglers.
     mine = torch.stack([interval[0], torch.tensor(elapsed, dtype=torch.float64, device=interval.device)])
@@ -370,13 +344,6 @@ def _evaluator(job: Job):
     return run_eval
 
 
-def _save_lite(job: Job, step: int) -> None:
-    started = time.monotonic()
-    path = checkpoint.save_lite(job.model, job.checkpoints, step, job.info)
-    if path is not None:
-        job.sink.emit("checkpoint", step=step, mode="lite", path=str(path / "adapter"), stall_s=time.monotonic() - started)
-
-
 def resume(job: Job) -> LoopState:
     """Clean partial saves, then load the checkpoint `checkpoint.resume` names (or start fresh)."""
     logger = logging.getLogger("trainyard")
@@ -398,7 +365,7 @@ def resume(job: Job) -> LoopState:
     else:  # same samples consumed in total, spread over the new number of ranks
         sampler_state["index"] = sampler_state["index"] * saved["world_size"] // job.info.world_size
     job.sampler.load_state_dict(sampler_state)
-    job.resumed_from = path
+    job.saves.resumed_from = path  # never rotated away
     logger.info("resumed from %s at step %d", path, saved["step"])
     job.sink.emit("system", step=saved["step"], event="resumed", path=str(path), saved_world_size=saved["world_size"])
     return LoopState(**saved["loop"])
@@ -415,7 +382,9 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     logger = setup_logging(run_dir, info)
     network = dist.apply_network_preset(cfg.dist)
     if info.is_main:
-        logger.info("run dir %s  world %d  device %s  network %s", run_dir, info.world_size, info.device, network or "default")
+        logger.info(
+            "run dir %s  world %d  device %s  network %s", run_dir, info.world_size, info.device, network or "default"
+        )
     environment = environment_record(info)
     if info.is_main:
         write_json(run_dir / "env.json", environment)
@@ -441,29 +410,44 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     accum = accumulation_steps(cfg, info.world_size)
     logger.info(
         "strategy %s  accumulation %d  params %s (trainable %s)  dtype %s",
-        strategy, accum, f"{total_params:,}", f"{trainable_params:,}", dtype,
+        strategy,
+        accum,
+        f"{total_params:,}",
+        f"{trainable_params:,}",
+        dtype,
     )
 
     torch.manual_seed(cfg.train.seed + info.rank)  # dropout differs per rank, data order does not
     sampler = ResumableSampler(len(data.train), seed=cfg.train.seed, rank=info.rank, world_size=info.world_size)
     optimizer, scheduler = build_optimizer(model, cfg)
     hf_config = parallel.unwrap(model).config
+    sink = MetricsSink(cfg, info, logger)
     job = Job(
-        cfg=cfg, info=info, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler, data=data,
-        tokenizer=tokenizer, sink=MetricsSink(cfg, info, logger), accum=accum,
-        flops_token=flops_per_token(total_params, trainable_params, hf_config.num_hidden_layers, hf_config.hidden_size, cfg.data.max_length),
+        cfg=cfg,
+        info=info,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        sampler=sampler,
+        data=data,
+        tokenizer=tokenizer,
+        sink=sink,
+        accum=accum,
+        flops_token=flops_per_token(
+            total_params, trainable_params, hf_config.num_hidden_layers, hf_config.hidden_size, cfg.data.max_length
+        ),
         facts={
             "model_signature": checkpoint.model_signature(model),
             "lora": cfg.lora.model_dump(mode="json") if cfg.lora.enabled else None,
             "data_fingerprint": data.fingerprint,
             "global_batch_samples": cfg.train.micro_batch_size * accum * info.world_size,
         },
-        checkpoint_group=torch_dist.new_group(backend="gloo") if info.distributed and cfg.checkpoint.async_save else None,
+        saves=checkpoint.Checkpointer(cfg.checkpoint, cfg.run_dir / "checkpoints", info, sink.emit),
     )
     job.comm_timer = parallel.attach_comm_timer(model)
     state = resume(job)
     if info.is_main:  # after resume's checks: a rejected job never replaces the run's config
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        write_atomically(run_dir / "config.yaml", dump_config(cfg))
     install_preemption_handlers(cfg.checkpoint.preemption_signals)
     batches = micro_batches(data.train, sampler, cfg.train.micro_batch_size, tokenizer.pad_token_id)
     try:
@@ -475,7 +459,9 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         "steps": state.step,
         "tokens": state.tokens,
         "tokens_per_s": state.steady_tokens / state.steady_time if state.steady_time else None,
-        "tokens_per_s_per_rank": state.steady_tokens / state.steady_time / info.world_size if state.steady_time else None,
+        "tokens_per_s_per_rank": state.steady_tokens / state.steady_time / info.world_size
+        if state.steady_time
+        else None,
         "world_size": info.world_size,
         "strategy": strategy,
         "accumulation": accum,

@@ -9,8 +9,8 @@ import torch
 
 from trainyard.config import load_config
 from trainyard.dist import DistInfo
+from trainyard.optim import lr_lambda
 from trainyard.parallel import choose_strategy, replicated_state_bytes
-from trainyard.trainer import lr_lambda
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
@@ -52,3 +52,4 @@ def test_auto_picks_fsdp_when_replicated_state_exceeds_half_the_device(monkeypat
     assert choose_strategy("auto", model, _info(2)) == "fsdp"
     monkeypatch.setattr(parallel, "device_memory_bytes", lambda info: 2 * replicated_state_bytes(model))
     assert choose_strategy("auto", model, _info(2)) == "ddp"
+

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from trainyard.errors import DataError
+from trainyard.files import publish_folder
 
 POLL_S = 0.2
 
@@ -96,14 +97,9 @@ def _build_atomically(target: Path, build: Callable[[Path], None]) -> bool:
     shutil.rmtree(temp, ignore_errors=True)
     try:
         build(temp)
-        os.rename(temp, target)
-    except OSError:
-        if not target.exists():
-            raise
-        return False  # another process completed it first; use theirs
+        return publish_folder(temp, target)  # False: another process completed it first; use theirs
     finally:
         shutil.rmtree(temp, ignore_errors=True)
-    return True
 
 
 def build_once(target: Path, build: Callable[[Path], None], *, timeout_s: float) -> bool:

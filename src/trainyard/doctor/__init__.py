@@ -66,7 +66,10 @@ def validate_options(opts: DoctorOptions) -> None:
     if opts.nnodes is not None and opts.nnodes < 1:
         raise OptionError(f"--nnodes {opts.nnodes} must be at least 1", fix="pass --nnodes 1 for one machine")
     if nnodes > 1 and not opts.master:
-        raise OptionError(f"--nnodes {nnodes} needs --master HOST:PORT", fix="pass node 0's address and a free port, the same on every node")
+        raise OptionError(
+            f"--nnodes {nnodes} needs --master HOST:PORT",
+            fix="pass node 0's address and a free port, the same on every node",
+        )
     if opts.node_rank < 0 or (opts.nnodes is not None and opts.node_rank >= nnodes):
         raise OptionError(
             f"--node-rank {opts.node_rank} is outside 0..{nnodes - 1}",
@@ -121,7 +124,13 @@ def run_doctor(opts: DoctorOptions) -> list[Check]:
     if opts.nnodes is None:
         return checks
     if any(c.status == "fail" for c in checks):
-        return checks + [fail("cluster probe", "not started: this node fails a local check", "fix the failures above, then rerun on every node")]
+        return checks + [
+            fail(
+                "cluster probe",
+                "not started: this node fails a local check",
+                "fix the failures above, then rerun on every node",
+            )
+        ]
     from trainyard.doctor.probe import probe_cluster
 
     return checks + probe_cluster(opts, job, ranks_on_this_node(opts))

@@ -118,9 +118,13 @@ def check_gpus(ranks: int) -> list[Check]:
             busy.append(f"GPU {index} has {(total - free) / GIB:.1f} GiB in use")
     checks = [ok("gpus", "; ".join(rows), count=count)]
     if busy:
-        checks.append(warn("gpu memory", "; ".join(busy), "another process holds GPU memory: find it with nvidia-smi and stop it"))
+        checks.append(
+            warn("gpu memory", "; ".join(busy), "another process holds GPU memory: find it with nvidia-smi and stop it")
+        )
     if ranks > count:
-        checks.append(fail("gpus", f"{ranks} ranks asked for but {count} GPU(s) here", f"pass --nproc {count} or fewer"))
+        checks.append(
+            fail("gpus", f"{ranks} ranks asked for but {count} GPU(s) here", f"pass --nproc {count} or fewer")
+        )
     return checks
 
 
@@ -138,7 +142,14 @@ def check_topology() -> list[Check]:
     slow = sorted(pair for pair, kind in links.items() if kind in ("SYS", "NODE"))
     if slow:
         pairs = ", ".join(f"{a}-{b}" for a, b in slow[:6])
-        return [warn("gpu topology", f"{detail}; crossing CPU sockets: {pairs}", "expect lower all-reduce bandwidth; prefer NVLink-connected GPUs per job", matrix=text)]
+        return [
+            warn(
+                "gpu topology",
+                f"{detail}; crossing CPU sockets: {pairs}",
+                "expect lower all-reduce bandwidth; prefer NVLink-connected GPUs per job",
+                matrix=text,
+            )
+        ]
     return [ok("gpu topology", detail, matrix=text)]
 
 
@@ -173,7 +184,9 @@ def check_writable(path: Path) -> Check:
     name = f"writable {path}"
     existing = nearest_existing(path)
     if not existing.is_dir():
-        return fail(name, f"{existing} is a file, not a directory", f"remove or rename {existing}, or choose another directory")
+        return fail(
+            name, f"{existing} is a file, not a directory", f"remove or rename {existing}, or choose another directory"
+        )
     try:
         fd, probe = tempfile.mkstemp(prefix=".trainyard-doctor-", dir=existing)
         os.close(fd)
@@ -213,11 +226,36 @@ def check_hf_cache() -> Check:
 # ---------------------------------------------------------------- environment
 
 _RISKY_ENV = (
-    ("NCCL_DEBUG", {"TRACE"}, "logs every NCCL call: huge logs, slower collectives", "unset it, or NCCL_DEBUG=WARN (INFO while debugging)"),
-    ("CUDA_LAUNCH_BLOCKING", {"1"}, "every kernel launch waits for the GPU: several times slower", "unset it outside a debugging session"),
-    ("TORCH_DISTRIBUTED_DEBUG", {"DETAIL"}, "checks every collective with extra communication", "unset it in production, or use INFO"),
-    ("NCCL_P2P_DISABLE", {"1"}, "GPUs stop using NVLink/PCIe peer-to-peer", "unset it; pick dist.network if the network needs a preset"),
-    ("NCCL_IB_DISABLE", {"1"}, "InfiniBand is off: NCCL falls back to TCP sockets", "unset it, or choose dist.network: socket if that is intended"),
+    (
+        "NCCL_DEBUG",
+        {"TRACE"},
+        "logs every NCCL call: huge logs, slower collectives",
+        "unset it, or NCCL_DEBUG=WARN (INFO while debugging)",
+    ),
+    (
+        "CUDA_LAUNCH_BLOCKING",
+        {"1"},
+        "every kernel launch waits for the GPU: several times slower",
+        "unset it outside a debugging session",
+    ),
+    (
+        "TORCH_DISTRIBUTED_DEBUG",
+        {"DETAIL"},
+        "checks every collective with extra communication",
+        "unset it in production, or use INFO",
+    ),
+    (
+        "NCCL_P2P_DISABLE",
+        {"1"},
+        "GPUs stop using NVLink/PCIe peer-to-peer",
+        "unset it; pick dist.network if the network needs a preset",
+    ),
+    (
+        "NCCL_IB_DISABLE",
+        {"1"},
+        "InfiniBand is off: NCCL falls back to TCP sockets",
+        "unset it, or choose dist.network: socket if that is intended",
+    ),
     ("NCCL_SHM_DISABLE", {"1"}, "ranks on one node stop using shared memory", "unset it"),
     ("TORCH_NCCL_ASYNC_ERROR_HANDLING", {"0"}, "a failed rank leaves the others hanging until the timeout", "unset it"),
 )
@@ -251,5 +289,3 @@ def check_omp_threads(ranks: int) -> Check:
     if int(value) * ranks > cores:
         return warn("OMP_NUM_THREADS", f"{value} threads x {ranks} ranks > {cores} cores: oversubscribed", fix)
     return ok("OMP_NUM_THREADS", f"{value} threads x {ranks} rank(s) on {cores} cores")
-
-

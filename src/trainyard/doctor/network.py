@@ -65,7 +65,13 @@ def check_nic(nic: str | None, multi_node: bool) -> list[Check]:
     if not settings:
         detail = "none named; NCCL and Gloo pick an interface themselves"
         if multi_node:
-            return [warn("nic", detail, "name the cluster network's interface: --nic NAME or dist.nic (they may pick docker0 or lo)")]
+            return [
+                warn(
+                    "nic",
+                    detail,
+                    "name the cluster network's interface: --nic NAME or dist.nic (they may pick docker0 or lo)",
+                )
+            ]
         return [ok("nic", detail)]
     usable = interface_addresses()
     listing = ", ".join(f"{name} ({ips[0]})" for name, ips in sorted(usable.items())) or "none"
@@ -76,11 +82,25 @@ def check_nic(nic: str | None, multi_node: bool) -> list[Check]:
         named = matching_interfaces(value, all_names, prefix_match)
         good = [n for n in named if n in usable]
         if not named:
-            checks.append(fail(name, f"no interface matches; interfaces with an address: {listing}", "pass --nic NAME (or set dist.nic) to the interface on the network the other nodes reach"))
+            checks.append(
+                fail(
+                    name,
+                    f"no interface matches; interfaces with an address: {listing}",
+                    "pass --nic NAME (or set dist.nic) to the interface on the network the other nodes reach",
+                )
+            )
         elif not good:
-            checks.append(fail(name, f"{', '.join(named)} is down or has no IP address", f"bring it up with an address, or use one of: {listing}"))
+            checks.append(
+                fail(
+                    name,
+                    f"{', '.join(named)} is down or has no IP address",
+                    f"bring it up with an address, or use one of: {listing}",
+                )
+            )
         elif multi_node and all(n == "lo" for n in good):
-            checks.append(fail(name, "loopback reaches only this machine", f"use the cluster network's interface: {listing}"))
+            checks.append(
+                fail(name, "loopback reaches only this machine", f"use the cluster network's interface: {listing}")
+            )
         else:
             checks.append(ok(name, "; ".join(f"{n} {', '.join(usable[n])}" for n in good)))
     return checks
@@ -105,14 +125,21 @@ def check_port_free(host: str, port: int, multi_node: bool) -> Check:
         socket.create_server(("", port), family=family, dualstack_ipv6=family == socket.AF_INET6).close()
     except OSError as err:
         if err.errno != errno.EADDRINUSE:
-            return fail(name, f"cannot listen on port {port}: {err.strerror}", "choose another port (>1024) in --master")
+            return fail(
+                name, f"cannot listen on port {port}: {err.strerror}", "choose another port (>1024) in --master"
+            )
         return fail(
             name,
             f"port {port} is in use{port_owner(port)}",
-            f"stop the stale job holding it (ss -ltnp 'sport = :{port}'), or choose another port in --master on every node",
+            f"stop the stale job holding it (ss -ltnp 'sport = :{port}'), "
+            "or choose another port in --master on every node",
         )
     if multi_node and is_loopback(host):
-        return fail(name, f"{host} is a loopback address: other nodes cannot reach it", "pass node 0's address on the cluster network in --master")
+        return fail(
+            name,
+            f"{host} is a loopback address: other nodes cannot reach it",
+            "pass node 0's address on the cluster network in --master",
+        )
     return ok(name, f"free on this node (node 0 hosts the rendezvous at {host}:{port})")
 
 
@@ -140,9 +167,13 @@ def check_reachable(host: str, port: int) -> Check:
     except socket.gaierror:
         return fail(name, f"cannot resolve {host}", "use node 0's IP address, or fix DNS / /etc/hosts on this node")
     except ConnectionRefusedError:
-        return fail(name, "connection refused: nothing listens there", "start node 0 first, and check the port in --master")
+        return fail(
+            name, "connection refused: nothing listens there", "start node 0 first, and check the port in --master"
+        )
     except OSError as err:
-        return fail(name, f"no connection in 3 s ({err.strerror or err})", "check the address, the route and the firewall between the nodes")
+        return fail(
+            name,
+            f"no connection in 3 s ({err.strerror or err})",
+            "check the address, the route and the firewall between the nodes",
+        )
     return ok(name, "reachable from this node")
-
-

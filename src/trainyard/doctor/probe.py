@@ -56,7 +56,14 @@ def probe_cluster(opts: DoctorOptions, job: JobTargets, nproc: int) -> list[Chec
 def launch_config(opts: DoctorOptions, nproc: int) -> LaunchConfig:
     """Static rendezvous at --master (as torchrun --node-rank does); one node alone needs none."""
     nnodes = opts.nnodes
-    common = dict(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, max_restarts=0, monitor_interval=0.5, start_method="spawn")
+    common = dict(
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=nproc,
+        max_restarts=0,
+        monitor_interval=0.5,
+        start_method="spawn",
+    )
     if opts.master:
         _, port = parse_master(opts.master)
         return LaunchConfig(
@@ -103,7 +110,9 @@ def probe_worker(dirs: list[str], timeout_s: float) -> dict[str, Any] | None:
         token, root_dirs = _from_rank0((uuid.uuid4().hex, dirs) if info.is_main else None)
         # Dirs go by position: a node that resolves the same --dir to another path should fail.
         written = _from_rank0(write_markers(dirs, token) if info.is_main else None)
-        seen = [why is None and marker_seen(d, token) for d, why in zip(dirs, written)] if info.local_rank == 0 else None
+        seen = (
+            [why is None and marker_seen(d, token) for d, why in zip(dirs, written)] if info.local_rank == 0 else None
+        )
         tdist.barrier()
         if info.is_main:
             remove_markers(dirs, token)
@@ -123,7 +132,13 @@ def probe_worker(dirs: list[str], timeout_s: float) -> dict[str, Any] | None:
         dist.teardown()
     if info.local_rank != 0:
         return None
-    return {"ranks": ranks, "dirs": root_dirs, "written": written, "bandwidth": bandwidth, "world_size": info.world_size}
+    return {
+        "ranks": ranks,
+        "dirs": root_dirs,
+        "written": written,
+        "bandwidth": bandwidth,
+        "world_size": info.world_size,
+    }
 
 
 def _from_rank0(value: Any) -> Any:
@@ -242,7 +257,9 @@ def version_row(ranks: list[dict[str, Any]]) -> Check:
             where = "; ".join(f"{value} on node(s) {', '.join(map(str, sorted(n)))}" for value, n in by_value.items())
             differences.append(f"{key}: {where}")
     if differences:
-        return fail("versions", " | ".join(differences), "install the same versions on every node (one image or lock file)")
+        return fail(
+            "versions", " | ".join(differences), "install the same versions on every node (one image or lock file)"
+        )
     return ok("versions", f"identical on all {len({r['node'] for r in ranks})} node(s)")
 
 
@@ -265,7 +282,11 @@ def shared_dir_row(index: int, directory: str, written: str | None, ranks: list[
 def sum_row(ranks: list[dict[str, Any]]) -> Check:
     wrong = [r["rank"] for r in ranks if not r["sum_ok"]]
     if wrong:
-        return fail("all-reduce result", f"wrong sum on rank(s) {wrong}", "check NCCL/driver versions and NCCL_* variables; rerun with NCCL_DEBUG=INFO")
+        return fail(
+            "all-reduce result",
+            f"wrong sum on rank(s) {wrong}",
+            "check NCCL/driver versions and NCCL_* variables; rerun with NCCL_DEBUG=INFO",
+        )
     return ok("all-reduce result", f"correct on all {len(ranks)} rank(s)")
 
 

@@ -1,0 +1,126 @@
+"""Which checkpoint folders exist and which of them count: read from the disk alone.
+
+`checkpoints/step-00000100/` counts once its `COMMITTED` marker (JSON: its kind, full or
+lite) is there; it is written last, after every rank's files. `LATEST` names the newest
+committed full one. Finding, cleaning, rotating, choosing the one to resume, and checking
+that it fits this job live here; writing and loading the tensors live in checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from trainyard.errors import CheckpointError
+from trainyard.files import fsync_dir, write_atomically
+
+MARKER = "COMMITTED"
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+def step_dir(checkpoints: Path, step: int) -> Path:
+    return checkpoints / f"step-{step:08d}"
+
+
+def write_marker(checkpoints: Path, path: Path, kind: str) -> None:
+    """The commit itself (rank 0 only): the marker last, then LATEST for a full checkpoint.
+    A lite marker never replaces an existing one (a full checkpoint stays full)."""
+    if kind == "lite" and committed_kind(path) is not None:
+        return
+    fsync_dir(path)
+    write_atomically(path / MARKER, json.dumps({"kind": kind}))
+    if kind == "full":
+        write_atomically(checkpoints / "LATEST", path.name + "\n")
+
+
+def committed_kind(path: Path) -> str | None:
+    try:
+        return json.loads((path / MARKER).read_text())["kind"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def committed(checkpoints: Path, kind: str = "full") -> list[Path]:
+    """Committed checkpoints of one kind, oldest first."""
+    if not checkpoints.is_dir():
+        return []
+    found = [p for p in checkpoints.iterdir() if STEP_DIR.match(p.name) and committed_kind(p) == kind]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_full(checkpoints: Path) -> Path | None:
+    try:
+        candidate = checkpoints / (checkpoints / "LATEST").read_text().strip()
+    except OSError:
+        candidate = None
+    if candidate is not None and committed_kind(candidate) == "full":
+        return candidate
+    found = committed(checkpoints, "full")
+    return found[-1] if found else None
+
+
+def remove_uncommitted(checkpoints: Path) -> list[Path]:
+    """Partial checkpoints from a run that died mid-save: never loadable, so removed."""
+    removed = []
+    if checkpoints.is_dir():
+        for path in checkpoints.iterdir():
+            if STEP_DIR.match(path.name) and committed_kind(path) is None:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
+def rotate(checkpoints: Path, keep_last: int, protected: Path | None) -> list[Path]:
+    """Drop the oldest full checkpoints beyond keep_last; never the newest or `protected`."""
+    full = committed(checkpoints, "full")
+    removed = []
+    for path in full[: max(0, len(full) - keep_last)]:
+        if protected is not None and path.resolve() == protected.resolve():
+            continue
+        (path / MARKER).unlink()  # uncommit first: a half-deleted dir is never loaded
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def resolve_resume(resume: str, checkpoints: Path) -> Path | None:
+    """`auto`: the newest committed full checkpoint (or None); `never`; or an explicit path."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return latest_full(checkpoints)
+    path = Path(resume)
+    if path.is_dir() and STEP_DIR.match(path.name) is None and (path / "checkpoints").is_dir():
+        path = latest_full(path / "checkpoints") or path  # a run dir: its newest checkpoint
+    if committed_kind(path) != "full":
+        raise CheckpointError(
+            f"checkpoint.resume: {path} is not a committed full checkpoint (no {MARKER} marker of kind full)",
+            fix="point it at a checkpoints/step-XXXXXXXX folder of a finished save, or use auto",
+        )
+    return path
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / "trainer_state.json").read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(
+            f"cannot read {path / 'trainer_state.json'}: {err}", fix="resume from another checkpoint"
+        ) from None
+
+
+def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    """Name every fact that differs between the checkpoint and this job."""
+    differences = [
+        f"{key}: checkpoint has {saved.get(key)!r}, this job has {current[key]!r}"
+        for key in ("model_signature", "lora", "data_fingerprint", "global_batch_samples")
+        if saved.get(key) != current[key]
+    ]
+    if differences:
+        raise CheckpointError(
+            f"checkpoint {path} does not match this job:\n  " + "\n  ".join(differences),
+            fix="resume with the job that wrote it, or set checkpoint.resume: never to start fresh",
+        )

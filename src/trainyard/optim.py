@@ -1,0 +1,43 @@
+"""The optimizer and its schedule: AdamW over the trainable parameters, warmup then decay,
+and the gradient norm that clipping and the non-finite check share."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from trainyard.config import JobConfig
+
+
+def lr_lambda(cfg: JobConfig):
+    """Linear warmup, then cosine / linear decay to min_lr_ratio, or constant."""
+    train = cfg.train
+
+    def factor(step: int) -> float:
+        if step < train.warmup_steps:
+            return (step + 1) / train.warmup_steps
+        if train.schedule == "constant":
+            return 1.0
+        progress = (step - train.warmup_steps) / max(1, train.max_steps - train.warmup_steps)
+        progress = min(progress, 1.0)
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if train.schedule == "cosine" else 1 - progress
+        return train.min_lr_ratio + (1 - train.min_lr_ratio) * shape
+
+    return factor
+
+
+def build_optimizer(
+    model: torch.nn.Module, cfg: JobConfig
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+
+def grad_norm_and_clip(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Total gradient norm over all ranks (DTensor-aware), clipped when max_norm > 0."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
+    full_tensor = getattr(norm, "full_tensor", None)
+    return full_tensor() if full_tensor else norm
