@@ -117,8 +117,8 @@ class EvalConfig(Section):
 class CheckpointConfig(Section):
     every_steps: int = Field(0, ge=0)
     """Full checkpoints (exact resume) every N steps; 0 turns them off."""
-    every_minutes: float = Field(0.0, ge=0.0)
-    """Also a full checkpoint when this much time passed since the last (rank 0 decides)."""
+    every_minutes: float = Field(30.0, ge=0.0)
+    """Also a full checkpoint when this much time passed since the last (rank 0 decides); 0 turns it off."""
     lite_every_steps: int = Field(0, ge=0)
     """Lite checkpoints (the LoRA adapter only, PEFT format) every N steps; 0 turns them off."""
     keep_last: int = Field(3, ge=1)

@@ -61,6 +61,18 @@ def meta_model(cfg: JobConfig) -> torch.nn.Module | None:
     return model
 
 
+def checkpoint_policy(cfg: JobConfig) -> str:
+    """When full and lite checkpoints are written, in words."""
+    ckpt = cfg.checkpoint
+    full = [f"every {ckpt.every_steps} steps"] if ckpt.every_steps else []
+    full += [f"every {ckpt.every_minutes:g} min"] if ckpt.every_minutes else []
+    full += ["at the end"] if ckpt.at_end else []
+    words = "full " + (", ".join(full) if full else "never")
+    if ckpt.lite_every_steps:
+        words += f"; lite (adapter) every {ckpt.lite_every_steps} steps"
+    return words + f"; keep {ckpt.keep_last}{', async' if ckpt.async_save else ''}"
+
+
 def describe_plan(cfg: JobConfig, world_size: int) -> str:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     info = DistInfo(0, world_size, 0, min(world_size, 8), device, None)
@@ -76,6 +88,7 @@ def describe_plan(cfg: JobConfig, world_size: int) -> str:
         f"steps            {train.max_steps} (lr {train.lr:g}, {train.schedule}, warmup {train.warmup_steps})",
         f"dtype            {model_room.resolve_dtype(cfg.model, device)} on {device.type}",
         f"lora             {f'r={lora.r} alpha={lora.alpha:g}' if lora.enabled else 'off (full fine-tuning)'}",
+        f"checkpoints      {checkpoint_policy(cfg)}",
     ]
     if model is None:
         lines.append(

@@ -1,4 +1,4 @@
-"""Learning-rate schedules and the auto strategy rule."""
+"""Learning-rate schedules, the auto strategy rule, and the checkpoint policy a job gets."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from trainyard.config import load_config
 from trainyard.dist import DistInfo
 from trainyard.optim import lr_lambda
 from trainyard.parallel import choose_strategy, replicated_state_bytes
+from trainyard.plan import checkpoint_policy
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
@@ -53,3 +54,12 @@ def test_auto_picks_fsdp_when_replicated_state_exceeds_half_the_device(monkeypat
     monkeypatch.setattr(parallel, "device_memory_bytes", lambda info: 2 * replicated_state_bytes(model))
     assert choose_strategy("auto", model, _info(2)) == "ddp"
 
+
+@pytest.mark.parametrize("preset", ["tiny", "quickstart"])
+def test_a_job_that_sets_nothing_saves_full_checkpoints_every_30_minutes_and_at_the_end(preset: str) -> None:
+    """A node lost at hour 67 loses at most half an hour, not the whole run."""
+    cfg = load_config(preset)
+    assert cfg.checkpoint.every_minutes == 30 and cfg.checkpoint.at_end
+    assert checkpoint_policy(cfg).startswith("full every 30 min, at the end")
+    off = load_config(preset, ["checkpoint.every_minutes=0", "checkpoint.at_end=false"])
+    assert checkpoint_policy(off).startswith("full never")
