@@ -57,7 +57,7 @@ from trainyard.checkpoint_layout import (  # noqa: F401  (the checkpoint room's 
     write_marker,
 )
 from trainyard.config import CheckpointConfig
-from trainyard.dist import DistInfo, all_reduce_sum, barrier
+from trainyard.dist import DistInfo, all_reduce_sum, broadcast_text
 from trainyard.errors import CheckpointError
 from trainyard.files import fsync_dir, write_atomically
 from trainyard.parallel import unwrap
@@ -137,10 +137,14 @@ def _state_dicts(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, save_frozen: bool
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Model and optimizer state as DCP writes and reads them; frozen weights only when asked
-    (they come from model.path)."""
-    frozen = any(not p.requires_grad for p in model.parameters())
-    options = StateDictOptions(ignore_frozen_params=frozen and not save_frozen, strict=False)
-    return get_state_dict(model, optimizer, options=options)
+    (they come from model.path). torch's `ignore_frozen_params` misses a frozen weight tied
+    under a second name (lm_head = embed_tokens: 113 of SmolLM2's 195 MB LoRA checkpoint),
+    because named_parameters() names a shared Parameter once; here every name is dropped."""
+    model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(strict=False))
+    if not save_frozen:
+        frozen = {name for name, p in unwrap(model).named_parameters(remove_duplicate=False) if not p.requires_grad}
+        model_state = {name: value for name, value in model_state.items() if name not in frozen}
+    return model_state, optim_state
 
 
 # ---------------------------------------------------------------- writing a full checkpoint
@@ -215,9 +219,17 @@ def finish_save(pending: PendingSave) -> None:
 
 
 def commit(checkpoints: Path, path: Path, kind: str, info: DistInfo) -> None:
-    """Rank 0 writes the marker last, then points LATEST at it (full checkpoints only)."""
+    """Every rank calls it; rank 0 writes the marker. If that fails, every rank raises the same
+    error: a rank that went on alone would wait for the others in the next collective."""
+    error = ""
     if info.is_main:
-        write_marker(checkpoints, path, kind)
+        try:
+            write_marker(checkpoints, path, kind)
+        except OSError as err:
+            error = f"committing checkpoint {path} failed on rank 0: {err}"
+    error = broadcast_text(error, info.device)
+    if error:
+        raise CheckpointError(error, fix=DISK_FIX)
 
 
 # ---------------------------------------------------------------- the saves of one job
@@ -317,10 +329,19 @@ class Checkpointer:
         """The adapter alone, committed at once: seconds, no optimizer, no base weights."""
         started = time.monotonic()
         path = step_dir(self.dir, step)
-        if save_adapter(model, path / "adapter", self.info) is None:
-            return  # not a LoRA job: no rank has anything to save
-        barrier()
-        commit(self.dir, path, "lite", self.info)
+        error = ""
+        try:
+            if save_adapter(model, path / "adapter", self.info) is None:
+                return  # not a LoRA job: no rank has anything to save
+        except (OSError, SafetensorError) as err:  # rank 0 writes; safetensors' I/O errors are not OSErrors
+            error = f"saving lite checkpoint {path} failed on rank 0: {err}"
+        try:
+            if error := broadcast_text(error, self.info.device):
+                raise CheckpointError(error, fix=DISK_FIX)
+            commit(self.dir, path, "lite", self.info)
+        except CheckpointError as err:
+            self._failed(step, err)
+            return
         self.emit("checkpoint", step=step, mode="lite", path=str(path / "adapter"), stall_s=time.monotonic() - started)
 
     def _commit(self, pending: PendingSave, **figures: float) -> None:
@@ -360,7 +381,7 @@ def load_full(
         optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optim"],
-        options=StateDictOptions(ignore_frozen_params=not save_frozen, strict=False),
+        options=StateDictOptions(strict=False),
     )
     saved_world = read_trainer_state(path)["world_size"]
     own = path / f"rank-{info.rank}.json"

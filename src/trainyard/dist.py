@@ -111,6 +111,21 @@ def barrier() -> None:
         dist.barrier()
 
 
+def broadcast_text(text: str, device: torch.device, src: int = 0) -> str:
+    """Rank `src`'s text on every rank (its length first: one small collective when empty)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return text
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src)
+    if size.item() == 0:
+        return ""
+    if dist.get_rank() != src:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=src)
+    return bytes(data.cpu().tolist()).decode()
+
+
 @contextlib.contextmanager
 def first_on_node(info: DistInfo) -> Iterator[None]:
     """Local rank 0 runs the block first (fills node caches); the others then run it too."""

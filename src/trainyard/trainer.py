@@ -24,7 +24,7 @@ from trainyard import checkpoint, dist, health, parallel
 from trainyard import model as model_room
 from trainyard.config import JobConfig, accumulation_steps, dump_config
 from trainyard.data import PreparedData, ResumableSampler, micro_batches, prepare_datasets
-from trainyard.errors import TrainyardError
+from trainyard.errors import CheckpointError, TrainyardError
 from trainyard.evaluate import evaluate, token_loss_sum
 from trainyard.files import write_atomically
 from trainyard.metrics import (
@@ -275,12 +275,19 @@ def _save_full(job: Job, state: LoopState, async_save: bool) -> bool:
 
 
 def _stop_for_preemption(job: Job, state: LoopState) -> NoReturn:
-    """Save where every rank stands, then leave with exit 75: requeue me."""
-    _save_full(job, state, async_save=False)
-    raise Preempted(
-        f"stopped by {(_SIGNALLED or ['a signal on another rank'])[0]} after step {state.step}; "
-        f"checkpoint step-{state.step:08d} is committed",
-        fix="run the same command again (checkpoint.resume: auto) to continue where it stopped",
+    """Save where every rank stands, then leave: exit 75 (requeue me) only if it is committed."""
+    by = (_SIGNALLED or ["a signal on another rank"])[0]
+    if _save_full(job, state, async_save=False):
+        raise Preempted(
+            f"stopped by {by} after step {state.step}; checkpoint step-{state.step:08d} is committed",
+            fix="run the same command again (checkpoint.resume: auto) to continue where it stopped",
+        )
+    latest = checkpoint.latest_full(job.checkpoints)
+    raise CheckpointError(
+        f"stopped by {by} after step {state.step}, but its checkpoint could not be saved "
+        "(logged as checkpoint_failed); "
+        f"the newest committed checkpoint is {latest.name if latest else 'none: a rerun starts fresh'}",
+        fix="free space in the checkpoint dir, then run the same command again to resume from there",
     )
 
 

@@ -1,10 +1,13 @@
-"""A save that cannot be written stops the run with the dir named, or, with
-checkpoint.on_error=continue, is reported and skipped; the previous checkpoint survives."""
+"""A save that cannot be written (full, lite, preemption, or the commit marker) stops every
+rank with the dir named, or, with checkpoint.on_error=continue, is reported and skipped; the
+previous checkpoint survives."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,14 +15,18 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import assert_ok, events, trainyard
-from tests.dist.checkpoint_helpers import EVERY, FULL_FSDP, LORA_DDP, STEPS, train_args
-from trainyard.checkpoint import committed, latest_full, step_dir
+from tests.dist.checkpoint_helpers import EVERY, FULL_FSDP, LORA_DDP, STEPS, kill_tree, start, train_args, wait_for_step
+from trainyard.checkpoint import MARKER, committed, latest_full, step_dir
 
 pytestmark = pytest.mark.dist
 
 
 def digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def fill(folder: Path) -> None:
@@ -39,7 +46,9 @@ def tmpfs_checkpoints(tmp_path: Path) -> Iterator[Path]:
         pytest.skip("mounting a tmpfs needs root")
     target = tmp_path / "tiny" / "checkpoints"
     target.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(target)], capture_output=True, text=True, check=False)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(target)], capture_output=True, text=True, check=False
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     yield target
@@ -75,10 +84,86 @@ def test_unwritable_checkpoint_dir_is_reported_and_skipped_with_on_error_continu
     checkpoints.mkdir(parents=True)
     blocked = step_dir(checkpoints, 2 * EVERY)
     blocked.write_text("not a folder")
-    result = trainyard(*train_args(tmp_path, *FULL_FSDP, "checkpoint.on_error=continue", f"train.max_steps={3 * EVERY}"))
+    result = trainyard(
+        *train_args(tmp_path, *FULL_FSDP, "checkpoint.on_error=continue", f"train.max_steps={3 * EVERY}")
+    )
     assert_ok(result)
     failures = [e for e in events(tmp_path / "tiny", "system") if e.get("event") == "checkpoint_failed"]
     assert [e["step"] for e in failures] == [2 * EVERY]
     assert str(blocked) in failures[0]["error"]
     assert [p.name for p in committed(checkpoints)] == [step_dir(checkpoints, s).name for s in (EVERY, 3 * EVERY)]
     assert blocked.read_text() == "not a folder"
+
+
+LITE_ONLY = ["checkpoint.every_steps=0", f"checkpoint.lite_every_steps={EVERY}", "checkpoint.at_end=false"]
+
+
+def test_a_lite_save_on_a_full_disk_stops_naming_the_dir_or_continues_when_asked(
+    tmp_path: Path, tmpfs_checkpoints: Path
+) -> None:
+    checkpoints = tmpfs_checkpoints
+    fill(checkpoints)
+    short = [*LORA_DDP, *LITE_ONLY, f"train.max_steps={2 * EVERY}"]
+
+    stopped = trainyard(*train_args(tmp_path, *short))
+    assert stopped.returncode == 2, stopped.stderr[-3000:]
+    message = "".join(stopped.stderr.split())
+    assert str(step_dir(checkpoints, EVERY)) in message and "Nospaceleftondevice" in message, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
+
+    continued = trainyard(*train_args(tmp_path, *short, "checkpoint.on_error=continue"))
+    assert_ok(continued)
+    failed = [e["step"] for e in events(tmp_path / "tiny", "system") if e.get("event") == "checkpoint_failed"]
+    assert failed == [EVERY, EVERY, 2 * EVERY], failed  # the stopped run's, then this run's two
+    assert committed(checkpoints, "lite") == []
+
+
+def test_a_failed_preemption_save_never_claims_a_committed_checkpoint(tmp_path: Path, tmpfs_checkpoints: Path) -> None:
+    """on_error: continue keeps training through failed saves; a preemption still has to stop,
+    and without a checkpoint it must not exit 75 ("committed, requeue me")."""
+    checkpoints = tmpfs_checkpoints
+    fill(checkpoints)
+    proc = start(train_args(tmp_path, *LORA_DDP, "checkpoint.every_steps=0", "checkpoint.on_error=continue"))
+    try:
+        wait_for_step(proc, tmp_path / "tiny", EVERY)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.returncode is None:
+            kill_tree(proc)
+    message = " ".join(stderr.split())
+    assert proc.returncode == 2, stderr[-3000:]
+    assert "stopped by" in message and "could not be saved" in message, stderr[-3000:]
+    assert "is committed" not in message, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert latest_full(checkpoints) is None and committed(checkpoints) == []
+
+
+@pytest.fixture
+def immutable_marker(tmp_path: Path) -> Iterator[Path]:
+    """A lite checkpoint at step EVERY whose COMMITTED marker no one may replace (chattr +i
+    stops root too): rank 0's commit of the full checkpoint at that step then fails."""
+    path = step_dir(tmp_path / "tiny" / "checkpoints", EVERY)
+    path.mkdir(parents=True)
+    marker = path / MARKER
+    marker.write_text(json.dumps({"kind": "lite"}))
+    made = subprocess.run(["chattr", "+i", str(marker)], capture_output=True, text=True, check=False)
+    if made.returncode != 0:
+        pytest.skip(f"cannot make a file immutable here: {made.stderr.strip()}")
+    yield path
+    subprocess.run(["chattr", "-i", str(marker)], check=False)
+
+
+def test_rank_0_failing_to_write_the_marker_fails_every_rank_with_the_same_message(
+    tmp_path: Path, immutable_marker: Path
+) -> None:
+    result = trainyard(*train_args(tmp_path, *LORA_DDP, f"train.max_steps={2 * EVERY}"))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    message = "".join(result.stderr.split())
+    assert f"committingcheckpoint{immutable_marker}failedonrank0" in message, result.stderr[-3000:]
+    logs = [(tmp_path / "tiny" / "logs" / f"rank-{rank}.log").read_text() for rank in (0, 1)]
+    failures = [[line.split(" ERROR ", 1)[1] for line in log.splitlines() if " ERROR " in line] for log in logs]
+    assert failures[0] and failures[0] == failures[1], failures
+    assert "Operation not permitted" in failures[0][0]
+    assert committed(tmp_path / "tiny" / "checkpoints") == []
