@@ -336,12 +336,14 @@ def accumulation_steps(cfg: JobConfig, world_size: int, saved_samples: int | Non
     per_pass_samples = train.micro_batch_size * world_size
     if train.global_batch_size is not None:
         total, unit, field = train.global_batch_size, per_pass_samples, "train.global_batch_size"
+        head = f"{field}={total}"
         unit_text = f"micro_batch_size x world_size = {train.micro_batch_size} x {world_size}"
         other = f"set {field} to a multiple of {unit}, or change micro_batch_size"
     elif train.global_batch_tokens is not None:
         total = train.global_batch_tokens
         unit = per_pass_samples * cfg.data.max_length
         field = "train.global_batch_tokens"
+        head = f"{field}={total}"
         unit_text = (
             f"micro_batch_size x world_size x data.max_length = "
             f"{train.micro_batch_size} x {world_size} x {cfg.data.max_length}"
@@ -349,7 +351,10 @@ def accumulation_steps(cfg: JobConfig, world_size: int, saved_samples: int | Non
         other = f"set {field} to a multiple of {unit}, or change micro_batch_size"
     elif saved_samples is not None:
         total, unit = saved_samples, per_pass_samples
-        field = "the checkpoint's global batch (train.global_batch_size unset: micro x world when saved)"
+        head = (
+            f"the checkpoint's global batch of {total} samples (micro_batch_size x world_size when it was saved: "
+            "train.global_batch_size is unset)"
+        )
         unit_text = f"micro_batch_size x world_size = {train.micro_batch_size} x {world_size}"
         other = "change micro_batch_size, or start a fresh run (checkpoint.resume: never)"
     else:
@@ -358,7 +363,7 @@ def accumulation_steps(cfg: JobConfig, world_size: int, saved_samples: int | Non
         sizes = _divisors(total // (unit // world_size)) if total % (unit // world_size) == 0 else []
         can = f"world sizes that keep it: {', '.join(map(str, sizes))}" if sizes else "no world size keeps it"
         raise ConfigError(
-            f"{field}={total} is not a multiple of {unit_text} = {unit}; {can}",
+            f"{head} is not a multiple of {unit_text} = {unit}; {can}",
             fix=f"run on one of those world sizes (--nproc, --nnodes), or {other}" if sizes else other,
         )
     return total // unit

@@ -32,7 +32,7 @@ def sample_record_path(run_dir: Path, rank: int) -> Path | None:
 class SampleRecord:
     """Appends one JSON line per micro-batch: [epoch, position in epoch, dataset index] per row.
 
-    Each start of the job first appends a `start` line (world size, rank, global position), so
+    Each start of the job first appends a `start` line (global position, world size, rank), so
     a reader can tell the attempts apart. Rows drawn for a step that never finished (killed, or
     rewound by a preemption save) are recorded too: the next `start` line says where training
     went on from.
@@ -47,7 +47,10 @@ class SampleRecord:
             if self.handle.read(1) != b"\n":
                 self.handle.write(b"\n")
         self.sampler = sampler
-        self._write({"start": sampler.state_dict(), "world_size": sampler.world_size, "rank": sampler.rank})
+        self._write({
+            "start": sampler.state_dict(), "world_size": sampler.world_size, "rank": sampler.rank,
+            "samples_per_epoch": sampler.num_samples,
+        })
 
     def _write(self, record: dict[str, Any]) -> None:
         self.handle.write((json.dumps(record) + "\n").encode())  # one write per line
