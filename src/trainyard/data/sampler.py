@@ -56,23 +56,26 @@ class ResumableSampler:
         self.shuffle = shuffle
         self.consumed = 0
         """Global position in the stream: rows taken by all ranks together since epoch 0 began."""
-        self._cached: tuple[int, list[int]] | None = None
+        self._cached: tuple[int, torch.Tensor] | None = None
 
-    def epoch_order(self, epoch: int) -> list[int]:
-        """Every row of one epoch, in the order the ranks together consume them."""
-        if self._cached is None or self._cached[0] != epoch:
+    def _order(self, epoch: int) -> torch.Tensor:
+        if self._cached is None or self._cached[0] != epoch:  # a tensor: 8 bytes a row, not a Python int
             if self.shuffle:
                 generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
                 order = torch.randperm(self.num_samples, generator=generator)
             else:
                 order = torch.arange(self.num_samples)
-            self._cached = (epoch, order.tolist())
+            self._cached = (epoch, order)
         return self._cached[1]
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """Every row of one epoch, in the order the ranks together consume them."""
+        return self._order(epoch).tolist()
 
     def at(self, stream_position: int) -> int:
         """The dataset index at a global stream position."""
         epoch, offset = divmod(stream_position, self.num_samples)
-        return self.epoch_order(epoch)[offset]
+        return int(self._order(epoch)[offset])
 
     def next_positions(self, count: int) -> list[int]:
         """The stream positions of the next `count` rows this rank takes (nothing is consumed)."""
