@@ -113,14 +113,38 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
 
 
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
-    """Name every fact that differs between the checkpoint and this job."""
+    """Name every fact that differs between the checkpoint and this job.
+
+    The world size may differ: the global batch may not (accumulation is re-derived to keep
+    it), and every saved rank must hold the same global data position, the one resumed from.
+    """
     differences = [
         f"{key}: checkpoint has {saved.get(key)!r}, this job has {current[key]!r}"
         for key in ("model_signature", "lora", "data_fingerprint", "global_batch_samples")
         if saved.get(key) != current[key]
     ]
+    differences += _sampler_disagreements(path, int(saved.get("world_size", 1)))
     if differences:
         raise CheckpointError(
             f"checkpoint {path} does not match this job:\n  " + "\n  ".join(differences),
             fix="resume with the job that wrote it, or set checkpoint.resume: never to start fresh",
         )
+
+
+def _sampler_disagreements(path: Path, saved_world: int) -> list[str]:
+    """Each saved rank's data position; they must agree, or resuming would skip or repeat rows.
+    (A missing rank file is load_full's to report, on the rank that needs it.)"""
+    positions: dict[str, list[int]] = {}
+    for rank in range(saved_world):
+        try:
+            sampler = json.loads((path / f"rank-{rank}.json").read_text())["sampler"]
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError, KeyError) as err:
+            return [f"rank-{rank}.json: unreadable data position ({err})"]
+        positions.setdefault(json.dumps(sampler, sort_keys=True), []).append(rank)
+    if len(positions) <= 1:
+        return []
+    return ["sampler: the saved ranks disagree on the data position: " + "; ".join(
+        f"ranks {ranks} at {position}" for position, ranks in positions.items()
+    )]

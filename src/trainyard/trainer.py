@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from trainyard import checkpoint, dist, health, parallel
 from trainyard import model as model_room
 from trainyard.config import JobConfig, accumulation_steps, dump_config
-from trainyard.data import PreparedData, ResumableSampler, micro_batches, prepare_datasets
+from trainyard.data import PreparedData, ResumableSampler, micro_batches, prepare_datasets, sample_record_path
 from trainyard.errors import CheckpointError, TrainyardError
 from trainyard.evaluate import evaluate, token_loss_sum
 from trainyard.files import write_atomically
@@ -363,18 +363,20 @@ def resume(job: Job) -> LoopState:
         logger.info("starting fresh (checkpoint.resume: %s, no committed checkpoint)", job.cfg.checkpoint.resume)
         return LoopState()
     saved = checkpoint.read_trainer_state(path)
+    world = job.info.world_size
+    # Any world size keeps the global batch (the checkpoint's, if the config sets none): re-derive accumulation.
+    job.accum = accumulation_steps(job.cfg, world, saved.get("global_batch_samples"))
+    job.facts["global_batch_samples"] = job.cfg.train.micro_batch_size * job.accum * world
     checkpoint.check_compatible(saved, job.facts, path)
     rank_state = checkpoint.load_full(job.model, job.optimizer, path, job.info, job.cfg.checkpoint.save_frozen)
     job.scheduler.load_state_dict(saved["scheduler"])
-    sampler_state = dict(rank_state["sampler"])
-    if saved["world_size"] == job.info.world_size:
+    if saved["world_size"] == world:  # per-rank streams (dropout) only fit the same ranks
         checkpoint.set_rng_state(rank_state["rng"])
-    else:  # same samples consumed in total, spread over the new number of ranks
-        sampler_state["index"] = sampler_state["index"] * saved["world_size"] // job.info.world_size
-    job.sampler.load_state_dict(sampler_state)
+    job.sampler.load_state_dict(rank_state["sampler"], saved_world_size=saved["world_size"])  # global: fits any world
     job.saves.resumed_from = path  # never rotated away
-    logger.info("resumed from %s at step %d", path, saved["step"])
-    job.sink.emit("system", step=saved["step"], event="resumed", path=str(path), saved_world_size=saved["world_size"])
+    logger.info("resumed from %s at step %d (world %d, accumulation %d)", path, saved["step"], world, job.accum)
+    job.sink.emit("system", step=saved["step"], event="resumed", path=str(path), saved_world_size=saved["world_size"],
+                  accumulation=job.accum)
     return LoopState(**saved["loop"])
 
 
@@ -456,7 +458,9 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     if info.is_main:  # after resume's checks: a rejected job never replaces the run's config
         write_atomically(run_dir / "config.yaml", dump_config(cfg))
     install_preemption_handlers(cfg.checkpoint.preemption_signals)
-    batches = micro_batches(data.train, sampler, cfg.train.micro_batch_size, tokenizer.pad_token_id)
+    batches = micro_batches(
+        data.train, sampler, cfg.train.micro_batch_size, tokenizer.pad_token_id, sample_record_path(run_dir, info.rank)
+    )
     try:
         state = fit(job, batches, state)
     finally:
@@ -471,7 +475,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         else None,
         "world_size": info.world_size,
         "strategy": strategy,
-        "accumulation": accum,
+        "accumulation": job.accum,
         "device": environment["cuda_devices"][0] if environment["cuda_devices"] else "cpu",
         "torch": torch.__version__,
         "model": cfg.model.path or f"config:{cfg.model.config.get('model_type') if cfg.model.config else None}",

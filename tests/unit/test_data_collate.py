@@ -96,12 +96,12 @@ def dataset_of(count: int) -> datasets.Dataset:
 def test_micro_batches_follow_the_sampler_order():
     data = dataset_of(12)
     sampler = ResumableSampler(12, seed=0, rank=0, world_size=1)
-    order = ResumableSampler(12, seed=0, rank=0, world_size=1).epoch_indices(0)
+    order = ResumableSampler(12, seed=0, rank=0, world_size=1).epoch_order(0)
     batch = next(micro_batches(data, sampler, micro_batch_size=4, pad_id=PAD))
     expected = [data[i]["input_ids"] for i in order[:4]]
     assert [row[row != PAD].tolist() for row in batch["input_ids"]] == expected
     assert batch["input_ids"].shape[1] == max(len(ids) for ids in expected)
-    assert sampler.state_dict() == {"epoch": 0, "index": 4}
+    assert sampler.state_dict() == {"epoch": 0, "position": 4}
 
 
 def test_resumed_loader_yields_the_same_batches_as_an_uninterrupted_one():

@@ -1,7 +1,8 @@
-"""The sampler: disjoint rank shards, deterministic epochs, exact resume."""
+"""The sampler: disjoint rank shares, deterministic epochs, exact resume on any world size."""
 
 from __future__ import annotations
 
+import random
 from itertools import islice
 
 import pytest
@@ -14,9 +15,9 @@ def take(sampler: ResumableSampler, count: int) -> list[int]:
     return list(islice(iter(sampler), count))
 
 
-def test_ranks_get_disjoint_equal_shards_of_one_epoch():
-    shards = [take(ResumableSampler(10, seed=3, rank=r, world_size=3), 3) for r in range(3)]
-    flat = [i for shard in shards for i in shard]
+def test_ranks_get_disjoint_equal_shares_of_one_epoch():
+    shares = [take(ResumableSampler(10, seed=3, rank=r, world_size=3), 3) for r in range(3)]
+    flat = [i for share in shares for i in share]
     assert len(flat) == len(set(flat)) == 9
     assert set(flat) <= set(range(10))
 
@@ -30,14 +31,19 @@ def test_order_is_deterministic_and_differs_by_seed_and_epoch():
     assert epoch0 != epoch1
 
 
-def test_without_shuffle_rank_r_takes_every_world_th_index():
-    assert take(ResumableSampler(7, seed=0, rank=1, world_size=2, shuffle=False), 4) == [1, 3, 5, 1]
+def test_without_shuffle_rank_r_takes_every_world_th_row_of_the_stream():
+    # 7 rows, 2 ranks: the stream is 0..6, 0..6, ...; nothing at an epoch's end is dropped.
+    assert take(ResumableSampler(7, seed=0, rank=1, world_size=2, shuffle=False), 5) == [1, 3, 5, 0, 2]
+    assert take(ResumableSampler(7, seed=0, rank=0, world_size=2, shuffle=False), 5) == [0, 2, 4, 6, 1]
 
 
-def test_state_tracks_epoch_and_position():
+def test_state_is_the_global_position_in_an_epoch():
     sampler = ResumableSampler(10, seed=0, rank=0, world_size=2)
-    take(sampler, 7)
-    assert sampler.state_dict() == {"epoch": 1, "index": 2}
+    take(sampler, 7)  # 7 rows on each of 2 ranks: 14 in all, 4 into epoch 1
+    assert sampler.state_dict() == {"epoch": 1, "position": 4}
+    other_rank = ResumableSampler(10, seed=0, rank=1, world_size=2)
+    take(other_rank, 7)
+    assert other_rank.state_dict() == sampler.state_dict()
 
 
 @pytest.mark.parametrize("stop", [0, 3, 5, 12])
@@ -50,12 +56,78 @@ def test_resumed_sampler_continues_the_uninterrupted_sequence(stop):
     assert head + take(resumed, 20 - stop) == uninterrupted
 
 
+def run_segments(num_samples: int, global_batch: int, segments: list[tuple[int, int]], seed: int = 5) -> list[int]:
+    """Steps of a job whose world size changes: (world size, steps) per segment, each resuming
+    from the state every rank of the previous one saved. Returns the rows of each step in
+    order (rank by rank within a step: the set per step is what matters)."""
+    state = None
+    trained: list[int] = []
+    for world, steps in segments:
+        samplers = [ResumableSampler(num_samples, seed=seed, rank=r, world_size=world) for r in range(world)]
+        for sampler in samplers:
+            if state is not None:
+                sampler.load_state_dict(state)
+        streams = [iter(sampler) for sampler in samplers]
+        for _ in range(steps):
+            for stream in streams:
+                trained += list(islice(stream, global_batch // world))
+        states = [sampler.state_dict() for sampler in samplers]
+        assert all(s == states[0] for s in states), states  # a checkpoint's ranks agree
+        state = states[0]
+    return trained
+
+
+def epochs(num_samples: int, count: int, seed: int = 5) -> list[list[int]]:
+    reference = ResumableSampler(num_samples, seed=seed, rank=0, world_size=1)
+    return [reference.epoch_order(e) for e in range(count)]
+
+
+@pytest.mark.parametrize(
+    "segments",
+    [
+        [(2, 5), (1, 4), (3, 6), (2, 5)],
+        [(1, 7), (4, 3), (6, 9)],
+        [(12, 2), (1, 1), (3, 11)],
+    ],
+)
+def test_changing_world_size_neither_skips_nor_repeats_a_row(segments):
+    """World 2 -> 1 -> 3 -> 2 with a global batch of 12 over a 50-row epoch (steps span epochs):
+    every step trains the next 12 rows of the epochs' orders laid back to back."""
+    trained = run_segments(50, 12, segments)
+    steps = sum(count for _, count in segments)
+    assert len(trained) == steps * 12
+    order = [i for epoch in epochs(50, len(trained) // 50 + 1) for i in epoch]
+    for step in range(steps):  # each step trains exactly the next 12 rows of the stream
+        assert sorted(trained[step * 12 : (step + 1) * 12]) == sorted(order[step * 12 : (step + 1) * 12]), step
+
+
+def test_random_world_size_changes_match_one_uninterrupted_world():
+    rng = random.Random(0)
+    global_batch = 24
+    segments = [(rng.choice([1, 2, 3, 4, 6, 8, 12, 24]), rng.randint(0, 5)) for _ in range(12)]
+    steps = sum(count for _, count in segments)
+    changed = run_segments(37, global_batch, segments)
+    straight = run_segments(37, global_batch, [(1, steps)])
+    for step in range(steps):
+        window = slice(step * global_batch, (step + 1) * global_batch)
+        assert sorted(changed[window]) == sorted(straight[window]), (segments, step)
+
+
+def test_a_legacy_per_rank_index_becomes_a_global_position():
+    """Checkpoints from before positions were global stored rows per rank; rank r had taken
+    rows r, r+w, ... of the epoch's order, so index 3 on 2 ranks is 6 rows in all."""
+    sampler = ResumableSampler(10, seed=0, rank=0, world_size=1)
+    sampler.load_state_dict({"epoch": 2, "index": 3}, saved_world_size=2)
+    assert sampler.state_dict() == {"epoch": 2, "position": 6}
+    assert take(sampler, 4) == sampler.epoch_order(2)[6:10]
+
+
 def test_dataset_smaller_than_world_is_an_error():
     with pytest.raises(DataError, match="too small for the world size"):
         ResumableSampler(3, seed=0, rank=0, world_size=4)
 
 
-def test_state_from_another_setup_is_rejected():
+def test_state_from_other_data_is_rejected():
     sampler = ResumableSampler(10, seed=0, rank=0, world_size=2)
     with pytest.raises(DataError, match="does not fit"):
-        sampler.load_state_dict({"epoch": 0, "index": 6})
+        sampler.load_state_dict({"epoch": 0, "position": 11})

@@ -2,7 +2,7 @@
 
 from trainyard.data.collate import collate, packed_attention
 from trainyard.data.formats import IGNORE_INDEX, alpaca_prompt, detect_format, encode_row, read_rows
-from trainyard.data.loader import micro_batches
+from trainyard.data.loader import micro_batches, sample_record_path
 from trainyard.data.prepare import PreparedData, data_fingerprint, prepare_datasets
 from trainyard.data.sampler import ResumableSampler
 from trainyard.data.synthetic import builtin_rows, spoken_date
@@ -23,5 +23,6 @@ __all__ = [
     "packed_attention",
     "prepare_datasets",
     "read_rows",
+    "sample_record_path",
     "spoken_date",
 ]

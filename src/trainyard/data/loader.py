@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterator
 from itertools import islice
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,6 +15,50 @@ from trainyard.data.collate import collate
 from trainyard.data.sampler import ResumableSampler
 
 COLUMNS = ("input_ids", "labels", "seq_lens")
+RECORD_ENV = "TRAINYARD_RECORD_SAMPLES"
+
+
+def sample_record_path(run_dir: Path, rank: int) -> Path | None:
+    """Where this rank records the rows it reads, when TRAINYARD_RECORD_SAMPLES=1 asks for it.
+
+    An audit of the data order across restarts and world-size changes: which rows were
+    trained, and whether a resume skipped or repeated any.
+    """
+    if os.environ.get(RECORD_ENV, "") in ("", "0"):
+        return None
+    return run_dir / "samples" / f"rank-{rank}.jsonl"
+
+
+class SampleRecord:
+    """Appends one JSON line per micro-batch: [epoch, position in epoch, dataset index] per row.
+
+    Each start of the job first appends a `start` line (global position, world size, rank), so
+    a reader can tell the attempts apart. Rows drawn for a step that never finished (killed, or
+    rewound by a preemption save) are recorded too: the next `start` line says where training
+    went on from.
+    """
+
+    def __init__(self, path: Path, sampler: ResumableSampler) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.handle = open(path, "a+b")
+        self.handle.seek(0, os.SEEK_END)
+        if self.handle.tell() > 0:  # a line cut short by a kill must not swallow the next one
+            self.handle.seek(-1, os.SEEK_END)
+            if self.handle.read(1) != b"\n":
+                self.handle.write(b"\n")
+        self.sampler = sampler
+        self._write({
+            "start": sampler.state_dict(), "world_size": sampler.world_size, "rank": sampler.rank,
+            "samples_per_epoch": sampler.num_samples,
+        })
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self.handle.write((json.dumps(record) + "\n").encode())  # one write per line
+        self.handle.flush()
+
+    def micro_batch(self, positions: list[int], indices: list[int]) -> None:
+        rows = [[*divmod(p, self.sampler.num_samples), i] for p, i in zip(positions, indices, strict=True)]
+        self._write({"rows": rows})
 
 
 def micro_batches(
@@ -19,17 +66,26 @@ def micro_batches(
     sampler: ResumableSampler,
     micro_batch_size: int,
     pad_id: int,
+    record: Path | None = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Collated micro-batches, forever.
+    """Collated micro-batches, forever; each one's rows appended to `record` when given.
 
     Nothing is read ahead: after a micro-batch is yielded, `sampler.state_dict()` is exactly the
     point to resume from, so a checkpoint taken between steps replays no row and skips none.
     """
     columns = [name for name in COLUMNS if name in dataset.column_names]
     rows_of = dataset.select_columns(columns)
+    recorder = SampleRecord(record, sampler) if record is not None else None
     indices = iter(sampler)
-    while True:
-        picked = list(islice(indices, micro_batch_size))
-        fetched = rows_of[picked]
-        rows = [{name: fetched[name][i] for name in columns} for i in range(len(picked))]
-        yield collate(rows, pad_id)
+    try:
+        while True:
+            positions = sampler.next_positions(micro_batch_size)
+            picked = list(islice(indices, micro_batch_size))
+            if recorder is not None:
+                recorder.micro_batch(positions, picked)
+            fetched = rows_of[picked]
+            rows = [{name: fetched[name][i] for name in columns} for i in range(len(picked))]
+            yield collate(rows, pad_id)
+    finally:
+        if recorder is not None:
+            recorder.handle.close()

@@ -1,9 +1,10 @@
-"""Which rows each rank reads, in an order that is deterministic and resumable mid-epoch."""
+"""Which rows each rank reads, in an order that is deterministic and resumable on any world size."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -17,14 +18,18 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 
 class ResumableSampler:
-    """Indices of this rank's share of the data, epoch after epoch, forever.
+    """Indices of this rank's share of one global stream of rows, forever.
 
-    Each epoch is a fresh permutation seeded by (seed, epoch). The tail that does not divide
-    world_size is dropped so every rank takes the same number of steps (a rank that ran out
-    early would hang the others in their next collective). Rank r takes positions r, r+world, ...
+    The stream is epoch 0's permutation (seeded by (seed, epoch)), then epoch 1's, and so on;
+    nothing is dropped. Its position is global: how many rows all ranks together have taken,
+    counted as if they move in lockstep, which they do between optimizer steps. From position g,
+    rank r of world w takes stream[g + r], stream[g + r + w], ...: once every rank has taken k
+    rows, exactly stream[g : g + k*w] is consumed, whatever w is. Every rank takes the same
+    number of rows per step (a rank that ran out early would hang the others), and a job of
+    another world size that loads the position continues with no row skipped or repeated.
 
-    `state_dict()` is the position after the last index handed out, so a sampler restored from
-    it continues exactly where the saved one stopped.
+    `state_dict()` is {"epoch", "position"}: the epoch and how many of its rows are consumed.
+    It is the same on every rank at a step boundary, which a checkpoint relies on.
     """
 
     def __init__(
@@ -38,11 +43,10 @@ class ResumableSampler:
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
-        self.per_rank = num_samples // world_size
-        if self.per_rank == 0:
+        if num_samples < world_size:
             raise DataError(
                 f"the dataset is too small for the world size: {num_samples} rows "
-                f"for {world_size} ranks leaves a rank with none",
+                f"for {world_size} ranks leaves a rank with none in an epoch",
                 fix="add rows, or train with fewer processes",
             )
         self.num_samples = num_samples
@@ -50,44 +54,64 @@ class ResumableSampler:
         self.rank = rank
         self.world_size = world_size
         self.shuffle = shuffle
-        self.epoch = 0
-        self.index = 0
-        self._cached: tuple[int, list[int]] | None = None
+        self.consumed = 0
+        """Global position in the stream: rows taken by all ranks together since epoch 0 began."""
+        self._cached: tuple[int, torch.Tensor] | None = None
 
-    def __len__(self) -> int:
-        """Samples per epoch on this rank."""
-        return self.per_rank
-
-    def epoch_indices(self, epoch: int) -> list[int]:
-        """This rank's indices for one epoch, in order."""
-        if self._cached is None or self._cached[0] != epoch:
+    def _order(self, epoch: int) -> torch.Tensor:
+        if self._cached is None or self._cached[0] != epoch:  # a tensor: 8 bytes a row, not a Python int
             if self.shuffle:
                 generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
                 order = torch.randperm(self.num_samples, generator=generator)
             else:
                 order = torch.arange(self.num_samples)
-            kept = order[: self.per_rank * self.world_size]
-            self._cached = (epoch, kept[self.rank :: self.world_size].tolist())
+            self._cached = (epoch, order)
         return self._cached[1]
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """Every row of one epoch, in the order the ranks together consume them."""
+        return self._order(epoch).tolist()
+
+    def at(self, stream_position: int) -> int:
+        """The dataset index at a global stream position."""
+        epoch, offset = divmod(stream_position, self.num_samples)
+        return int(self._order(epoch)[offset])
+
+    def next_positions(self, count: int) -> list[int]:
+        """The stream positions of the next `count` rows this rank takes (nothing is consumed)."""
+        start = self.consumed + self.rank
+        return [start + k * self.world_size for k in range(count)]
 
     def __iter__(self) -> Iterator[int]:
         while True:
-            if self.index >= self.per_rank:
-                self.epoch += 1
-                self.index = 0
-            position = self.index
-            self.index += 1
-            yield self.epoch_indices(self.epoch)[position]
+            position = self.consumed + self.rank
+            self.consumed += self.world_size
+            yield self.at(position)
+
+    @property
+    def epoch(self) -> int:
+        return self.consumed // self.num_samples
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index}
+        epoch, position = divmod(self.consumed, self.num_samples)
+        return {"epoch": epoch, "position": position}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        epoch, index = int(state["epoch"]), int(state["index"])
-        if epoch < 0 or not 0 <= index <= self.per_rank:
+    def load_state_dict(self, state: dict[str, Any], saved_world_size: int | None = None) -> None:
+        """Continue at a saved global position, whatever world size saved it.
+
+        Checkpoints from before positions were global hold {"epoch", "index"}: rank r had taken
+        rows r, r+w, ... of the epoch's order, so `index` rows per rank are `index * w` in all,
+        with w the world size that saved them (`saved_world_size`, default this one).
+        """
+        epoch = int(state["epoch"])
+        if "position" in state:
+            position = int(state["position"])
+        else:
+            position = int(state["index"]) * (saved_world_size or self.world_size)
+        if epoch < 0 or not 0 <= position <= self.num_samples:
             raise DataError(
-                f"the saved sampler position (epoch {epoch}, index {index}) does not fit "
-                f"{self.per_rank} samples per rank; the data or the world size changed",
-                fix="resume with the same data and number of processes, or start a fresh run",
+                f"the saved sampler position (epoch {epoch}, row {position}) does not fit an epoch "
+                f"of {self.num_samples} rows; the data changed",
+                fix="resume with the data the checkpoint was trained on, or start a fresh run",
             )
-        self.epoch, self.index = epoch, index
+        self.consumed = epoch * self.num_samples + position
