@@ -17,6 +17,7 @@ from trainyard.metrics import (
     LogWindow, MetricsSink, device_peak_flops, matmul_precision, peak_flops, write_json,
 )
 from trainyard.parallel import CommTimer
+from trainyard.report import load_run, notable_events
 
 # name CUDA reports -> (dense bf16, dense tf32, fp32) in TFLOP/s, from the vendors' datasheets
 DATASHEETS = {
@@ -110,3 +111,13 @@ def test_a_skipped_step_stays_out_of_the_window() -> None:
     rated = LogWindow(torch.device("cpu"), None, peak=1200.0)
     rated.add(torch.tensor(1.0, dtype=torch.float64), one, 100 * one, seconds=1.0, data_wait=0.0)
     assert rated.figures(world_size=1, flops_token=6.0)["mfu"] == pytest.approx(600 / 1200)
+
+
+def test_the_report_still_finds_a_non_finite_loss_written_as_null(tmp_path: Path) -> None:
+    cfg = load_config("tiny", [f"output_dir={tmp_path}", "log.tensorboard=false", "log.progress=false"])
+    cfg.run_dir.mkdir(parents=True)
+    sink = MetricsSink(cfg, DistInfo(0, 1, 0, 1, torch.device("cpu"), None), logging.getLogger("test-metrics"))
+    for step, loss in [(1, 2.0), (2, math.nan), (3, math.inf), (4, 1.5)]:
+        sink.emit("train", step=step, loss=loss, lr=1e-3, grad_norm=1.0, tokens_per_s=10.0)
+    sink.close()
+    assert "non-finite train loss first at step 2 (2 logged steps)" in notable_events(load_run(cfg.run_dir))
