@@ -79,13 +79,16 @@ def shard_fsdp2(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
     return model
 
 
+_MAX_PENDING_EVENTS = 1024
+
+
 class CommTimer:
     """Seconds the gradient collectives were in flight (measured, overlap included).
 
     On CPU (gloo) a collective's future completes when the data has arrived, so wall-clock time
     from launch to callback is the measure. On CUDA the host only enqueues work (NCCL's `.then()`
     fires at enqueue), so each collective is bracketed by CUDA events and their elapsed times are
-    read when the figures are taken. A step's timings wait in `_step` until the step is known to
+    read when the figures are taken. A step's timings are held apart until the step is known to
     count (trained) or not (skipped for a non-finite loss).
     """
 
@@ -117,6 +120,18 @@ class CommTimer:
             self._events.extend(self._step_events)
         self._step_seconds = 0.0
         self._step_events = []
+        if len(self._events) > _MAX_PENDING_EVENTS:
+            self._fold_finished()
+
+    def _fold_finished(self) -> None:
+        """Turn pairs that already finished into seconds, so a long log interval holds few events."""
+        pending = []
+        for started, ended in self._events:
+            if ended.query():
+                self._seconds += started.elapsed_time(ended) / 1000.0
+            else:
+                pending.append((started, ended))
+        self._events = pending
 
     def take(self) -> float:
         """Seconds of the kept steps since the last take (waits for their events on CUDA)."""
@@ -129,15 +144,17 @@ class CommTimer:
 
 
 class _TimedAllGather(DefaultAllGather):
-    """FSDP2's own all-gather, timed."""
+    """FSDP2's own all-gather, timed while the root trains (an evaluation's are not step time)."""
 
-    def __init__(self, timer: CommTimer) -> None:
+    def __init__(self, timer: CommTimer, root: torch.nn.Module) -> None:
         super().__init__()
-        self.timer = timer
+        self.timer, self.root = timer, root
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):  # type: ignore[no-untyped-def]
-        return _timed(self.timer, lambda: super(_TimedAllGather, self).__call__(
-            output_tensor, input_tensor, group, async_op=async_op))
+        def launch():  # type: ignore[no-untyped-def]
+            return super(_TimedAllGather, self).__call__(output_tensor, input_tensor, group, async_op=async_op)
+
+        return _timed(self.timer, launch) if self.root.training else launch()
 
 
 class _TimedReduceScatter(DefaultReduceScatter):
@@ -178,7 +195,7 @@ def attach_comm_timer(model: torch.nn.Module) -> CommTimer | None:
         timer = CommTimer(cuda=_device_type(model) == "cuda")
         for module in model.modules():
             if isinstance(module, FSDPModule):
-                module.set_custom_all_gather(_TimedAllGather(timer))
+                module.set_custom_all_gather(_TimedAllGather(timer, model))
                 module.set_custom_reduce_scatter(_TimedReduceScatter(timer))
         return timer
     if not isinstance(model, DistributedDataParallel):

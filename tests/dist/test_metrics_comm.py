@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,20 @@ def test_comm_share_is_measured(tmp_path: Path, strategy: str) -> None:
     for event in train:
         assert 0 < event["comm_share"] < 1, event
         assert event["mfu"] is None  # no peak is known for a CPU
+
+
+def test_fsdp2_comm_counts_trained_steps_only(tmp_path: Path) -> None:
+    out = tmp_path / "seconds.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(REPO / "tests" / "dist" / "scripts" / "time_fsdp_collectives.py"), str(out)],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    seconds = json.loads(out.read_text())
+    assert seconds["trained"] > 0  # the all-gathers and reduce-scatters of a training step
+    assert seconds["skipped"] == 0.0  # a step dropped for a non-finite loss
+    assert seconds["evaluated"] == 0.0  # an evaluation's all-gathers are not training time
 
 
 FSDP_POLICY = """
