@@ -148,7 +148,8 @@ class DistConfig(Section):
 
 
 class LogConfig(Section):
-    every_steps: int = Field(1, ge=1)
+    every_steps: int = Field(10, ge=1)
+    """A train event every N steps: its figures cost one all-gather, other steps none."""
     progress: bool = True
     tensorboard: bool = True
     wandb: bool = False

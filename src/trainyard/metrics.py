@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import datasets
@@ -24,18 +24,35 @@ import transformers
 from rich.console import Console
 
 from trainyard.config import JobConfig, redact, redact_text
-from trainyard.dist import DistInfo, host_summary
+from trainyard.dist import DistInfo, all_gather_rows, host_summary
 from trainyard.files import write_atomically
 
-# Dense bf16 peaks (FLOP/s) for MFU; devices not listed report achieved FLOP/s only.
-DEVICE_PEAK_FLOPS = {
-    "H100": 989e12,
-    "H200": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10G": 125e12,
-    "L4": 121e12,
+if TYPE_CHECKING:
+    from trainyard.parallel import CommTimer
+
+# Dense (no sparsity) tensor-core peaks in FLOP/s, keyed by the exact name CUDA reports, then by
+# the precision the matmuls run in. Substrings would mistake an L40 for an L4 and a PCIe H100 for
+# an SXM one; a device not listed reports achieved FLOP/s and an MFU of null.
+_HOPPER_SXM = {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12}
+_HOPPER_NVL = {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60e12}
+_A100 = {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}
+DEVICE_PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "NVIDIA H100 80GB HBM3": _HOPPER_SXM,
+    "NVIDIA H100 PCIe": {"bf16": 756.5e12, "fp16": 756.5e12, "tf32": 378e12, "fp32": 51e12},
+    "NVIDIA H100 NVL": _HOPPER_NVL,
+    "NVIDIA H200": _HOPPER_SXM,
+    "NVIDIA H200 NVL": _HOPPER_NVL,
+    "NVIDIA GH200 480GB": _HOPPER_SXM,
+    "NVIDIA A100-SXM4-80GB": _A100,
+    "NVIDIA A100-SXM4-40GB": _A100,
+    "NVIDIA A100 80GB PCIe": _A100,
+    "NVIDIA A100-PCIE-40GB": _A100,
+    "NVIDIA L40S": {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12},
+    "NVIDIA L40": {"bf16": 181e12, "fp16": 181e12, "tf32": 90.5e12, "fp32": 90.5e12},
+    "NVIDIA L4": {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12},
+    "NVIDIA A10": {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12},
 }
+_PRECISIONS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 class _RedactingFormatter(logging.Formatter):
@@ -66,16 +83,112 @@ def peak_memory_bytes(device: torch.device) -> int:
     return psutil.Process().memory_info().rss
 
 
-def device_peak_flops(device: torch.device) -> float | None:
+def peak_flops(device_name: str, precision: str) -> float | None:
+    """The dense peak of this exact device in this precision (bf16, fp16, tf32, fp32), or None."""
+    return DEVICE_PEAK_FLOPS.get(device_name.strip(), {}).get(precision)
+
+
+def matmul_precision(dtype: torch.dtype) -> str | None:
+    """The precision the matmuls of `dtype` tensors run in: fp32 ones use TF32 cores when allowed."""
+    precision = _PRECISIONS.get(dtype)
+    if precision == "fp32" and torch.get_float32_matmul_precision() != "highest":
+        return "tf32"
+    return precision
+
+
+def compute_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype forward and backward compute in: FSDP2's param_dtype when its policy casts, else
+    that of the parameters."""
+    state = getattr(model, "_get_fsdp_state", None)
+    policy = getattr(state(), "_mp_policy", None) if state else None
+    if policy is not None and policy.param_dtype is not None:
+        return policy.param_dtype
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """MFU's denominator; None (MFU null) off CUDA or on a device or precision not listed."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in DEVICE_PEAK_FLOPS.items() if key in name), None)
+    precision = matmul_precision(dtype)
+    return peak_flops(torch.cuda.get_device_name(device), precision) if precision else None
 
 
 def flops_per_token(total_params: int, trainable_params: int, n_layers: int, hidden: int, seq_len: int) -> float:
     """Forward 2N, backward 2N for activations plus 2N_trainable for weight grads; attention 12·L·H·T."""
     return 4 * total_params + 2 * trainable_params + 12 * n_layers * hidden * seq_len
+
+
+class LogWindow:
+    """The trained steps since the last train event, summed on each rank.
+
+    A step skipped for a non-finite loss never enters it: its NaN, its tokens, its time and its
+    communication would otherwise leak into the next logged figures.
+    """
+
+    def __init__(self, device: torch.device, comm_timer: CommTimer | None = None, peak: float | None = None) -> None:
+        self.device = device
+        self.comm_timer = comm_timer
+        self.peak = peak
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, targets, real tokens
+        self.seconds = 0.0  # training time only: eval and checkpoints do not dilute tokens/s
+        self.data_wait = 0.0
+        self.steps = 0
+
+    def add(self, loss_sum: torch.Tensor, targets: torch.Tensor, real_tokens: torch.Tensor, seconds: float,
+            data_wait: float) -> None:
+        """One trained step: this rank's loss sum; target and real tokens already summed over ranks."""
+        self.sums[0] += loss_sum
+        self.sums[1] += targets
+        self.sums[2] += real_tokens
+        self.seconds += seconds
+        self.data_wait += data_wait
+        self.steps += 1
+        if self.comm_timer is not None:
+            self.comm_timer.end_step(keep=True)
+
+    def skip(self) -> None:
+        """A step that did not train: only its collectives' timings need dropping."""
+        if self.comm_timer is not None:
+            self.comm_timer.end_step(keep=False)
+
+    def figures(self, world_size: int, flops_token: float) -> dict[str, Any]:
+        """The interval's figures, with one all-gather: loss sums to add up, each rank's busy time
+        to spot stragglers. Every rank must call it."""
+        mine = torch.stack([self.sums[0], torch.tensor(self.seconds, dtype=torch.float64, device=self.device)])
+        every = all_gather_rows(mine)
+        targets = self.sums[1].item()
+        times = every[:, 1]
+        median = times.median().item()
+        elapsed = max(self.seconds, 1e-9)
+        tokens_per_s = self.sums[2].item() / elapsed
+        achieved = tokens_per_s * flops_token / world_size
+        return {
+            "loss": every[:, 0].sum().item() / max(targets, 1.0),
+            "target_tokens": int(targets),
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_rank": tokens_per_s / world_size,
+            "achieved_flops_per_rank": achieved,
+            "mfu": achieved / self.peak if self.peak else None,
+            "data_wait_share": self.data_wait / elapsed,
+            "step_time_spread": (times.max() - times.min()).item() / max(median, 1e-9),
+            "comm_share": self.comm_timer.take() / elapsed if self.comm_timer is not None else None,
+            "stragglers": [r for r, t in enumerate(times.tolist()) if median > 0 and t > 1.2 * median],
+        }
+
+
+def json_safe(value: Any) -> Any:
+    """NaN and infinities as null: JSON has no such numbers, and strict parsers reject them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
 
 
 class MetricsSink:
@@ -100,9 +213,10 @@ class MetricsSink:
     def emit(self, kind: str, **fields: Any) -> None:
         if not self.info.is_main:
             return
+        fields = json_safe(fields)
         event = {"kind": kind, "time": round(time.time(), 3), **fields}
         assert self._jsonl is not None
-        self._jsonl.write(json.dumps(redact(event)) + "\n")
+        self._jsonl.write(json.dumps(redact(event), allow_nan=False) + "\n")
         self._jsonl.flush()
         if self._tb is not None and "step" in fields:
             for name, value in fields.items():
@@ -123,8 +237,9 @@ class MetricsSink:
         done = int(24 * step / self.max_steps)
         bar = "█" * done + "·" * (24 - done)
         self.console.print(
-            f"[{bar}] step {step}/{self.max_steps}  loss {fields['loss']:.4f}  lr {fields['lr']:.2e}  "
-            f"grad {fields['grad_norm']:.3f}  {fields['tokens_per_s']:.0f} tok/s  ETA {eta:.0f}s",
+            f"[{bar}] step {step}/{self.max_steps}  loss {_shown(fields['loss'], '.4f')}  "
+            f"lr {_shown(fields['lr'], '.2e')}  grad {_shown(fields['grad_norm'], '.3f')}  "
+            f"{_shown(fields['tokens_per_s'], '.0f')} tok/s  ETA {eta:.0f}s",
             highlight=False,
             soft_wrap=True,
         )
@@ -153,6 +268,10 @@ def start_wandb(cfg: JobConfig) -> Any:
         settings=settings,
         reinit="finish_previous",
     )
+
+
+def _shown(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def _brief(fields: dict[str, Any]) -> str:
@@ -187,5 +306,5 @@ def environment_record(info: DistInfo) -> dict[str, Any]:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Redacted JSON, written atomically: readers never see half a file."""
-    write_atomically(path, json.dumps(redact(data), indent=2, default=str) + "\n")
+    """Redacted strict JSON (non-finite floats as null), written atomically: readers never see half a file."""
+    write_atomically(path, json.dumps(json_safe(redact(data)), indent=2, default=str, allow_nan=False) + "\n")

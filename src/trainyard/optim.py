@@ -11,7 +11,9 @@ from trainyard.config import JobConfig
 
 
 def lr_lambda(cfg: JobConfig):
-    """Linear warmup, then cosine / linear decay to min_lr_ratio, or constant."""
+    """Linear warmup, then cosine / linear decay to min_lr_ratio, or constant. `step` counts
+    optimizer steps from 0: the peak is first used at step warmup_steps (1-based), the minimum
+    at the last step."""
     train = cfg.train
 
     def factor(step: int) -> float:
@@ -19,7 +21,7 @@ def lr_lambda(cfg: JobConfig):
             return (step + 1) / train.warmup_steps
         if train.schedule == "constant":
             return 1.0
-        progress = (step - train.warmup_steps) / max(1, train.max_steps - train.warmup_steps)
+        progress = (step - train.warmup_steps) / max(1, train.max_steps - 1 - train.warmup_steps)
         progress = min(progress, 1.0)
         shape = 0.5 * (1 + math.cos(math.pi * progress)) if train.schedule == "cosine" else 1 - progress
         return train.min_lr_ratio + (1 - train.min_lr_ratio) * shape

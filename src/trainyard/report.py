@@ -226,8 +226,9 @@ def summary_table(runs: list[Run]) -> list[str]:
 def notable_events(run: Run) -> list[str]:
     """What helps find a fault: non-finite losses, system events, checkpoints, unreadable lines."""
     notes = []
-    steps, losses = series(run.events, "train", "loss")
-    bad_steps = [s for s, v in zip(steps, losses) if not math.isfinite(v)]
+    # Non-finite numbers are written as null (older runs wrote a bare NaN); the last event of a step wins.
+    losses = {int(e["step"]): e.get("loss") for e in run.events if e.get("kind") == "train" and "step" in e}
+    bad_steps = sorted(s for s, v in losses.items() if not (isinstance(v, int | float) and math.isfinite(v)))
     if bad_steps:
         notes.append(f"non-finite train loss first at step {bad_steps[0]} ({len(bad_steps)} logged steps)")
     system = Counter(str(e.get("event", "system")) for e in run.events if e.get("kind") == "system")

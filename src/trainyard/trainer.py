@@ -28,7 +28,9 @@ from trainyard.errors import CheckpointError, TrainyardError
 from trainyard.evaluate import evaluate, token_loss_sum
 from trainyard.files import write_atomically
 from trainyard.metrics import (
+    LogWindow,
     MetricsSink,
+    compute_dtype,
     device_peak_flops,
     environment_record,
     flops_per_token,
@@ -119,7 +121,7 @@ class StepVotes:
 
 def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
     cfg, info, model = job.cfg, job.info, job.model
-    interval = torch.zeros(3, dtype=torch.float64, device=info.device)  # loss sum, targets, real tokens
+    interval = LogWindow(info.device, job.comm_timer, device_peak_flops(info.device, compute_dtype(model)))
     run_eval = _evaluator(job)
     if cfg.eval.baseline and run_eval and state.step == 0:
         state.baseline_eval = run_eval()
@@ -147,11 +149,10 @@ def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
 
 
 def _train_steps(
-    job: Job, batches: Any, state: LoopState, run_eval: Any, heartbeat: BackgroundHeartbeat, interval: torch.Tensor
+    job: Job, batches: Any, state: LoopState, run_eval: Any, heartbeat: BackgroundHeartbeat, interval: LogWindow
 ) -> None:
     """Steps until max_steps. An async save may still be in flight at the end (job.saves)."""
     cfg, info, model = job.cfg, job.info, job.model
-    interval_time = 0.0  # training time only: eval and checkpoints do not dilute tokens/s
     last_full = time.monotonic()
     for step in range(state.step + 1, cfg.train.max_steps + 1):
         step_start = time.monotonic()
@@ -174,9 +175,6 @@ def _train_steps(
             job.sampler.load_state_dict(position)  # the window drawn above is never trained on
             _stop_for_preemption(job, state)
         step_loss = _forward_backward(job, window, votes.targets, step)
-        interval[0] += step_loss
-        interval[1] += votes.targets
-        interval[2] += votes.real_tokens
         health.record_progress(info, step, health.REPORT)  # clipping and logging gather next
         grad_norm = grad_norm_and_clip(model, cfg.train.max_grad_norm)
         if not torch.isfinite(grad_norm):  # the norm is global: every rank takes this branch
@@ -193,6 +191,7 @@ def _train_steps(
                     fix="lower train.lr, check that rank's data, or set train.on_nonfinite: skip",
                 )
             job.sink.emit("system", step=step, event="skipped_nonfinite_step", ranks=culprits)
+            interval.skip()  # its loss, tokens, time and comm stay out of the next train event
             continue
         lr = job.scheduler.get_last_lr()[0]
         job.optimizer.step()
@@ -205,12 +204,10 @@ def _train_steps(
         if step > 1:
             state.steady_tokens += int(votes.real_tokens)
             state.steady_time += step_time
-        interval_time += step_time
+        interval.add(step_loss, votes.targets, votes.real_tokens, step_time, data_wait)
         heartbeat.step = step
         if step % cfg.log.every_steps == 0 or step == cfg.train.max_steps:
-            _log_interval(state, job, interval, interval_time, lr, grad_norm, data_wait / step_time)
-            interval.zero_()
-            interval_time = 0.0
+            _log_interval(state, job, interval, lr, grad_norm)
         if run_eval and cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
             state.last_eval = run_eval()
             job.sink.emit("eval", step=step, **state.last_eval)
@@ -291,42 +288,14 @@ def _stop_for_preemption(job: Job, state: LoopState) -> NoReturn:
     )
 
 
-def _log_interval(
-    state: LoopState,
-    job: Job,
-    interval: torch.Tensor,
-    elapsed: float,
-    lr: float,
-    grad_norm: torch.Tensor,
-    data_wait_share: float,
-) -> None:
-    # One all-gather: loss sums to add up, and each rank's busy time to spot stragglers.
-    mine = torch.stack([interval[0], torch.tensor(elapsed, dtype=torch.float64, device=interval.device)])
-    every = dist.all_gather_rows(mine)
-    loss = (every[:, 0].sum() / interval[1].clamp(min=1)).item()
-    times = every[:, 1]
-    median = times.median().item()
-    stragglers = [r for r, t in enumerate(times.tolist()) if median > 0 and t > 1.2 * median]
-    tokens_per_s = interval[2].item() / max(elapsed, 1e-9)
-    world = job.info.world_size
-    state.first_loss = loss if state.first_loss is None else state.first_loss
-    state.last_loss = loss
+def _log_interval(state: LoopState, job: Job, interval: LogWindow, lr: float, grad_norm: torch.Tensor) -> None:
+    figures = interval.figures(job.info.world_size, job.flops_token)  # every rank: one all-gather
+    interval.reset()
+    state.first_loss = figures["loss"] if state.first_loss is None else state.first_loss
+    state.last_loss = figures["loss"]
     job.sink.emit(
-        "train",
-        step=state.step,
-        loss=loss,
-        lr=lr,
-        grad_norm=float(grad_norm),
-        tokens_per_s=tokens_per_s,
-        tokens_per_s_per_rank=tokens_per_s / world,
-        achieved_flops_per_rank=tokens_per_s * job.flops_token / world,
-        mfu=tokens_per_s * job.flops_token / world / peak if (peak := device_peak_flops(job.info.device)) else None,
-        data_wait_share=data_wait_share,
-        step_time_spread=(times.max() - times.min()).item() / max(median, 1e-9),
-        comm_share=job.comm_timer.take() / max(elapsed, 1e-9) if job.comm_timer else None,
-        stragglers=stragglers,
-        peak_memory_bytes=peak_memory_bytes(job.info.device),
-        tokens=state.tokens,
+        "train", step=state.step, lr=lr, grad_norm=float(grad_norm), **figures,
+        peak_memory_bytes=peak_memory_bytes(job.info.device), tokens=state.tokens,
     )
 
 

@@ -1,0 +1,39 @@
+"""A step that logs nothing makes one collective of trainyard's own (the control all-reduce); a
+logging step adds one all-gather. DDP's and FSDP2's gradient collectives are theirs, not counted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_off_log_steps_make_only_the_control_all_reduce(tmp_path: Path, strategy: str) -> None:
+    out = tmp_path / "calls.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(REPO / "tests" / "dist" / "scripts" / "count_step_collectives.py"), str(tmp_path), strategy, str(out),
+         "4"],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    calls = {int(step): names for step, names in json.loads(out.read_text()).items()}
+    for step in (1, 2, 3, 5, 6, 7):
+        assert calls[step] == ["trainyard.dist.all_reduce"], (step, calls[step])
+    for step in (4, 8):
+        assert calls[step][:2] == ["trainyard.dist.all_reduce", "trainyard.dist.all_gather"], (step, calls[step])
+    assert calls[4] == calls[4][:2]  # nothing else at a log step inside the run
+
+
+def test_log_every_steps_defaults_to_ten() -> None:
+    from trainyard.config import JobConfig
+
+    assert JobConfig().log.every_steps == 10

@@ -1,0 +1,59 @@
+"""Communication share is measured for DDP (comm hook) and FSDP2 (its own collectives, timed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, TINY, assert_ok, events, trainyard
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_comm_share_is_measured(tmp_path: Path, strategy: str) -> None:
+    result = trainyard(
+        "train", TINY, f"output_dir={tmp_path}", f"dist.strategy={strategy}", "train.max_steps=6", "log.every_steps=2",
+        "eval.every_steps=0", "eval.at_end=false", "checkpoint.at_end=false", "log.tensorboard=false", "--nproc", "2",
+    )
+    assert_ok(result)
+    train = events(tmp_path / "tiny", "train")
+    assert [e["step"] for e in train] == [2, 4, 6]
+    for event in train:
+        assert 0 < event["comm_share"] < 1, event
+        assert event["mfu"] is None  # no peak is known for a CPU
+
+
+def test_fsdp2_comm_counts_trained_steps_only(tmp_path: Path) -> None:
+    out = tmp_path / "seconds.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(REPO / "tests" / "dist" / "scripts" / "time_fsdp_collectives.py"), str(out)],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    seconds = json.loads(out.read_text())
+    assert seconds["trained"] > 0  # the all-gathers and reduce-scatters of a training step
+    assert seconds["skipped"] == 0.0  # a step dropped for a non-finite loss
+    assert seconds["evaluated"] == 0.0  # an evaluation's all-gathers are not training time
+
+
+FSDP_POLICY = """
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from trainyard.metrics import compute_dtype
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+plain = fully_shard(torch.nn.Linear(4, 4))
+cast = fully_shard(torch.nn.Linear(4, 4), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+print(compute_dtype(plain), compute_dtype(cast), compute_dtype(torch.nn.Linear(2, 2).to(torch.float16)))
+"""
+
+
+def test_compute_dtype_follows_the_fsdp2_policy() -> None:
+    result = subprocess.run([sys.executable, "-c", FSDP_POLICY], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["torch.float32", "torch.bfloat16", "torch.float16"]

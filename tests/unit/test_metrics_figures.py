@@ -1,0 +1,123 @@
+"""MFU's denominator, strict JSON in every sink, and the log window's arithmetic."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from trainyard.config import load_config
+from trainyard.dist import DistInfo
+from trainyard.metrics import (
+    LogWindow, MetricsSink, device_peak_flops, matmul_precision, peak_flops, write_json,
+)
+from trainyard.parallel import CommTimer
+from trainyard.report import load_run, notable_events
+
+# name CUDA reports -> (dense bf16, dense tf32, fp32) in TFLOP/s, from the vendors' datasheets
+DATASHEETS = {
+    "NVIDIA H100 80GB HBM3": (989, 494.5, 67),
+    "NVIDIA H100 PCIe": (756.5, 378, 51),
+    "NVIDIA H100 NVL": (835.5, 417.5, 60),
+    "NVIDIA H200": (989, 494.5, 67),
+    "NVIDIA A100-SXM4-80GB": (312, 156, 19.5),
+    "NVIDIA A100-SXM4-40GB": (312, 156, 19.5),
+    "NVIDIA A100 80GB PCIe": (312, 156, 19.5),
+    "NVIDIA L4": (121, 60, 30.3),
+    "NVIDIA L40S": (362, 183, 91.6),
+    "NVIDIA L40": (181, 90.5, 90.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DATASHEETS))
+def test_each_device_name_has_its_own_peaks(name: str) -> None:
+    bf16, tf32, fp32 = DATASHEETS[name]
+    assert peak_flops(name, "bf16") == pytest.approx(bf16 * 1e12)
+    assert peak_flops(name, "fp16") == pytest.approx(bf16 * 1e12)
+    assert peak_flops(name, "tf32") == pytest.approx(tf32 * 1e12)
+    assert peak_flops(name, "fp32") == pytest.approx(fp32 * 1e12)
+
+
+def test_similar_names_are_different_devices() -> None:
+    assert peak_flops("NVIDIA L4", "bf16") != peak_flops("NVIDIA L40", "bf16") != peak_flops("NVIDIA L40S", "bf16")
+    sxm, pcie = peak_flops("NVIDIA H100 80GB HBM3", "bf16"), peak_flops("NVIDIA H100 PCIe", "bf16")
+    assert sxm and pcie and pcie < sxm
+
+
+@pytest.mark.parametrize("name", ["NVIDIA GeForce RTX 4090", "NVIDIA H100", "NVIDIA L4 (MIG)", "Tesla T4", ""])
+def test_an_unknown_device_has_no_peak(name: str) -> None:
+    assert peak_flops(name, "bf16") is None
+
+
+def test_the_precision_is_the_one_that_computes() -> None:
+    assert matmul_precision(torch.bfloat16) == "bf16"
+    assert matmul_precision(torch.float16) == "fp16"
+    assert matmul_precision(torch.float64) is None
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert matmul_precision(torch.float32) == "fp32"
+        torch.set_float32_matmul_precision("high")
+        assert matmul_precision(torch.float32) == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert device_peak_flops(torch.device("cpu"), torch.bfloat16) is None
+
+
+def _reject(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def test_non_finite_numbers_are_written_as_null(tmp_path: Path) -> None:
+    cfg = load_config("tiny", [f"output_dir={tmp_path}", "log.tensorboard=false", "log.progress=true"])
+    cfg.run_dir.mkdir(parents=True)
+    sink = MetricsSink(cfg, DistInfo(0, 1, 0, 1, torch.device("cpu"), None), logging.getLogger("test-metrics"))
+    sink.emit("train", step=1, loss=math.nan, lr=1e-3, grad_norm=math.inf, tokens_per_s=-math.inf,
+              nested={"x": [math.nan]})
+    sink.emit("eval", step=1, eval_loss=math.nan)
+    sink.close()
+    lines = (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
+    train, evaluation = (json.loads(line, parse_constant=_reject) for line in lines)
+    assert [train[k] for k in ("loss", "grad_norm", "tokens_per_s", "nested")] == [None, None, None, {"x": [None]}]
+    assert train["lr"] == 1e-3 and evaluation["eval_loss"] is None
+    write_json(tmp_path / "summary.json", {"final_train_loss": math.nan, "steps": 3})
+    summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=_reject)
+    assert summary == {"final_train_loss": None, "steps": 3}
+
+
+def test_a_skipped_step_stays_out_of_the_window() -> None:
+    timer = CommTimer(cuda=False)
+    window = LogWindow(torch.device("cpu"), timer, peak=None)
+    one = torch.tensor(1.0, dtype=torch.float64)
+    timer.add_seconds(0.5)
+    window.add(torch.tensor(30.0, dtype=torch.float64), 10 * one, 100 * one, seconds=2.0, data_wait=0.5)
+    timer.add_seconds(9.0)
+    window.skip()  # a NaN step: its loss, tokens and time never reach the window
+    timer.add_seconds(1.5)
+    window.add(torch.tensor(10.0, dtype=torch.float64), 30 * one, 300 * one, seconds=2.0, data_wait=0.5)
+    figures = window.figures(world_size=1, flops_token=6.0)
+    assert figures["loss"] == pytest.approx(40 / 40)
+    assert figures["target_tokens"] == 40
+    assert figures["tokens_per_s"] == pytest.approx(400 / 4.0)
+    assert figures["achieved_flops_per_rank"] == pytest.approx(600.0)
+    assert figures["mfu"] is None
+    assert figures["comm_share"] == pytest.approx(2.0 / 4.0)
+    assert figures["data_wait_share"] == pytest.approx(1.0 / 4.0)
+    rated = LogWindow(torch.device("cpu"), None, peak=1200.0)
+    rated.add(torch.tensor(1.0, dtype=torch.float64), one, 100 * one, seconds=1.0, data_wait=0.0)
+    assert rated.figures(world_size=1, flops_token=6.0)["mfu"] == pytest.approx(600 / 1200)
+
+
+def test_the_report_still_finds_a_non_finite_loss_written_as_null(tmp_path: Path) -> None:
+    cfg = load_config("tiny", [f"output_dir={tmp_path}", "log.tensorboard=false", "log.progress=false"])
+    cfg.run_dir.mkdir(parents=True)
+    sink = MetricsSink(cfg, DistInfo(0, 1, 0, 1, torch.device("cpu"), None), logging.getLogger("test-metrics"))
+    for step, loss in [(1, 2.0), (2, math.nan), (3, math.inf), (4, 1.5)]:
+        sink.emit("train", step=step, loss=loss, lr=1e-3, grad_norm=1.0, tokens_per_s=10.0)
+    sink.close()
+    assert "non-finite train loss first at step 2 (2 logged steps)" in notable_events(load_run(cfg.run_dir))
