@@ -76,7 +76,9 @@ def _group_ranks(dumps: dict[int, dict[str, Any]], group: str, desc: str, world:
 def _collectives(data: dict[str, Any], group: str) -> list[dict[str, Any]]:
     return [
         e for e in data["entries"]
-        if not e.get("is_p2p") and e.get("collective_seq_id", 0) > 0 and tuple(e.get("process_group", ("", "")))[0] == group
+        if not e.get("is_p2p")
+        and e.get("collective_seq_id", 0) > 0
+        and tuple(e.get("process_group", ("", "")))[0] == group
     ]
 
 
@@ -84,7 +86,9 @@ def _op(entry: dict[str, Any]) -> str:
     return str(entry.get("profiling_name", "?")).split(":", 1)[-1]
 
 
-def analyse_group(kind: str, group: str, desc: str, dumps: dict[int, dict[str, Any]], world: int | None) -> dict[str, Any]:
+def analyse_group(
+    kind: str, group: str, desc: str, dumps: dict[int, dict[str, Any]], world: int | None
+) -> dict[str, Any]:
     """One process group: the newest collective any rank entered, who is in it, who is behind."""
     last: dict[int, dict[str, Any]] = {}
     for rank, data in dumps.items():
@@ -102,7 +106,9 @@ def analyse_group(kind: str, group: str, desc: str, dumps: dict[int, dict[str, A
     }
     no_record = [rank for rank in expected if rank not in dumps]
     ops = {rank: (_op(last[rank]), last[rank].get("input_sizes")) for rank in front}
-    mismatched = len({json.dumps(v) for v in ops.values()}) > 1
+    mismatched = {str(r): {"op": op, "input_sizes": sizes} for r, (op, sizes) in ops.items()}
+    if len({json.dumps(v) for v in ops.values()}) == 1:
+        mismatched = None
     states = {rank: last[rank].get("state") for rank in front}
     return {
         "backend": kind,
@@ -117,7 +123,7 @@ def analyse_group(kind: str, group: str, desc: str, dumps: dict[int, dict[str, A
         "behind": behind,
         "no_record": no_record,
         "membership_known": ranks is not None,
-        "mismatched": {str(r): {"op": op, "input_sizes": sizes} for r, (op, sizes) in ops.items()} if mismatched else None,
+        "mismatched": mismatched,
         "created_ns": max(int(e.get("time_created_ns") or 0) for e in last.values()),
         "stack": [f"{f.get('filename')}:{f.get('line')} {f.get('name')}" for f in (entry.get("frames") or [])[:16]],
     }
@@ -127,7 +133,9 @@ def diagnose(run_dir: Path | str, now: float | None = None) -> dict[str, Any]:
     """The process groups whose ranks disagree, newest first, with the silent heartbeats."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise ConfigError(f"run dir {run_dir} does not exist", fix="pass <output_dir>/<run_name> of the job, e.g. runs/tiny")
+        raise ConfigError(
+            f"run dir {run_dir} does not exist", fix="pass <output_dir>/<run_name> of the job, e.g. runs/tiny"
+        )
     now = time.time() if now is None else now
     records = read_flight_records(run_dir)
     world = _world_size(run_dir)
@@ -179,7 +187,8 @@ def format_diagnosis(report: dict[str, Any], now: float | None = None) -> str:
         else:
             lines.append(f"  every rank entered {where}")
         for rank, seen in sorted(hang["behind"].items()):
-            lines.append(f"    rank {rank}: last entered {seen['last_op']} #{seen['last_seq']}{_rank_note(rank, report, now)}")
+            note = _rank_note(rank, report, now)
+            lines.append(f"    rank {rank}: last entered {seen['last_op']} #{seen['last_seq']}{note}")
         for rank in hang["no_record"]:
             lines.append(f"    rank {rank}: left no flight record (stopped, killed, or frozen before it could dump)"
                          f"{_rank_note(rank, report, now)}")
