@@ -23,7 +23,8 @@ from trainyard.errors import ConfigError
 from trainyard.status import describe_ranks, read_heartbeats
 
 FLIGHT_DIR = "flight"  # the same name as trainyard.dist.FLIGHT_DIR, without importing torch
-_DUMP_NAME = re.compile(r"^(?P<kind>[a-z]+)-rank-(?P<rank>\d+)$")
+# <kind>-rank-<r>, with a timestamp after it where TORCH_FR_DUMP_DYNAMIC_FILE_NAME is set
+_DUMP_NAME = re.compile(r"^(?P<kind>[a-z]+)-rank-(?P<rank>\d+)(\D.*)?$")
 
 
 class _PlainData(pickle.Unpickler):
@@ -34,10 +35,18 @@ class _PlainData(pickle.Unpickler):
         raise pickle.UnpicklingError(f"flight record refers to {module}.{name}; not a torch flight-recorder dump")
 
 
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0  # replaced meanwhile: read_bytes below skips it
+
+
 def read_flight_records(run_dir: Path) -> dict[tuple[str, int], dict[str, Any]]:
-    """Every readable dump under <run_dir>/flight/, keyed by (backend kind, rank)."""
+    """Every readable dump under <run_dir>/flight/, keyed by (backend kind, rank); the newest
+    one where a rank wrote several."""
     records = {}
-    for path in sorted((Path(run_dir) / FLIGHT_DIR).glob("*-rank-*")):
+    for path in sorted((Path(run_dir) / FLIGHT_DIR).glob("*-rank-*"), key=_mtime):
         match = _DUMP_NAME.match(path.name)
         if not match:
             continue

@@ -148,7 +148,7 @@ def dump_flight_record(run_dir: Path, info: DistInfo) -> list[Path]:
         try:
             data = dump(True, True, False)  # collectives, stack traces, not only the active ones
         except RuntimeError:
-            continue  # the recorder is off (buffer size 0)
+            continue  # no recorder for this backend in this build
         folder.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_bytes(data)

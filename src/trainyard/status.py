@@ -194,7 +194,7 @@ def read_status(run_dir: Path | str, stale_after_s: float = STALE_AFTER_S, now: 
         "heartbeats": [{**beat, "age_s": round(now - float(beat.get("time", 0)), 1)} for beat in beats],
         "stale_ranks": [beat["rank"] for beat in stale],
         "stale_description": describe_ranks(stale, now) if stale else None,
-        "flight_records": sorted(path.name for path in (run_dir / "flight").glob("*-rank-*")),
+        "flight_records": sorted(p.name for p in (run_dir / "flight").glob("*-rank-*") if not p.name.startswith(".")),
     }
     if not finished and per_step and max_steps and last.get("step") is not None:
         status["eta_s"] = max(0.0, (max_steps - last["step"]) * per_step)
@@ -235,7 +235,7 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"  SILENT: {status['stale_description']}")
     if status["flight_records"]:  # written only when a collective failed or timed out
         lines.append(
-            f"  a collective failed: flight records of {len(status['flight_records'])} ranks; "
+            f"  a collective failed: {len(status['flight_records'])} flight records; "
             f"`trainyard diagnose {status['run_dir']}` names who did not join"
         )
     return "\n".join(lines)
