@@ -105,7 +105,7 @@ def analyse_group(
         if entries:
             last[rank] = max(entries, key=lambda e: e["collective_seq_id"])
     seq = max(e["collective_seq_id"] for e in last.values())
-    front = [rank for rank, e in last.items() if e["collective_seq_id"] == seq]
+    front = sorted(rank for rank, e in last.items() if e["collective_seq_id"] == seq)
     entry = last[front[0]]
     ranks = _group_ranks(dumps, group, desc, world)
     expected = ranks if ranks is not None else sorted(last)
@@ -188,13 +188,13 @@ def format_diagnosis(report: dict[str, Any], now: float | None = None) -> str:
         lines.append("  every rank that left a record reached the same collective in every group;"
                      " the fault is inside it (network, NIC, a GPU), not a rank that stayed away")
     for hang in report["hangs"]:
-        where = f"{hang['op']} #{hang['seq']} of group {hang['group']} ({hang['group_desc']}, {hang['backend']})"
+        group = f"group {hang['group']} ({hang['group_desc']}, {hang['backend']})"
         late = sorted([*hang["behind"], *hang["no_record"]])
         if late:
-            lines.append(f"  ranks {','.join(map(str, late))} did not join {where}; ranks "
-                         f"{','.join(map(str, hang['entered']))} entered it and waited")
+            lines.append(f"  ranks {','.join(map(str, late))} did not join {hang['op']} #{hang['seq']} of {group}; "
+                         f"ranks {','.join(map(str, hang['entered']))} entered it and waited")
         else:
-            lines.append(f"  every rank entered {where}")
+            lines.append(f"  every rank reached collective #{hang['seq']} of {group}, but not the same one")
         for rank, seen in sorted(hang["behind"].items()):
             note = _rank_note(rank, report, now)
             lines.append(f"    rank {rank}: last entered {seen['last_op']} #{seen['last_seq']}{note}")
@@ -202,8 +202,9 @@ def format_diagnosis(report: dict[str, Any], now: float | None = None) -> str:
             lines.append(f"    rank {rank}: left no flight record (stopped, killed, or frozen before it could dump)"
                          f"{_rank_note(rank, report, now)}")
         if hang["mismatched"]:
-            shown = "; ".join(f"rank {r}: {v['op']} {v['input_sizes']}" for r, v in hang["mismatched"].items())
-            lines.append(f"    ranks called different collectives at #{hang['seq']}: {shown}")
+            calls = sorted(hang["mismatched"].items(), key=lambda item: int(item[0]))
+            shown = "; ".join(f"rank {r}: {v['op']} {v['input_sizes']}" for r, v in calls)
+            lines.append(f"    different collectives at #{hang['seq']}: {shown}")
         if not hang["membership_known"]:
             lines.append("    (this group's members are not recorded: only ranks with a record are compared)")
         caller = next((frame for frame in hang["stack"] if "/torch/" not in frame), None)

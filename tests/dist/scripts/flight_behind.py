@@ -1,5 +1,8 @@
-"""Run under torchrun with 2 ranks: rank 1 stays away from the 4th all-reduce (busy elsewhere)
-while rank 0 times out in it; each rank then writes its flight record into the run dir."""
+"""Run under torchrun with 2 ranks, after 3 all-reduces, in one of two ways:
+
+behind: rank 1 stays away from the 4th all-reduce (busy elsewhere) while rank 0 times out in it;
+mismatch: rank 1 calls a broadcast where rank 0 calls the 4th all-reduce; both time out.
+Each rank then writes its flight record into the run dir, as health does on a failure."""
 
 from __future__ import annotations
 
@@ -16,12 +19,18 @@ from trainyard.dist import exit_process, init
 
 
 def main() -> None:
-    run_dir = Path(sys.argv[1])
+    run_dir, mode = Path(sys.argv[1]), sys.argv[2]
     info = init(DistConfig(timeout_s=4), run_dir=run_dir)
     tensor = torch.ones(3)
     for _ in range(3):
         dist.all_reduce(tensor)
-    if info.rank == 0:
+    if mode == "mismatch":
+        try:
+            dist.all_reduce(tensor) if info.rank == 0 else dist.broadcast(torch.ones(5), src=1)
+        except RuntimeError:
+            pass
+        health.dump_flight_record(run_dir, info)
+    elif info.rank == 0:
         try:
             dist.all_reduce(tensor)  # rank 1 never comes
         except RuntimeError:
