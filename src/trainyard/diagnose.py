@@ -109,9 +109,10 @@ def analyse_group(
     entry = last[front[0]]
     ranks = _group_ranks(dumps, group, desc, world)
     expected = ranks if ranks is not None else sorted(last)
-    behind = {
-        rank: {"last_seq": last[rank]["collective_seq_id"], "last_op": _op(last[rank])}
-        for rank in expected if rank in last and last[rank]["collective_seq_id"] < seq
+    behind = {  # last_seq None: a record, but no collective of this group left in its ring
+        rank: {"last_seq": last[rank]["collective_seq_id"], "last_op": _op(last[rank])} if rank in last
+        else {"last_seq": None, "last_op": None}
+        for rank in expected if rank in dumps and (rank not in last or last[rank]["collective_seq_id"] < seq)
     }
     no_record = [rank for rank in expected if rank not in dumps]
     ops = {rank: (_op(last[rank]), last[rank].get("input_sizes")) for rank in front}
@@ -197,7 +198,10 @@ def format_diagnosis(report: dict[str, Any], now: float | None = None) -> str:
             lines.append(f"  every rank reached collective #{hang['seq']} of {group}, but not the same one")
         for rank, seen in sorted(hang["behind"].items()):
             note = _rank_note(rank, report, now)
-            lines.append(f"    rank {rank}: last entered {seen['last_op']} #{seen['last_seq']}{note}")
+            if seen["last_seq"] is None:
+                lines.append(f"    rank {rank}: its record holds no collective of this group{note}")
+            else:
+                lines.append(f"    rank {rank}: last entered {seen['last_op']} #{seen['last_seq']}{note}")
         for rank in hang["no_record"]:
             lines.append(f"    rank {rank}: left no flight record (stopped, killed, or frozen before it could dump)"
                          f"{_rank_note(rank, report, now)}")
