@@ -260,6 +260,20 @@ def status(
 
 
 @app.command()
+def diagnose(
+    run_dir: Annotated[Path, typer.Argument(help="the run dir: <output_dir>/<run_name>")],
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of text")] = False,
+) -> None:
+    """After a hang: which ranks did not join which collective, read from the flight records."""
+    import json
+
+    from trainyard.diagnose import diagnose as read_diagnosis, format_diagnosis
+
+    report = read_diagnosis(run_dir)
+    print(json.dumps(report, indent=2, default=str) if as_json else format_diagnosis(report))
+
+
+@app.command()
 def export(
     ckpt: Annotated[Path, typer.Argument(help="a run dir (its newest committed full checkpoint) or a checkpoints/step-XXXXXXXX folder")],
     out: Annotated[Path, typer.Option("--out", help="new (or empty) folder to write the model into")],

@@ -12,6 +12,7 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -51,10 +52,15 @@ def _pick_backend(cfg: DistConfig, device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
-def init(cfg: DistConfig) -> DistInfo:
-    """Join the process group torchrun prepared (or run alone), with the job's timeout."""
+def init(cfg: DistConfig, run_dir: Path | None = None) -> DistInfo:
+    """Join the process group torchrun prepared (or run alone), with the job's timeout.
+
+    With a run dir, the flight recorder is switched on first (see `flight_recorder_env`):
+    it is read once, when the first process group is created."""
     rank = _env_int("RANK", 0)
     world = _env_int("WORLD_SIZE", 1)
+    if run_dir is not None and world > 1 and not dist.is_initialized():
+        apply_flight_recorder(run_dir)
     local_rank = _env_int("LOCAL_RANK", 0)
     local_world = _env_int("LOCAL_WORLD_SIZE", world)
     if torch.cuda.is_available():
@@ -145,6 +151,64 @@ def host_summary(info: DistInfo) -> dict[str, object]:
         "device": str(info.device),
         "backend": info.backend,
     }
+
+
+# ---------------------------------------------------------------- flight recorder
+
+FLIGHT_DIR = "flight"
+FLIGHT_ENTRIES = 2000
+# (variable, older alias) pairs: a user who set either one keeps their choice for both.
+_FLIGHT_ALIASES = {
+    "buffer": ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"),
+    "prefix": ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"),
+}
+
+
+def flight_recorder_env(run_dir: Path) -> dict[str, str]:
+    """What records the last collectives of every rank and writes them on a timeout.
+
+    Every process group keeps a ring of its last collectives (op, sequence number, sizes,
+    state, Python stack). The NCCL watchdog writes it to `<run_dir>/flight/nccl-rank-<r>`
+    when a collective times out, before it kills the process; `health` writes the Gloo
+    one itself (Gloo has no watchdog). `trainyard diagnose` reads them.
+    """
+    prefix = str(Path(run_dir) / FLIGHT_DIR / "nccl-rank-")
+    return {
+        # torch 2.13 reads TORCH_FR_BUFFER_SIZE first (2000 by default) and warns on the old name.
+        "TORCH_FR_BUFFER_SIZE": str(FLIGHT_ENTRIES),
+        # Both names of the dump prefix: which one the NCCL dump writer reads varies by release.
+        "TORCH_FR_DUMP_TEMP_FILE": prefix,
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_ENABLE_MONITORING": "1",  # the dump on timeout needs the monitoring thread
+        # How long the watchdog waits for the dumps before it aborts the process: the
+        # failure is on record, and the job over, a few seconds after the collective timeout.
+        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "5000",
+    }
+
+
+def apply_flight_recorder(run_dir: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """Set the flight-recorder variables the user has not set; return the effective values.
+
+    A user who sets the buffer size to 0 turns it off, and nothing is created."""
+    target = os.environ if env is None else env
+    wanted = flight_recorder_env(run_dir)
+    for names in _FLIGHT_ALIASES.values():
+        if any(name in target for name in names):
+            for name in names:
+                wanted.pop(name, None)
+    for name, value in wanted.items():
+        target.setdefault(name, value)
+    if flight_recorder_enabled(target):
+        (Path(run_dir) / FLIGHT_DIR).mkdir(parents=True, exist_ok=True)
+    return {name: target[name] for name in flight_recorder_env(run_dir) if name in target}
+
+
+def flight_recorder_enabled(env: dict[str, str] | None = None) -> bool:
+    """False only where the user set the ring's size to 0 (torch records 2000 by default)."""
+    target = os.environ if env is None else env
+    size = next((target[n] for n in _FLIGHT_ALIASES["buffer"] if n in target), str(FLIGHT_ENTRIES))
+    return size.strip() not in ("", "0")
 
 
 # ---------------------------------------------------------------- network presets

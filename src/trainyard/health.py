@@ -8,6 +8,7 @@ so they cost nothing on a healthy step. `TRAINYARD_FAULT` injects a fault on pur
 from __future__ import annotations
 
 import faulthandler
+import logging
 import math
 import os
 import re
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainyard.dist import DistInfo
+from trainyard.dist import FLIGHT_DIR, DistInfo, flight_recorder_enabled
 from trainyard.errors import DistError
 from trainyard.parallel import unwrap
 from trainyard.status import describe_ranks, silent_ranks
@@ -126,8 +127,53 @@ def missing_ranks(info: DistInfo) -> str:
     return f"every rank reached the same point ({front:g}); the fault is inside that collective"
 
 
+def dump_flight_record(run_dir: Path, info: DistInfo) -> list[Path]:
+    """Write this rank's flight record (its last collectives) into <run_dir>/flight/.
+
+    Gloo has no watchdog to do it, and NCCL's only does when it is the one that times
+    out; a rank that gets its failure back in Python writes its own here. The format is
+    torch's own (`_dump_fr_trace`), the one the NCCL watchdog writes."""
+    if not flight_recorder_enabled():
+        return []
+    c10d = torch._C._distributed_c10d
+    folder = Path(run_dir) / FLIGHT_DIR
+    written = []
+    dumps = [("gloo", getattr(c10d, "_dump_fr_trace", None))]
+    if info.backend and "nccl" in info.backend:
+        dumps.append(("nccl", getattr(c10d, "_dump_nccl_trace", None)))
+    for kind, dump in dumps:
+        path = folder / f"{kind}-rank-{info.rank}"
+        if dump is None or (kind == "nccl" and path.exists()):  # the watchdog's own dump wins
+            continue
+        try:
+            data = dump(True, True, False)  # collectives, stack traces, not only the active ones
+        except RuntimeError:
+            continue  # no recorder for this backend in this build
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+        written.append(path)
+    return written
+
+
+def _log_to_files(level: int, message: str, exc: BaseException | None = None) -> None:
+    """To logs/rank-<r>.log only: a traceback there helps; on the console it buries the message."""
+    logger = logging.getLogger("trainyard")
+    exc_info = (type(exc), exc, exc.__traceback__) if exc is not None else None
+    record = logger.makeRecord(logger.name, level, __file__, 0, message, None, exc_info)
+    for handler in logger.handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
 def explain_comm_failure(err: BaseException, info: DistInfo, run_dir: Path, step: int, timeout_s: float) -> DistError:
-    """Turn a collective timeout or lost peer into a message naming the ranks and hosts."""
+    """Turn a collective timeout or lost peer into a message naming the ranks and hosts.
+
+    The original exception, with its traceback, goes to this rank's log first; the flight
+    record is written before anything else runs, so it ends at the failed collective."""
+    _log_to_files(logging.ERROR, f"collective failed at step {step}", err)
+    flight = dump_flight_record(run_dir, info)
     stacks = dump_stacks(run_dir, info)
     who = missing_ranks(info)
     if "did not arrive" not in who:  # same point in the store: ask the heartbeats who went silent
@@ -136,10 +182,14 @@ def explain_comm_failure(err: BaseException, info: DistInfo, run_dir: Path, step
             ranks = ",".join(str(beat["rank"]) for beat in silent)
             who = f"ranks {ranks} did not arrive ({describe_ranks(silent, time.time())} stopped beating)"
     first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    message = f"rank {info.rank} lost its peers at step {step}: {who}. The collective failed with: {first_line}"
+    logging.getLogger("trainyard").error(message)
     return DistError(
-        f"rank {info.rank} lost its peers at step {step}: {who}. The collective failed with: {first_line}",
+        message,
         fix=(
-            f"look at logs/rank-*.log and heartbeats/ (`trainyard status {run_dir}`) for the rank that stopped; "
-            f"this rank's stacks are in {stacks}. dist.timeout_s is {timeout_s:g}s"
+            f"`trainyard diagnose {run_dir}` names the ranks that did not join which collective"
+            f"{' (flight record in ' + str(flight[0].parent) + ')' if flight else ''}; "
+            f"logs/rank-*.log hold each rank's error; this rank's stacks are in {stacks}. "
+            f"dist.timeout_s is {timeout_s:g}s"
         ),
     )

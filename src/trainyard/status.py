@@ -78,8 +78,15 @@ class BackgroundHeartbeat:
 
 def silent_ranks(run_dir: Path, own_rank: int, wait_s: float = 2.5 * HEARTBEAT_INTERVAL_S) -> list[dict[str, Any]]:
     """Ranks whose heartbeat did not move during `wait_s`: the lost ones, after a failed
-    collective. Ranks that are alive keep beating meanwhile (BackgroundHeartbeat)."""
-    before = {beat["rank"]: beat.get("time") for beat in read_heartbeats(run_dir)}
+    collective. Ranks that are alive keep beating meanwhile (BackgroundHeartbeat).
+
+    After a collective timeout the lost ranks are usually silent for longer than `wait_s`
+    already: those are returned at once, so the report does not wait on top of the timeout."""
+    beats = read_heartbeats(run_dir)
+    already = [beat for beat in stale_heartbeats(beats, time.time(), wait_s) if beat["rank"] != own_rank]
+    if already:
+        return already
+    before = {beat["rank"]: beat.get("time") for beat in beats}
     time.sleep(wait_s)
     return [
         beat
@@ -198,6 +205,7 @@ def read_status(run_dir: Path | str, stale_after_s: float = STALE_AFTER_S, now: 
         "heartbeats": [{**beat, "age_s": round(now - float(beat.get("time", 0)), 1)} for beat in beats],
         "stale_ranks": [beat["rank"] for beat in stale],
         "stale_description": describe_ranks(stale, now) if stale else None,
+        "flight_records": sorted(p.name for p in (run_dir / "flight").glob("*-rank-*") if not p.name.startswith(".")),
     }
     if not finished and per_step and max_steps and last.get("step") is not None:
         status["eta_s"] = max(0.0, (max_steps - last["step"]) * per_step)
@@ -236,4 +244,9 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"  heartbeats: {len(beats)} ranks, newest {min(beat['age_s'] for beat in beats):.0f} s old")
     if status["stale_ranks"]:
         lines.append(f"  SILENT: {status['stale_description']}")
+    if status["flight_records"]:  # written only when a collective failed or timed out
+        lines.append(
+            f"  a collective failed: {len(status['flight_records'])} flight records; "
+            f"`trainyard diagnose {status['run_dir']}` names who did not join"
+        )
     return "\n".join(lines)

@@ -354,7 +354,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     wall_start = time.monotonic()
     transformers.utils.logging.disable_progress_bar()  # our own progress line is the only one
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
-    info = dist.init(cfg.dist)
+    info = dist.init(cfg.dist, run_dir=cfg.run_dir)
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     logger = setup_logging(run_dir, info)
