@@ -39,10 +39,13 @@ def train_losses(out: Path, *overrides: str, nproc: int) -> list[float]:
 
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    """One process, 2 micro-batches of 8: the reference trajectory for each fine-tuning mode."""
+    """One process, one batch of 16 per step: the reference trajectory for each fine-tuning
+    mode, with neither gradient accumulation nor reduction to share a bug with."""
     out = tmp_path_factory.mktemp("single")
     return {
-        lora: train_events(out / lora, f"lora.enabled={lora}", "dist.strategy=none", nproc=1)
+        lora: train_events(
+            out / lora, f"lora.enabled={lora}", "dist.strategy=none", "train.micro_batch_size=16", nproc=1
+        )
         for lora in ("true", "false")
     }
 
@@ -73,7 +76,7 @@ def test_two_ranks_accumulating_follow_the_single_process_trajectory(
     tmp_path: Path, single_process: dict[str, list[dict]], strategy: str, lora: str
 ) -> None:
     """2 ranks x 2 micro-batches of 4 (DDP no_sync / FSDP2 sync-skip on the first) see the
-    same 16 samples per step as 1 process x 2 x 8. A micro-batch's gradient lost or counted
+    same 16 samples per step as 1 process x 1 x 16. A micro-batch's gradient lost or counted
     twice, or never reduced across ranks, moves the losses; a wrong scale moves the norms."""
     got = train_events(
         tmp_path, f"lora.enabled={lora}", f"dist.strategy={strategy}", "train.micro_batch_size=4", nproc=2
