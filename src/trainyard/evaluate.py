@@ -4,6 +4,10 @@ Seed 000 lost 85 minutes per eval to one collective per batch, and could not rea
 curves because the subset changed every time. Here the subset is a fixed-seed shuffle's
 first N examples, each rank sums locally, and one all-reduce combines loss, token count
 and exact-match counts at the end.
+
+Generation under FSDP is the one exception: every forward pass all-gathers weights, so all
+ranks must run the same number of them. They agree once per new token whether any rank is
+still generating (HF's `synced_gpus`), so each sequence still ends at its own end of turn.
 """
 
 from __future__ import annotations
@@ -50,11 +54,20 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
 
 
 @torch.no_grad()
-def _exact_matches(
-    model: torch.nn.Module, rows: list[dict[str, Any]], tokenizer: Any, max_new_tokens: int, lockstep: bool, device: torch.device
-) -> int:
-    """Greedy answers for a batch of prompts (left-padded), compared as stripped strings."""
-    prompts = [row["prompt_ids"] for row in rows]
+def generate_answers(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    tokenizer: Any,
+    max_new_tokens: int,
+    lockstep: bool,
+    device: torch.device,
+) -> list[str]:
+    """Greedy answers to a batch of prompts (left-padded), each cut at its first end of turn.
+
+    `lockstep` (FSDP): ranks keep running forward passes until every rank's batch is done,
+    one scalar all-reduce per token; a sequence that ended is never extended. Forcing a
+    minimum length instead would forbid the end-of-turn token and run every answer on.
+    """
     width = max(len(p) for p in prompts)
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
@@ -63,16 +76,30 @@ def _exact_matches(
         input_ids=input_ids,
         attention_mask=attention,
         max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens if lockstep else None,
         do_sample=False,
         pad_token_id=pad,
+        eos_token_id=tokenizer.eos_token_id,
+        synced_gpus=lockstep,
     )
-    answers = [tokenizer.decode(_until_eos(ids.tolist(), tokenizer.eos_token_id), skip_special_tokens=True) for ids in output[:, width:]]
+    eos = tokenizer.eos_token_id
+    return [tokenizer.decode(_until_eos(ids.tolist(), eos), skip_special_tokens=True) for ids in output[:, width:]]
+
+
+def _exact_matches(
+    model: torch.nn.Module,
+    rows: list[dict[str, Any]],
+    tokenizer: Any,
+    max_new_tokens: int,
+    lockstep: bool,
+    device: torch.device,
+) -> int:
+    """Greedy answers compared with the expected ones as stripped strings."""
+    answers = generate_answers(model, [row["prompt_ids"] for row in rows], tokenizer, max_new_tokens, lockstep, device)
     return sum(int(got.strip() == row["answer"].strip()) for got, row in zip(answers, rows))
 
 
 def _until_eos(ids: list[int], eos_id: int | None) -> list[int]:
-    """Cut at the end of turn (lockstep generation under FSDP runs past it)."""
+    """The answer proper: what comes before the end of turn (and the padding after it)."""
     return ids[: ids.index(eos_id)] if eos_id in ids else ids
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.conftest import REPO, TINY
 
+# Interruption steps are random but replayable: a failure names the seed that draws them again.
+SEED = int(os.environ.get("TRAINYARD_TEST_SEED") or random.SystemRandom().randrange(10**6))
 STEPS = 24
 EVERY = 4
 COMMON = [
@@ -36,6 +39,7 @@ COMMON = [
 ]
 LORA_DDP = ["lora.enabled=true", "dist.strategy=ddp"]
 FULL_FSDP = ["lora.enabled=false", "dist.strategy=fsdp"]
+LORA_FSDP = ["lora.enabled=true", "dist.strategy=fsdp"]
 
 
 def train_args(out: Path, *overrides: str, nproc: int = 2) -> list[str]:
@@ -120,7 +124,14 @@ def adapter_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(step_dir / "adapter" / "adapter_model.safetensors")
 
 
+def dcp_adapter_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
+    """The LoRA weights as DCP saved them (each rank its shard), under PEFT's file names: an
+    account of the live adapter at that step that owes nothing to the adapter writer."""
+    model = model_tensors(step_dir)
+    return {name.replace(".default.", "."): tensor for name, tensor in model.items() if ".lora_" in name}
+
+
 def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == want.keys()
+    assert got.keys() == want.keys() and want, (sorted(got)[:3], sorted(want)[:3])
     differing = [name for name in want if not torch.equal(got[name], want[name])]
     assert not differing, f"{len(differing)} of {len(want)} tensors differ, e.g. {differing[:3]}"

@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import assert_ok, trainyard
-from tests.dist.checkpoint_helpers import FULL_FSDP, LORA_DDP, train_args
+from tests.dist.checkpoint_helpers import FULL_FSDP, LORA_DDP, LORA_FSDP, SEED, train_args
+
+
+@pytest.fixture
+def draw_step(request: pytest.FixtureRequest):
+    """A step in [low, high] from this test's own seeded RNG, printed with how to replay it."""
+    rng = random.Random(f"{SEED}:{request.node.nodeid}")
+
+    def draw(low: int, high: int) -> int:
+        step = rng.randint(low, high)
+        print(f"interrupting at step {step} (TRAINYARD_TEST_SEED={SEED} replays it)")
+        return step
+
+    return draw
 
 
 def _reference(out: Path, overrides: list[str]) -> Path:
@@ -26,3 +40,9 @@ def lora_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def full_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """FSDP2 + full fine-tuning, synchronous checkpoints, never interrupted: its run dir."""
     return _reference(tmp_path_factory.mktemp("full-reference"), FULL_FSDP)
+
+
+@pytest.fixture(scope="session")
+def fsdp_lora_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """FSDP2 + LoRA (seed 000's setup), never interrupted, every full checkpoint kept."""
+    return _reference(tmp_path_factory.mktemp("fsdp-lora-reference"), [*LORA_FSDP, "checkpoint.keep_last=6"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import shutil
 import signal
 from pathlib import Path
@@ -15,9 +14,12 @@ from tests.dist.checkpoint_helpers import (
     EVERY,
     FULL_FSDP,
     LORA_DDP,
+    LORA_FSDP,
+    SEED,
     STEPS,
     adapter_tensors,
     assert_same_tensors,
+    dcp_adapter_tensors,
     events_after_last_resume,
     kill_tree,
     last_step,
@@ -34,12 +36,21 @@ pytestmark = pytest.mark.dist
 MODES = {
     "ddp-lora-sync": LORA_DDP,
     "fsdp-full-async": [*FULL_FSDP, "checkpoint.async=true"],
+    "fsdp-lora-sync": LORA_FSDP,
+}
+REFERENCES = {
+    "ddp-lora-sync": "lora_reference",
+    "fsdp-full-async": "full_reference",
+    "fsdp-lora-sync": "fsdp_lora_reference",
 }
 
 
-def final_tensors(run_dir: Path, lora: bool) -> dict:
-    final = step_dir(run_dir / "checkpoints", STEPS)
-    return adapter_tensors(final) if lora else model_tensors(final)
+def assert_same_final_weights(run_dir: Path, reference: Path, lora: bool) -> None:
+    """The last checkpoint's DCP weights and (LoRA) its PEFT adapter file, bit for bit."""
+    got, want = step_dir(run_dir / "checkpoints", STEPS), step_dir(reference / "checkpoints", STEPS)
+    assert_same_tensors(model_tensors(got), model_tensors(want))
+    if lora:
+        assert_same_tensors(adapter_tensors(got), adapter_tensors(want))
 
 
 def craft_partial(checkpoints: Path, like: Path | None) -> Path:
@@ -60,16 +71,16 @@ def craft_partial(checkpoints: Path, like: Path | None) -> Path:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_sigkill_at_a_random_step_then_rerun_ends_bitwise_identical(
-    tmp_path: Path, mode: str, lora_reference: Path, full_reference: Path
+    tmp_path: Path, mode: str, draw_step, request: pytest.FixtureRequest
 ) -> None:
     """A node dies at a random step (maybe mid-save); a save cut short (shards, no marker) is
     crafted beside it. The rerun removes the partial folder, resumes from the last committed
     checkpoint, replays no step and skips none, and ends with the reference's exact weights."""
-    lora = mode.startswith("ddp-lora")
-    reference = lora_reference if lora else full_reference
+    lora = "lora" in mode
+    reference: Path = request.getfixturevalue(REFERENCES[mode])
     args = train_args(tmp_path, *MODES[mode])
     run_dir, checkpoints = tmp_path / "tiny", tmp_path / "tiny" / "checkpoints"
-    kill_at = random.randint(EVERY + 1, STEPS - EVERY)
+    kill_at = draw_step(EVERY + 1, STEPS - EVERY)
     proc = start(args)
     seen = wait_for_step(proc, run_dir, kill_at)
     kill_tree(proc)
@@ -81,7 +92,7 @@ def test_sigkill_at_a_random_step_then_rerun_ends_bitwise_identical(
     result = trainyard(*args)
     assert_ok(result)
 
-    context = f"killed at step >= {kill_at} (saw {seen}), last committed {saved}"
+    context = f"killed at step >= {kill_at} (saw {seen}, TRAINYARD_TEST_SEED={SEED}), last committed {saved}"
     assert not partial.exists(), context
     resumed = resumed_events(run_dir)
     if saved is None:  # killed before the first commit: a fresh start is right
@@ -92,22 +103,34 @@ def test_sigkill_at_a_random_step_then_rerun_ends_bitwise_identical(
         first_step = int(saved.name[5:]) + 1
     train = events_after_last_resume(run_dir, "train")
     assert [e["step"] for e in train] == list(range(first_step, STEPS + 1)), context
-    assert_same_tensors(final_tensors(run_dir, lora), final_tensors(reference, lora))
+    assert_same_final_weights(run_dir, reference, lora)
     kept = [p.name for p in committed(checkpoints)]
     assert kept[-2:] == [f"step-{STEPS - EVERY:08d}", f"step-{STEPS:08d}"], context
     if saved is not None:  # rotation keeps 2, plus the one this run resumed from
         assert saved.name in kept and len(kept) <= 3, (context, kept)
-    if not lora:  # async saves: reported at once, committed a step or two later, never lost
+    if mode.endswith("async"):  # async saves: reported at once, committed a step or two later, never lost
         saves = events_after_last_resume(run_dir, "checkpoint")
         started = {e["step"] for e in saves if e.get("async_save")}
         assert started and started <= {e["step"] for e in saves if e.get("committed")}, saves
 
 
-def test_sigterm_to_the_launcher_saves_exits_75_and_loses_no_step(tmp_path: Path, lora_reference: Path) -> None:
+PREEMPTED = {
+    "ddp-lora": ([*LORA_DDP], "lora_reference"),
+    # Lite saves too: each one must hold exactly the adapter DCP saved at that step.
+    "fsdp-lora": ([*LORA_FSDP, f"checkpoint.lite_every_steps={EVERY}"], "fsdp_lora_reference"),
+}
+
+
+@pytest.mark.parametrize("mode", PREEMPTED)
+def test_sigterm_to_the_launcher_saves_exits_75_and_loses_no_step(
+    tmp_path: Path, mode: str, draw_step, request: pytest.FixtureRequest
+) -> None:
+    overrides, reference_name = PREEMPTED[mode]
+    reference: Path = request.getfixturevalue(reference_name)
     # No periodic saves: the preemption save is always a new one, at whatever step it lands.
-    args = train_args(tmp_path, *LORA_DDP, "checkpoint.every_steps=0")
+    args = train_args(tmp_path, *overrides, "checkpoint.every_steps=0")
     run_dir, checkpoints = tmp_path / "tiny", tmp_path / "tiny" / "checkpoints"
-    stop_at = random.randint(EVERY + 1, STEPS - EVERY)
+    stop_at = draw_step(EVERY + 1, STEPS - EVERY)
     proc = start(args)
     try:
         wait_for_step(proc, run_dir, stop_at)
@@ -116,19 +139,35 @@ def test_sigterm_to_the_launcher_saves_exits_75_and_loses_no_step(tmp_path: Path
     finally:
         if proc.returncode is None:
             kill_tree(proc)
-    assert proc.returncode == 75, stderr[-3000:]
-    assert "SIGTERM" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    context = f"SIGTERM after step >= {stop_at} (TRAINYARD_TEST_SEED={SEED})"
+    assert proc.returncode == 75, (context, stderr[-3000:])
+    assert "SIGTERM" in stderr and "Traceback" not in stderr, (context, stderr[-3000:])
     stopped = last_step(run_dir)
-    assert stopped < STEPS
-    assert latest_full(checkpoints) == step_dir(checkpoints, stopped), "the preemption save is not the last step trained"
+    assert stopped < STEPS, context
+    assert latest_full(checkpoints) == step_dir(checkpoints, stopped), f"{context}: not the last step trained"
 
     result = trainyard(*args)
     assert_ok(result)
     train = events_after_last_resume(run_dir, "train")
-    assert [e["step"] for e in train] == list(range(stopped + 1, STEPS + 1))
+    assert [e["step"] for e in train] == list(range(stopped + 1, STEPS + 1)), context
     summary = (run_dir / "summary.json").read_text()
     assert f'"steps": {STEPS}' in summary
-    assert_same_tensors(final_tensors(run_dir, True), final_tensors(lora_reference, True))
+    assert_same_final_weights(run_dir, reference, lora=True)
+    if "lite_every_steps" in " ".join(overrides):  # before and after the preemption alike
+        lite = [int(p.name[5:]) for p in committed(checkpoints, "lite")]
+        assert lite == [s for s in range(EVERY, STEPS, EVERY) if s != stopped], (context, lite)
+        for step in lite:
+            want = dcp_adapter_tensors(step_dir(reference / "checkpoints", step))
+            assert_same_tensors(adapter_tensors(step_dir(checkpoints, step)), want)
+
+
+def test_fsdp_lora_adapter_files_hold_the_weights_dcp_saved(fsdp_lora_reference: Path) -> None:
+    """Seed 000's case: under FSDP2 every rank holds a shard of each LoRA matrix. The adapter
+    written beside each full checkpoint must be the gathered whole, equal to DCP's copy."""
+    saved = committed(fsdp_lora_reference / "checkpoints")
+    assert [p.name for p in saved] == [f"step-{s:08d}" for s in range(EVERY, STEPS + 1, EVERY)]
+    for path in saved:
+        assert_same_tensors(adapter_tensors(path), dcp_adapter_tensors(path))
 
 
 def test_two_rank_fsdp_checkpoint_resumes_in_one_process(tmp_path: Path, full_reference: Path) -> None:

@@ -1,4 +1,4 @@
-"""An evaluation makes exactly one collective, whatever the number of batches."""
+"""`evaluate` on 2 ranks: one collective, and the figures one process computes by itself."""
 
 from __future__ import annotations
 
@@ -13,18 +13,54 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.dist
 
+SCRIPT = REPO / "tests" / "dist" / "scripts" / "evaluate_two_ranks.py"
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_one_collective_per_evaluation(tmp_path: Path, strategy: str) -> None:
-    out = tmp_path / "counts.json"
+
+@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
+    """What each of 2 ranks reported after evaluating the same tiny model (37 examples)."""
+    strategy = request.param
+    tmp = tmp_path_factory.mktemp(f"eval-{strategy}")
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(REPO / "tests" / "dist" / "scripts" / "count_eval_collectives.py"), str(tmp_path), strategy, str(out)],
+         str(SCRIPT), str(tmp), strategy, str(tmp / "report")],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    counts = json.loads(out.read_text())
+    return strategy, [json.loads((tmp / f"report-rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_one_collective_per_evaluation(ranks: tuple[str, list[dict]]) -> None:
+    _, reports = ranks
     # 37 examples over 2 ranks in batches of 4: 5 batches per rank, uneven shards.
-    assert counts["batches_per_rank"] == 5
-    assert counts["explicit_collectives"] == {"all_reduce": 1}
-    assert counts["examples"] == 37
+    assert [r["batches"] for r in reports] == [5, 5]
+    assert [r["collectives"] for r in reports] == [{"all_reduce": 1}] * 2
+
+
+def test_loss_and_counts_equal_one_process_over_the_whole_subset(ranks: tuple[str, list[dict]]) -> None:
+    """Every example counted once (none twice from the padding batch, none lost to the uneven
+    shard), and every rank gets the same reduced figures."""
+    _, reports = ranks
+    single = reports[0]
+    assert single["subset"] == 37
+    for report in reports:
+        result = report["result"]
+        assert result["eval_tokens"] == single["single_targets"]
+        assert result["eval_loss"] == pytest.approx(single["single_loss_sum"] / single["single_targets"], rel=1e-5)
+        assert report["with_answers"]["eval_examples"] == 37
+        correct = sum(r["correct"] for r in reports)
+        assert report["with_answers"]["eval_accuracy"] == pytest.approx(correct / 37)
+
+
+def test_generation_stops_at_each_sequences_end_and_equals_one_process(ranks: tuple[str, list[dict]]) -> None:
+    """Under FSDP every rank runs the same forward passes, yet each answer still ends at its
+    own end-of-turn token, exactly as a single process's greedy generation ends it."""
+    strategy, reports = ranks
+    raw = [ids for r in reports for ids in r["raw"]]
+    eos = reports[0]["eos"]
+    ends = {ids.index(eos) for ids in raw if eos in ids}
+    # The test means something only if answers end at different lengths, and some run on.
+    assert len(ends) >= 3 and any(eos not in ids for ids in raw), (reports[0]["swapped"], raw)
+    for rank, report in enumerate(reports):
+        assert len(report["answers"]) == len(report["expected"]) == [19, 18][rank]
+        assert report["answers"] == report["expected"], (strategy, rank)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -26,34 +27,63 @@ COMMON = [
 ]
 
 
-def train_losses(out: Path, *overrides: str, nproc: int) -> list[float]:
+def train_events(out: Path, *overrides: str, nproc: int) -> list[dict]:
     result = trainyard("train", TINY, f"output_dir={out}", *COMMON, *overrides, "--nproc", str(nproc))
     assert_ok(result)
-    return [e["loss"] for e in events(out / "tiny", "train")]
+    return events(out / "tiny", "train")
+
+
+def train_losses(out: Path, *overrides: str, nproc: int) -> list[float]:
+    return [e["loss"] for e in train_events(out, *overrides, nproc=nproc)]
 
 
 @pytest.fixture(scope="module")
-def single_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[float]]:
-    """One process, accumulation 2: the reference trajectory for each fine-tuning mode."""
+def single_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """One process, one batch of 16 per step: the reference trajectory for each fine-tuning
+    mode, with neither gradient accumulation nor reduction to share a bug with."""
     out = tmp_path_factory.mktemp("single")
     return {
-        lora: train_losses(out / lora, f"lora.enabled={lora}", "dist.strategy=none", nproc=1)
+        lora: train_events(
+            out / lora, f"lora.enabled={lora}", "dist.strategy=none", "train.micro_batch_size=16", nproc=1
+        )
         for lora in ("true", "false")
     }
+
+
+def assert_same_trajectory(got: list[dict], want: list[dict]) -> None:
+    """Same losses and, because AdamW is blind to a scale on the whole gradient, same norms."""
+    assert [e["step"] for e in got] == [e["step"] for e in want] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([e["loss"] for e in got], [e["loss"] for e in want], rtol=2e-4, atol=1e-5)
+    np.testing.assert_allclose([e["grad_norm"] for e in got], [e["grad_norm"] for e in want], rtol=1e-3, atol=1e-6)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("lora", ["true", "false"])
 def test_two_ranks_follow_the_single_process_trajectory(
-    tmp_path: Path, single_process: dict[str, list[float]], strategy: str, lora: str
+    tmp_path: Path, single_process: dict[str, list[dict]], strategy: str, lora: str
 ) -> None:
-    losses = train_losses(tmp_path, f"lora.enabled={lora}", f"dist.strategy={strategy}", nproc=2)
-    reference = single_process[lora]
-    assert len(losses) == STEPS
+    got = train_events(tmp_path, f"lora.enabled={lora}", f"dist.strategy={strategy}", nproc=2)
+    losses = [e["loss"] for e in got]
     assert losses[-1] < losses[0] - 0.1, f"loss did not go down: {losses}"
-    np.testing.assert_allclose(losses, reference, rtol=2e-4, atol=1e-5)
-    summary = (tmp_path / "tiny" / "summary.json").read_text()
-    assert f'"strategy": "{strategy}"' in summary
+    assert_same_trajectory(got, single_process[lora])
+    summary = json.loads((tmp_path / "tiny" / "summary.json").read_text())
+    assert (summary["strategy"], summary["accumulation"]) == (strategy, 1)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("lora", ["true", "false"])
+def test_two_ranks_accumulating_follow_the_single_process_trajectory(
+    tmp_path: Path, single_process: dict[str, list[dict]], strategy: str, lora: str
+) -> None:
+    """2 ranks x 2 micro-batches of 4 (DDP no_sync / FSDP2 sync-skip on the first) see the
+    same 16 samples per step as 1 process x 1 x 16. A micro-batch's gradient lost or counted
+    twice, or never reduced across ranks, moves the losses; a wrong scale moves the norms."""
+    got = train_events(
+        tmp_path, f"lora.enabled={lora}", f"dist.strategy={strategy}", "train.micro_batch_size=4", nproc=2
+    )
+    summary = json.loads((tmp_path / "tiny" / "summary.json").read_text())
+    assert (summary["strategy"], summary["accumulation"], summary["world_size"]) == (strategy, 2, 2)
+    assert_same_trajectory(got, single_process[lora])
 
 
 def test_tokenization_runs_once_with_two_ranks(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -143,8 +144,12 @@ def test_killing_one_host_fails_the_other_fast_and_names_it(hosts: tuple[Host, H
 
     assert code != 0, output[-4000:]
     assert took < timeout_s + 30, f"the surviving host needed {took:.0f} s to fail"
-    lost = [HOST_ADDRESSES[1], "rank 2", "rank 3", "ranks 2, 3"]
-    assert any(name in output for name in lost), output[-4000:]
+    # The diagnosis of a worker of the surviving host, relayed once by its launcher: torchrun and
+    # gloo print ranks and the lost address too, so only this sentence shows trainyard named them.
+    flat = "".join(output.split())  # the console wraps long lines anywhere
+    found = re.search(r"rank([01])lostitspeersatstep(\d+):ranks2,3didnotarrive", flat)
+    assert found, output[-4000:]
+    assert int(found[2]) > 3, f"the lost step {found[2]} is before the steps already trained"
 
 
 def test_cutting_the_network_fails_the_head_within_the_collective_timeout(hosts: tuple[Host, Host], tmp_path: Path) -> None:
