@@ -180,9 +180,9 @@ def _train_steps(job: Job, batches: Any, state: LoopState, run_eval: Any, heartb
             job.sampler.load_state_dict(position)  # the window drawn above is never trained on
             _save_full(job, state, pending, async_save=False)
             raise Preempted(
-                f"stopped by {(_SIGNALLED or ['a signal on another rank'])[0]} after step {state.step}; "
-                f"checkpoint step-{state.step:08d} is committed",
-                fix="run the same command again (checkpoint.resume: auto) to continue where it stopped",
+                f"preempted by {(_SIGNALLED or ['a signal on another rank'])[0]} after step {state.step}; "
+                f"checkpoint step-{state.step:08d} committed",
+                fix="run the same command again to resume",
             )
         # DDP/FSDP average gradients over ranks; multiplying back by world makes the
         # gradient that of the summed loss over every target token in the global batch.
