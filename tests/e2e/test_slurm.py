@@ -195,14 +195,14 @@ def test_generated_script_trains_is_preempted_requeues_and_finishes(slurm: dict[
         state(("PENDING", "RUNNING"))
         return last_step(run_dir) >= 3
 
-    _wait(training, 120, "three training steps")
+    _wait(training, 300, "three training steps")
     subprocess.run(["scancel", "--signal=USR1", job_id], check=True, env={**os.environ, **slurm})  # what --signal=USR1@90 does
 
     def requeued() -> bool:
         state(("RUNNING", "COMPLETING", "REQUEUED", "PENDING"))
         return job_field(job_id, "Restarts", slurm) == "1"
 
-    _wait(requeued, 120, "the job to requeue itself")
+    _wait(requeued, 300, "the job to requeue itself")
 
     def resumed() -> bool:
         # No release by hand: Slurm holds the job for its requeue delay, then starts it again.
