@@ -21,10 +21,21 @@ def _root() -> None:
     """One YAML-described LLM training job, from a CPU to many nodes."""
 
 
-def _fail(code: int, message: str) -> None:
-    err_console.print("[bold red]trainyard: error[/]")
-    err_console.print(redact_text(message), markup=False)
+def _fail(code: int, message: str, preempt_code: int | None = None) -> None:
+    from trainyard.launch.torchrun import PREEMPTED_EXIT_CODE
+
+    if code == (preempt_code or PREEMPTED_EXIT_CODE):
+        _notice(message)
+    else:
+        err_console.print("[bold red]trainyard: error[/]")
+        err_console.print(redact_text(message), markup=False)
     raise typer.Exit(code)
+
+
+def _notice(message: str) -> None:
+    """Preempted after a committed checkpoint (exit 75): one line saying how to go on, not an error."""
+    what, _, fix = message.partition("\nFix: ")
+    err_console.print(redact_text(f"trainyard: {what}" + (f" — {fix}" if fix else "")), markup=False, soft_wrap=True)
 
 
 def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
@@ -128,7 +139,8 @@ def launch(
     err_console.print(config_room.redact_text(summary), highlight=False, markup=False, soft_wrap=True)
     code, message = tr.run_torchrun(argv, {**os.environ, **added}, preempt_exit_code)
     if code:
-        _fail(code, message or f"torchrun exited with {code}; each rank's log is under {cfg.run_dir}/logs/")
+        fallback = f"torchrun exited with {code}; each rank's log is under {cfg.run_dir}/logs/"
+        _fail(code, message or fallback, preempt_exit_code)
 
 
 @app.command()
@@ -336,9 +348,13 @@ def _report_user_error(err: TrainyardError) -> None:
     import os
 
     from trainyard.launch.local import EXIT_FILE_ENV, write_exit_file
+    from trainyard.launch.torchrun import PREEMPTED_EXIT_CODE
 
     if os.environ.get(EXIT_FILE_ENV):
         write_exit_file(err.exit_code, err.render())
+    elif err.exit_code == PREEMPTED_EXIT_CODE:  # every rank saved and stopped; one says so
+        if os.environ.get("RANK", "0") == "0":
+            _notice(err.render())
     else:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         prefix = f" (rank {os.environ.get('RANK', '0')})" if world > 1 else ""

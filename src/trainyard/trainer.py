@@ -276,8 +276,8 @@ def _stop_for_preemption(job: Job, state: LoopState) -> NoReturn:
     by = (_SIGNALLED or ["a signal on another rank"])[0]
     if _save_full(job, state, async_save=False):
         raise Preempted(
-            f"stopped by {by} after step {state.step}; checkpoint step-{state.step:08d} is committed",
-            fix="run the same command again (checkpoint.resume: auto) to continue where it stopped",
+            f"preempted by {by} after step {state.step}; checkpoint step-{state.step:08d} committed",
+            fix="run the same command again to resume",
         )
     latest = checkpoint.latest_full(job.checkpoints)
     raise CheckpointError(

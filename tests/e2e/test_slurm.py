@@ -3,7 +3,8 @@
 The test installs Debian's slurmctld, slurmd and munge if they are missing, configures a
 cluster of this machine in a temporary folder, starts the daemons and stops them after.
 The job is preempted the way `#SBATCH --signal=USR1@90` would do it, must commit a
-checkpoint, exit 75, requeue itself, resume and finish.
+checkpoint, exit 75 with a notice (no error, no traceback), requeue itself, and be started
+again by Slurm alone, resume from that checkpoint and finish.
 """
 
 from __future__ import annotations
@@ -22,10 +23,22 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY, events, trainyard
+from tests.dist.checkpoint_helpers import last_step
 
 pytestmark = pytest.mark.e2e
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
+CRED_EXPIRE_S = 10
+"""Slurm holds a requeued job for cred_expire + 1 s, so that its new launch credential is dated
+a later second than the revocation of the old one (the default, 120 s, is too long for a test).
+Releasing the job sooner by hand (`scontrol update StartTime=now`) can relaunch it within that
+second: slurmd then refuses it ("Job N already killed, do not launch batch job") and the job
+ends FAILED instead of resuming."""
+TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL")
+NOTICE = re.compile(
+    r"trainyard: preempted by SIGUSR1 after step (\d+); checkpoint step-(\d{8}) committed"
+    r" — run the same command again to resume"
+)
 
 
 def _install_slurm() -> None:
@@ -89,7 +102,8 @@ def _write_conf(root: Path, socket_path: Path) -> Path:
             f"SlurmdPort={_free_port()}",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={socket_path}",
+            f"AuthInfo=socket={socket_path},cred_expire={CRED_EXPIRE_S}",
+            "SchedulerParameters=sched_interval=1",  # a requeued job starts as soon as its hold ends
             "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none",
             "SelectType=select/cons_tres",
@@ -153,36 +167,62 @@ def job_field(job_id: str, field: str, env: dict[str, str]) -> str:
     return match.group(1) if match else ""
 
 
+def _story(log: Path, run_dir: Path, slurm: dict[str, str]) -> str:
+    """The job's log, each rank's log and the daemons' logs: what a failure message needs."""
+    parts = [("job log", log), *((path.name, path) for path in sorted((run_dir / "logs").glob("rank-*.log")))]
+    parts += [(name, Path(slurm["SLURM_CONF"]).parent / "log" / name) for name in ("slurmctld.log", "slurmd.log")]
+    return "".join(f"\n--- {name}\n{path.read_text()[-2500:]}" for name, path in parts if path.is_file())
+
+
 def test_generated_script_trains_is_preempted_requeues_and_finishes(slurm: dict[str, str], tmp_path: Path) -> None:
     script = tmp_path / "job.sbatch"
-    job = [TINY, "train.max_steps=40", "log.every_steps=1", "eval.every_steps=0", "eval.at_end=false"]
+    # Enough steps that the signal always lands mid-run, however fast the machine.
+    job = [TINY, "train.max_steps=200", "log.every_steps=1", "eval.every_steps=0", "eval.at_end=false"]
     submitted = trainyard("slurm", *job, "--nodes", "1", "--gpus-per-node", "0", "--nproc-per-node", "2", "--out", str(script), "--submit", cwd=tmp_path, env=slurm)
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
     assert job_id.isdigit(), submitted.stdout
     run_dir, log = tmp_path / "runs" / "tiny", tmp_path / "runs" / "tiny" / "logs" / f"slurm-{job_id}.out"
 
-    def training() -> bool:
-        state = job_field(job_id, "JobState", slurm)
-        assert state in ("PENDING", "RUNNING"), f"job {state}:\n{log.read_text() if log.exists() else ''}"
-        return (run_dir / "metrics.jsonl").is_file() and len(events(run_dir, "train")) >= 3
+    def state(allowed: tuple[str, ...]) -> str:
+        """The job's state, failing at once (with every log) when it left the path under test."""
+        current = job_field(job_id, "JobState", slurm)
+        reason = job_field(job_id, "Reason", slurm)
+        assert current in allowed, f"job {job_id} is {current} ({reason}){_story(log, run_dir, slurm)}"
+        return current
 
-    _wait(training, 120, "three training steps")
+    def training() -> bool:
+        state(("PENDING", "RUNNING"))
+        return last_step(run_dir) >= 3
+
+    _wait(training, 300, "three training steps")
     subprocess.run(["scancel", "--signal=USR1", job_id], check=True, env={**os.environ, **slurm})  # what --signal=USR1@90 does
-    _wait(lambda: job_field(job_id, "Restarts", slurm) == "1", 90, "the job to requeue itself")
+
+    def requeued() -> bool:
+        state(("RUNNING", "COMPLETING", "REQUEUED", "PENDING"))
+        return job_field(job_id, "Restarts", slurm) == "1"
+
+    _wait(requeued, 300, "the job to requeue itself")
 
     def resumed() -> bool:
-        if job_field(job_id, "JobState", slurm) == "PENDING":  # a requeued job waits ~2 minutes to begin; release it
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True, check=False, env={**os.environ, **slurm})
+        # No release by hand: Slurm holds the job for its requeue delay, then starts it again.
+        state(("COMPLETING", "REQUEUED", "PENDING", "RUNNING", "COMPLETED"))
         return "resumed from" in log.read_text()
 
-    _wait(resumed, 180, "the requeued job to resume")
-    _wait(lambda: job_field(job_id, "JobState", slurm) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 120, "the requeued job to end")
+    _wait(resumed, 300, "the requeued job to resume")
+    _wait(lambda: state((*TERMINAL, "RUNNING", "COMPLETING")) in TERMINAL, 300, "the requeued job to end")
+    assert state(("COMPLETED",)) == "COMPLETED"
 
     text = log.read_text()
-    rank_logs = "".join(f"\n--- {path.name}\n{path.read_text()[-1500:]}" for path in sorted((run_dir / "logs").glob("rank-*.log")))
-    assert job_field(job_id, "JobState", slurm) == "COMPLETED", text[-4000:] + rank_logs
-    assert f"requeueing job {job_id}" in text and "checkpoint step-" in text
-    assert "resumed from" in text, text[-4000:]
+    assert "Traceback" not in text and "trainyard: error" not in text, _story(log, run_dir, slurm)
+    notices = [line for line in text.splitlines() if line.startswith("trainyard:")]
+    notice = NOTICE.fullmatch(notices[0]) if len(notices) == 1 else None
+    assert notice, f"want one notice line, got {notices}{_story(log, run_dir, slurm)}"
+    step = int(notice.group(1))
+    assert int(notice.group(2)) == step
+    # One log, appended to: the first run's notice, the requeue, then the second run resuming at that step.
+    resume_line = f"resumed from runs/tiny/checkpoints/step-{step:08d} at step {step}"
+    assert text.index(notice.group(0)) < text.index(f"requeueing job {job_id}") < text.index(resume_line), text[-4000:]
+    assert [e["step"] for e in events(run_dir, "train") if e["step"] > step] == list(range(step + 1, 201))
     summary = (run_dir / "summary.json").read_text()
-    assert '"steps": 40' in summary and '"world_size": 2' in summary
+    assert '"steps": 200' in summary and '"world_size": 2' in summary

@@ -29,7 +29,7 @@ from trainyard.launch.torchrun import (
 def test_static_command_is_one_line_per_node_from_flags() -> None:
     plan = resolve_plan(nnodes="2", node_rank=1, master="10.11.7.50:29600", nproc="8", env={})
     argv = torchrun_argv(plan, "job.yaml", ["train.lr=1e-4"])
-    assert argv[1:3] == ["-m", "torch.distributed.run"]
+    assert argv[1:3] == ["-m", "trainyard.launch.torchrun"]  # torchrun's flags, its agent without the traceback
     assert {"--nnodes=2", "--nproc-per-node=8", "--node-rank=1", "--master-addr=10.11.7.50", "--master-port=29600"} <= set(argv)
     assert argv[-5:] == ["-m", "trainyard.cli", "train", "job.yaml", "train.lr=1e-4"]
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in argv
@@ -164,6 +164,42 @@ def test_preemption_signal_is_forwarded_and_75_survives_torchrun(tmp_path: Path,
     assert launcher.stdout is not None and launcher.stdout.readline().strip() == "ready"
     launcher.send_signal(signal.SIGUSR1)
     assert launcher.wait(timeout=20) == preempt_code
+
+
+_AGENT_WORKER = textwrap.dedent(
+    """
+    import signal, sys, time
+    signal.signal(signal.SIGUSR1, lambda signum, frame: sys.exit(75))  # saved, reported, stopped
+    print("ready", flush=True)
+    time.sleep(int(sys.argv[1]))
+    sys.exit(3)
+    """
+)
+
+
+def _agent(tmp_path: Path, sleep_s: int) -> subprocess.Popen:
+    """The agent command `trainyard launch` runs, with a stand-in worker instead of `trainyard.cli`."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(_AGENT_WORKER)
+    argv = torchrun_argv(resolve_plan(nproc="1", env={}), "job.yaml", [])
+    argv = argv[: argv.index("-m", 3)] + [str(worker), str(sleep_s)]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_agent_ends_a_stop_signal_in_an_exit_code_not_a_traceback(tmp_path: Path) -> None:
+    """Slurm signals the agent too; torchrun itself prints a SignalException traceback."""
+    agent = _agent(tmp_path, 120)
+    assert agent.stdout is not None and agent.stdout.readline().strip() == "ready"
+    agent.send_signal(signal.SIGUSR1)
+    _, stderr = agent.communicate(timeout=120)
+    assert agent.returncode == 128 + signal.SIGUSR1, stderr
+    assert "Traceback" not in stderr and "SignalException" not in stderr, stderr
+
+
+def test_agent_keeps_torchruns_report_of_a_real_failure(tmp_path: Path) -> None:
+    agent = _agent(tmp_path, 0)
+    _, stderr = agent.communicate(timeout=120)
+    assert agent.returncode == 1 and "ChildFailedError" in stderr and "exitcode  : 3" in stderr, stderr
 
 
 def test_the_first_report_is_the_root_cause(tmp_path: Path) -> None:

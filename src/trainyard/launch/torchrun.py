@@ -27,6 +27,8 @@ from trainyard.errors import ConfigError
 from trainyard.launch.local import EXIT_FILE_ENV
 
 PREEMPTED_EXIT_CODE = 75
+AGENT_MODULE = "trainyard.launch.torchrun"
+"""Runs torchrun's agent (`agent_main`); takes exactly torchrun's flags."""
 DEFAULT_MASTER_PORT = 29500
 NPROC_WORDS = ("auto", "cpu", "gpu")
 # The agent forwards these to its workers instead of dying on them: Slurm's --signal
@@ -242,8 +244,9 @@ def _check_multinode(plan: LaunchPlan) -> None:
 
 
 def torchrun_argv(plan: LaunchPlan, config: str, overrides: list[str] | tuple[str, ...]) -> list[str]:
-    """`python -m torch.distributed.run ... -m trainyard.cli train CONFIG overrides`."""
-    argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={plan.nnodes}", f"--nproc-per-node={plan.nproc}"]
+    """`python -m trainyard.launch.torchrun ... -m trainyard.cli train CONFIG overrides`: torchrun's
+    own flags, run by `agent_main` below."""
+    argv = [sys.executable, "-m", AGENT_MODULE, f"--nnodes={plan.nnodes}", f"--nproc-per-node={plan.nproc}"]
     if plan.nnodes == "1" and plan.rdzv == "static" and plan.master_addr is None:
         argv.append("--standalone")
     elif plan.rdzv == "static":
@@ -349,3 +352,29 @@ def run_torchrun(argv: list[str], env: Mapping[str, str], preempt_exit_code: int
     if code != 0 and received:
         return 128 + received[0], f"stopped by signal {received[0]}"
     return code, None
+
+
+def agent_main(argv: list[str]) -> int:
+    """torchrun, except that a stop signal or workers preempted after a save end in an exit code.
+
+    Slurm signals every process of a step, the agent included, and torchrun answers a signal
+    with a SignalException traceback and workers that exit 75 with a ChildFailedError report,
+    although the workers saved and said so in their exit files. Other failures keep torchrun's report.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(argv)
+    except SignalException as err:  # the agent stopped its workers; their exit files say how they ended
+        return 128 + int(err.sigval)
+    except ChildFailedError as err:
+        if any(failure.exitcode != PREEMPTED_EXIT_CODE for failure in err.failures.values()):
+            raise
+        return PREEMPTED_EXIT_CODE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(agent_main(sys.argv[1:]))

@@ -1,0 +1,45 @@
+"""Preemption is not an error: a stopped 2-rank run exits 75 with one notice line and no traceback."""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.dist.checkpoint_helpers import LORA_DDP, kill_tree, last_step, start, train_args, wait_for_step
+from trainyard.checkpoint import latest_full, step_dir
+
+pytestmark = pytest.mark.dist
+
+NOTICE = re.compile(
+    r"trainyard: preempted by SIGTERM after step (\d+); checkpoint step-(\d{8}) committed"
+    r" — run the same command again to resume"
+)
+
+
+@pytest.mark.parametrize("command", ["train", "launch"])
+def test_sigterm_after_a_save_is_one_notice_line_not_an_error(tmp_path: Path, command: str) -> None:
+    """What a scheduler's stop signal leaves on the console: `train --nproc 2` runs the agent in
+    this process, `launch` runs it as a child; torchrun reports a signal with a traceback."""
+    # Far more steps than the run can take before the signal lands; the preemption save is the only one.
+    args = train_args(tmp_path, *LORA_DDP, "train.max_steps=100000", "checkpoint.every_steps=0")
+    if command == "launch":
+        args = ["launch", *args[1:]]
+    run_dir, checkpoints = tmp_path / "tiny", tmp_path / "tiny" / "checkpoints"
+    proc = start(args)
+    try:
+        wait_for_step(proc, run_dir, 3)
+        proc.send_signal(signal.SIGTERM)  # the launcher only, as a scheduler would; it forwards to the workers
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.returncode is None:
+            kill_tree(proc)
+    assert proc.returncode == 75, stderr[-3000:]
+    ours = [line for line in stderr.splitlines() if line.startswith("trainyard:")]
+    assert len(ours) == 1 and NOTICE.fullmatch(ours[0]), stderr[-3000:]
+    step, saved = map(int, NOTICE.fullmatch(ours[0]).groups())
+    assert step == saved == last_step(run_dir)
+    assert latest_full(checkpoints) == step_dir(checkpoints, step)
+    assert "Traceback" not in stderr and "Error" not in stderr and "error" not in stderr, stderr[-3000:]
