@@ -23,9 +23,12 @@ SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 SNIFF_BYTES = 1 << 16
 
 
-def check_source(path: Path, field: str = "data.path") -> None:
+def check_source(path: Path, field: str = "data.path", skip_bad_rows: bool = False) -> None:
     """Cheap checks of a data source before any process starts: it exists, has a known kind,
-    is not empty, is text (JSON/JSONL) or has a readable footer (Parquet)."""
+    is not empty, is text (JSON/JSONL) or has a readable footer (Parquet).
+
+    With `skip_bad_rows` a JSONL line that is not UTF-8 is left to the reader, which skips it.
+    """
     if not path.exists():
         raise DataError(f"{field}: {path} does not exist", fix=DATA_FIX.format(field=field))
     if path.is_dir():
@@ -48,6 +51,8 @@ def check_source(path: Path, field: str = "data.path") -> None:
         return
     with path.open("rb") as file:
         head = file.read(SNIFF_BYTES)
+    if skip_bad_rows and suffix == ".jsonl" and b"\0" not in head:
+        return
     check_text(head, path, field, final=len(head) < SNIFF_BYTES)
 
 
@@ -91,7 +96,7 @@ def check_job_inputs(cfg: JobConfig) -> None:
         _check_dirs(cfg)
         for field, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
             if value and not value.startswith("builtin:"):
-                check_source(Path(value), field)
+                check_source(Path(value), field, skip_bad_rows=cfg.data.on_bad_row == "skip")
         if cfg.model.path is not None:
             check_model_path(cfg.model.path, "model.path")
         if cfg.model.tokenizer and cfg.model.tokenizer != "builtin:bytes" and _looks_local(cfg.model.tokenizer):
