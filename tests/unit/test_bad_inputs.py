@@ -88,7 +88,8 @@ def snapshot(root: Path) -> dict[str, tuple[str, int]]:
 
 
 Args = Callable[[Path], list[str]]
-LAUNCH = ("launch", "{tiny}", "--nnodes", "1", "--node-rank", "0", "--master", "127.0.0.1:29400")
+LAUNCH = ("launch", "{tiny}", "output_dir={in}/../runs")
+LAUNCH += ("--nnodes", "1", "--node-rank", "0", "--master", "127.0.0.1:29400")
 
 
 def train(*extra: str) -> Args:
@@ -174,9 +175,9 @@ CASES: list[tuple[str, Args, list[str], str]] = [
     ("train-unknown-option", cli("train", "{tiny}", "--nprocs", "2"), ["--nprocs"], "new"),
     ("launch-node-rank-negative", cli("launch", "{tiny}", "--nnodes", "1", "--node-rank", "-1"),
      ["--node-rank"], "guard"),
-    ("launch-nproc-0", cli("launch", "{tiny}", "--nnodes", "1", "--node-rank", "0", "--nproc", "0"),
+    ("launch-nproc-0", cli(*LAUNCH[:7], "--nproc", "0"),
      ["--nproc"], "guard"),
-    ("launch-nnodes-0", cli("launch", "{tiny}", "--nnodes", "0"), ["--nnodes"], "guard"),
+    ("launch-nnodes-0", cli("launch", "{tiny}", "output_dir={in}/../runs", "--nnodes", "0"), ["--nnodes"], "guard"),
     ("doctor-timeout-0", cli("doctor", "--nnodes", "1", "--timeout", "0"), ["--timeout"], "new"),
     ("doctor-node-rank-negative", cli("doctor", "--node-rank", "-1"), ["--node-rank"], "guard"),
     ("doctor-nnodes-0", cli("doctor", "--nnodes", "0"), ["--nnodes"], "guard"),
