@@ -117,7 +117,7 @@ def _field_of(err: TrainyardError) -> str | None:
 
 def _check_dirs(cfg: JobConfig) -> None:
     writable_dir(cfg.output_dir, "output_dir")
-    if (cfg.run_dir).exists() and not cfg.run_dir.is_dir():
+    if cfg.run_dir.exists() and not cfg.run_dir.is_dir():
         raise ConfigError(
             f"output_dir: the run dir {cfg.run_dir} is a file",
             fix="move that file away, or set run_name or output_dir to somewhere else",

@@ -106,7 +106,7 @@ def _fill(items: tuple[str, ...], d: Path) -> list[str]:
 
 
 # (id, argv, words the message must contain, status): "new" failed on the code before this suite
-# (exit 0/1, a traceback, or a message without the culprit), "guard" already answered well
+# (exit 0 or 1, a traceback, or exit 2 with a message missing the culprit), "guard" already answered well
 CASES: list[tuple[str, Args, list[str], str]] = [
     # data files
     ("data-binary-jsonl", train("data.path={in}/binary.jsonl"), ["data.path", "binary.jsonl", "binary file"], "new"),
@@ -125,7 +125,7 @@ CASES: list[tuple[str, Args, list[str], str]] = [
     ("data-unknown-suffix", train("data.path={in}/rows.csv"), ["rows.csv", "unknown file type"], "guard"),
     # the config itself
     ("config-binary", cli("train", "{in}/binary.yaml"), ["binary.yaml:1", "YAML"], "new"),
-    ("config-is-folder", cli("train", "{in}/job_dir.yaml"), ["job_dir.yaml", "folder"], "guard"),
+    ("config-is-folder", cli("train", "{in}/job_dir.yaml"), ["job_dir.yaml", "folder"], "new"),
     ("train-betas", train("train.betas=[1.5,0.9]"), ["train.betas", "override"], "new"),
     ("lora-target-modules", train("lora.enabled=true", "lora.target_modules=[nope]"),
      ["lora.target_modules", "nope"], "new"),
@@ -141,11 +141,11 @@ CASES: list[tuple[str, Args, list[str], str]] = [
     ("model-cache-dir-under-file", train("model.cache_dir={in}/a_file/models"), ["model.cache_dir", "a_file"], "new"),
     # model and checkpoint paths
     ("model-path-is-file", train("model.config=null", "model.path={in}/a_file"),
-     ["model.path", "a_file", "is a file"], "guard"),
+     ["model.path", "a_file", "is a file"], "new"),
     ("model-no-config-json", train("model.config=null", "model.path={in}/model_empty"),
      ["model.path", "config.json"], "new"),
     ("model-bad-config-json", train("model.config=null", "model.path={in}/model_bad_json"),
-     ["model.path", "config.json:3"], "guard"),
+     ["model.path", "config.json:3"], "new"),
     ("model-truncated-safetensors", train("model.config=null", "model.path={in}/model_truncated"),
      ["model.path", "model.safetensors", "truncated"], "new"),
     ("model-garbage-safetensors", train("model.config=null", "model.path={in}/model_garbage"),
@@ -183,7 +183,7 @@ CASES: list[tuple[str, Args, list[str], str]] = [
     ("doctor-nnodes-0", cli("doctor", "--nnodes", "0"), ["--nnodes"], "guard"),
     ("status-stale-after-negative", cli("status", "{in}/run", "--stale-after", "-1"), ["--stale-after"], "new"),
     ("status-not-a-run-dir", cli("status", "{in}/not_a_run"), ["not_a_run", "not a run dir"], "new"),
-    ("status-a-file", cli("status", "{in}/a_file"), ["a_file", "is a file"], "guard"),
+    ("status-a-file", cli("status", "{in}/a_file"), ["a_file", "is a file"], "new"),
     ("slurm-cpus-per-task-0", cli("slurm", "{tiny}", "--cpus-per-task", "0"), ["--cpus-per-task"], "new"),
     ("slurm-nodes-0", cli("slurm", "{tiny}", "--nodes", "0"), ["--nodes"], "guard"),
     ("slurm-gpus-negative", cli("slurm", "{tiny}", "--gpus-per-node", "-1"), ["--gpus-per-node"], "guard"),
@@ -207,7 +207,7 @@ CASES: list[tuple[str, Args, list[str], str]] = [
     ("export-out-under-file", cli("export", "{in}/run", "--out", "{in}/a_file/model"),
      ["--out", "a_file is a file"], "new"),
     ("export-out-is-file", cli("export", "{in}/run", "--out", "{in}/a_file"),
-     ["--out", "a_file", "is a file"], "guard"),
+     ["--out", "a_file", "is a file"], "new"),
 ]
 
 
