@@ -45,18 +45,71 @@ def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]
     return None, items
 
 
+def _positive(value: float) -> float:
+    """Option callback: seconds and thresholds of 0 or less make no sense."""
+    if value is not None and value <= 0:
+        raise typer.BadParameter(f"{value:g} is not a positive number of seconds; for example 60")
+    return value
+
+
+def _check_out(out: Path, force: bool, config_path: str | None) -> None:
+    """`--out FILE` never replaces a file without --force, and never the job config being read."""
+    import os
+
+    from trainyard.config import PRESETS, preset_path
+    from trainyard.errors import OptionError
+
+    config_file = Path(config_path) if config_path else None
+    if config_file is not None and not config_file.exists() and config_path in PRESETS:
+        config_file = preset_path(config_path)
+    if config_file is not None and out.exists() and config_file.exists() and os.path.samefile(out, config_file):
+        raise OptionError(
+            f"--out {out} is the job config this command reads; writing there would lose the job",
+            fix="write the generated file somewhere else, e.g. --out job.k8s.yaml (even --force does not allow this)",
+        )
+    if out.is_dir():
+        raise OptionError(f"--out {out} is a folder", fix=f"give a file path, e.g. --out {out / 'job.yaml'}")
+    if out.exists() and not force:
+        raise OptionError(f"--out {out} already exists", fix="choose a new file name, or pass --force to replace it")
+    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise OptionError(f"--out {out}: {blocker} is a file, not a folder", fix="choose a path in a folder")
+
+
+def _write_out(out: Path, text: str) -> None:
+    """Write a generated file whole: a temp file beside it, then an atomic rename."""
+    from trainyard.errors import OptionError
+
+    tmp = out.parent / f".{out.name}.tmp"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        tmp.replace(out)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OptionError(f"--out {out}: cannot write ({err.strerror})", fix="choose a writable path") from None
+
+
 @app.command(context_settings={"allow_extra_args": False})
 def train(
     args: Annotated[Optional[list[str]], typer.Argument(help="CONFIG (YAML file or preset name) then key=value overrides")] = None,
-    nproc: Annotated[Optional[int], typer.Option("--nproc", help="processes on this machine; >1 re-executes under torchrun (quickstart: 2)")] = None,
-    max_restarts: Annotated[int, typer.Option("--max-restarts", help="restart failed workers this many times")] = 0,
+    nproc: Annotated[
+        Optional[int],
+        typer.Option("--nproc", min=1, help="processes on this machine; >1 re-executes under torchrun (quickstart: 2)"),
+    ] = None,
+    max_restarts: Annotated[
+        int,
+        typer.Option("--max-restarts", min=0, help="restart failed workers this many times"),
+    ] = 0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the resolved plan without loading weights")] = False,
-    world_size: Annotated[Optional[int], typer.Option("--world-size", help="plan for this many ranks (dry run)")] = None,
+    world_size: Annotated[
+        Optional[int],
+        typer.Option("--world-size", min=1, help="plan for this many ranks (dry run)"),
+    ] = None,
 ) -> None:
     """Train. No CONFIG runs the built-in quickstart."""
     from trainyard import config as config_room
-    from trainyard.dist import launched_by_torchrun
-    from trainyard.launch.local import run_local, torchrun_equivalent
+    from trainyard.preflight import check_job_inputs
 
     config_path, overrides = _split_config_and_overrides(list(args or []))
     cfg = config_room.load_config(config_path, overrides)
@@ -67,6 +120,10 @@ def train(
 
         print(describe_plan(cfg, world_size or nproc))
         return
+    check_job_inputs(cfg)  # before torch is imported: bad input fails in seconds
+    from trainyard.dist import launched_by_torchrun
+    from trainyard.launch.local import run_local, torchrun_equivalent
+
     if nproc > 1 and not launched_by_torchrun():
         argv = ["train", *([config_path] if config_path else []), *overrides]
         err_console.print(redact_text(f"launching: {torchrun_equivalent(nproc, argv, max_restarts)}"), markup=False, soft_wrap=True)
@@ -109,25 +166,45 @@ def _config_and_overrides(args: list[str]) -> tuple[str, list[str]]:
 def launch(
     args: Annotated[list[str], typer.Argument(help="CONFIG then key=value overrides")],
     nnodes: Annotated[Optional[str], typer.Option("--nnodes", help="nodes: N, or MIN:MAX with --rdzv c10d (or PET_NNODES, SLURM_NNODES)")] = None,
-    node_rank: Annotated[Optional[int], typer.Option("--node-rank", help="this node's rank, 0 on the head node (or PET_NODE_RANK, SLURM_NODEID)")] = None,
+    node_rank: Annotated[
+        Optional[int],
+        typer.Option(
+            "--node-rank", min=0,
+            help="this node's rank, 0 on the head node (or PET_NODE_RANK, SLURM_NODEID)",
+        ),
+    ] = None,
     master: Annotated[Optional[str], typer.Option("--master", help="head node HOST:PORT, the same on every node (or PET_MASTER_ADDR/PORT, MASTER_ADDR/PORT)")] = None,
     nproc: Annotated[Optional[str], typer.Option("--nproc", help="processes on this node (or PET_NPROC_PER_NODE; default: GPUs, or 1)")] = None,
     rdzv: Annotated[str, typer.Option("--rdzv", help="static (fixed node ranks) or c10d (elastic, ranks taken on joining)")] = "static",
     rdzv_id: Annotated[Optional[str], typer.Option("--rdzv-id", help="c10d: job id shared by all nodes (or SLURM_JOB_ID; default: run_name)")] = None,
     rdzv_conf: Annotated[Optional[list[str]], typer.Option("--rdzv-conf", help="k=v passed to the c10d rendezvous, e.g. is_host=1; repeatable")] = None,
-    max_restarts: Annotated[int, typer.Option("--max-restarts", help="restart this node's workers this many times")] = 0,
-    shutdown_timeout: Annotated[Optional[int], typer.Option("--shutdown-timeout", help="seconds workers get to save after a stop signal")] = None,
+    max_restarts: Annotated[
+        int,
+        typer.Option("--max-restarts", min=0, help="restart this node's workers this many times"),
+    ] = 0,
+    shutdown_timeout: Annotated[
+        Optional[int],
+        typer.Option("--shutdown-timeout", min=1, help="seconds workers get to save after a stop signal"),
+    ] = None,
     local_addr: Annotated[Optional[str], typer.Option("--local-addr", help="this node's address for c10d (default: the address of dist.nic / GLOO_SOCKET_IFNAME)")] = None,
-    preempt_exit_code: Annotated[int, typer.Option("--preempt-exit-code", help="exit with this instead of 75 when preempted after a checkpoint")] = 75,
+    preempt_exit_code: Annotated[
+        int,
+        typer.Option(
+            "--preempt-exit-code", min=1, max=255,
+            help="exit with this instead of 75 when preempted after a checkpoint",
+        ),
+    ] = 75,
 ) -> None:
     """Run this node's share of a multi-node job under torchrun (one command on every node)."""
     import os
 
     from trainyard import config as config_room
     from trainyard.launch import torchrun as tr
+    from trainyard.preflight import check_job_inputs
 
     config_path, overrides = _config_and_overrides(args)
     cfg = config_room.load_config(config_path, overrides)
+    check_job_inputs(cfg)
     plan = tr.resolve_plan(
         nnodes=nnodes, node_rank=node_rank, master=master, nproc=nproc, rdzv=rdzv, rdzv_id=rdzv_id,
         rdzv_conf=rdzv_conf or [], max_restarts=max_restarts, shutdown_timeout_s=shutdown_timeout,
@@ -149,10 +226,13 @@ def doctor(
     dirs: Annotated[Optional[list[str]], typer.Option("--dir", help="a dir that must be writable (and shared, with --nnodes); repeatable (default: output dir and HF cache)")] = None,
     nic: Annotated[Optional[str], typer.Option("--nic", help="network interface for NCCL/Gloo (default: dist.nic, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME)")] = None,
     master: Annotated[Optional[str], typer.Option("--master", help="node 0's HOST:PORT: free on node 0, reachable from the others")] = None,
-    node_rank: Annotated[int, typer.Option("--node-rank", help="this node's rank; 0 hosts the rendezvous")] = 0,
+    node_rank: Annotated[int, typer.Option("--node-rank", min=0, help="this node's rank; 0 hosts the rendezvous")] = 0,
     nnodes: Annotated[Optional[int], typer.Option("--nnodes", help="run the cluster probe over this many nodes (1: just this one)")] = None,
     nproc: Annotated[Optional[int], typer.Option("--nproc", help="ranks on this node (default: GPUs, or 1)")] = None,
-    timeout: Annotated[float, typer.Option("--timeout", help="seconds to wait for every node to join the probe")] = 300.0,
+    timeout: Annotated[
+        float,
+        typer.Option("--timeout", callback=_positive, help="seconds to wait for every node to join the probe"),
+    ] = 300.0,
     as_json: Annotated[bool, typer.Option("--json", help="print the checks as JSON")] = False,
 ) -> None:
     """Check this machine (and with --nnodes the cluster) before a job: exit 1 if a check fails."""
@@ -170,11 +250,12 @@ def doctor(
 def report(
     run_dirs: Annotated[list[Path], typer.Argument(help="run dirs (<output_dir>/<run_name>); several share each plot")],
     out: Annotated[Optional[Path], typer.Option("--out", help="where to write PNGs and report.md (default: RUN_DIR/report, or ./trainyard-report for several runs)")] = None,
+    force: Annotated[bool, typer.Option("--force", help="replace report files already in --out")] = False,
 ) -> None:
     """Plot loss, eval, tokens/s, memory and lr of runs, with a markdown summary."""
     from trainyard.report import write_report
 
-    for path in write_report(run_dirs, out):
+    for path in write_report(run_dirs, out, force=force):
         print(path)
 
 
@@ -187,12 +268,13 @@ def slurm(
     partition: Annotated[Optional[str], typer.Option("--partition")] = None,
     time_limit: Annotated[Optional[str], typer.Option("--time", help="time limit, e.g. 24:00:00")] = None,
     account: Annotated[Optional[str], typer.Option("--account")] = None,
-    cpus_per_task: Annotated[Optional[int], typer.Option("--cpus-per-task")] = None,
+    cpus_per_task: Annotated[Optional[int], typer.Option("--cpus-per-task", min=1)] = None,
     mem: Annotated[Optional[str], typer.Option("--mem", help="memory per node, e.g. 0 (all) or 500G")] = None,
     nic: Annotated[Optional[str], typer.Option("--nic", help="network interface for the rendezvous and collectives (default: dist.nic)")] = None,
     env_file: Annotated[Optional[Path], typer.Option("--env-file", help="file of VAR=value lines (tokens) sourced on the nodes")] = None,
     venv: Annotated[Optional[Path], typer.Option("--venv", help="virtual environment to activate on every node (default: this one)")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="write the script here (default: stdout)")] = None,
+    force: Annotated[bool, typer.Option("--force", help="replace the file at --out if it exists")] = False,
     submit: Annotated[bool, typer.Option("--submit", help="run sbatch on the script and print the job id")] = False,
 ) -> None:
     """Write an sbatch script: one `trainyard launch` per node, requeued when preempted."""
@@ -201,6 +283,8 @@ def slurm(
 
     config_path, overrides = _config_and_overrides(args)
     cfg = config_room.load_config(config_path, overrides)
+    if out is not None:
+        _check_out(out, force, config_path)
     job = slurm_room.SlurmJob(
         config=config_path, overrides=tuple(overrides), nodes=nodes, gpus_per_node=gpus_per_node,
         nproc_per_node=nproc_per_node, partition=partition, time=time_limit, account=account,
@@ -231,10 +315,14 @@ def k8s(
     storage: Annotated[str, typer.Option("--storage", help="size of the written claim")] = "100Gi",
     storage_class: Annotated[Optional[str], typer.Option("--storage-class")] = None,
     secret: Annotated[Optional[list[str]], typer.Option("--secret", help="Secret NAME (WANDB_API_KEY, HF_TOKEN), or VAR=NAME:KEY; repeatable")] = None,
-    nproc_per_node: Annotated[Optional[int], typer.Option("--nproc-per-node", help="processes per pod (default: one per GPU, or 1)")] = None,
+    nproc_per_node: Annotated[
+        Optional[int],
+        typer.Option("--nproc-per-node", min=1, help="processes per pod (default: one per GPU, or 1)"),
+    ] = None,
     grace: Annotated[int, typer.Option("--grace", help="seconds between SIGTERM and SIGKILL, for the preemption save")] = 300,
     runtime: Annotated[Optional[str], typer.Option("--runtime", help="trainjob: use this ClusterTrainingRuntime instead of writing one")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="write the YAML here (default: stdout)")] = None,
+    force: Annotated[bool, typer.Option("--force", help="replace the file at --out if it exists")] = False,
 ) -> None:
     """Write Kubernetes manifests: the job, its ConfigMap, a shared volume, secret references."""
     from trainyard import config as config_room
@@ -242,6 +330,8 @@ def k8s(
 
     config_path, overrides = _config_and_overrides(args)
     cfg = config_room.load_config(config_path, overrides)
+    if out is not None:
+        _check_out(out, force, config_path)
     job = k8s_room.K8sJob(
         nodes=nodes, gpus_per_node=gpus_per_node, image=image, kind=kind, namespace=namespace, pvc=pvc,
         storage=storage, storage_class=storage_class, secrets=tuple(secret or ()), nproc_per_node=nproc_per_node,
@@ -251,15 +341,17 @@ def k8s(
     if out is None:
         print(text, end="")
         return
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    _write_out(out, text)
     err_console.print(f"wrote {out}", highlight=False)
 
 
 @app.command()
 def status(
     run_dir: Annotated[Path, typer.Argument(help="the run dir: <output_dir>/<run_name>")],
-    stale_after: Annotated[float, typer.Option("--stale-after", help="a rank silent this many seconds is reported")] = 60.0,
+    stale_after: Annotated[
+        float,
+        typer.Option("--stale-after", callback=_positive, help="a rank silent this many seconds is reported"),
+    ] = 60.0,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of text")] = False,
 ) -> None:
     """Progress of a run from its run dir: step, loss, tokens/s, ETA, checkpoint, silent ranks."""
@@ -301,17 +393,23 @@ def export(
 def eval_checkpoint(
     args: Annotated[list[str], typer.Argument(help="CONFIG then key=value overrides")],
     checkpoint: Annotated[Path, typer.Option("--checkpoint", help="a run dir or a checkpoints/step-XXXXXXXX folder")],
-    nproc: Annotated[int, typer.Option("--nproc", help="processes on this machine; >1 re-executes under torchrun")] = 1,
+    nproc: Annotated[
+        int,
+        typer.Option("--nproc", min=1, help="processes on this machine; >1 re-executes under torchrun"),
+    ] = 1,
 ) -> None:
     """Evaluate a checkpoint on the job's eval set: loss, perplexity, exact match (eval.generate)."""
     import os
 
     from trainyard import config as config_room
-    from trainyard.dist import launched_by_torchrun
-    from trainyard.launch.local import run_local, torchrun_equivalent
+    from trainyard.preflight import check_job_inputs
 
     config_path, overrides = _config_and_overrides(args)
     cfg = config_room.load_config(config_path, overrides)
+    check_job_inputs(cfg)
+    from trainyard.dist import launched_by_torchrun
+    from trainyard.launch.local import run_local, torchrun_equivalent
+
     if nproc > 1 and not launched_by_torchrun():
         argv = ["eval", config_path, *overrides, "--checkpoint", str(checkpoint)]
         err_console.print(redact_text(f"launching: {torchrun_equivalent(nproc, argv, 0)}"), markup=False, soft_wrap=True)
@@ -335,10 +433,10 @@ def main() -> None:
         code = app(standalone_mode=False)
     except TrainyardError as err:
         _report_user_error(err)
-    except click.ClickException as err:
+    except (click.ClickException, typer.TyperException) as err:  # typer >= 0.22 raises its own click copies
         err.show()
         sys.exit(2)
-    except click.exceptions.Abort:
+    except (click.exceptions.Abort, typer.Abort):
         sys.exit(130)
     exit_process(code if isinstance(code, int) else 0)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from trainyard.errors import ConfigError
 
@@ -98,6 +98,8 @@ class TrainConfig(Section):
     def _one_batch_rule(self) -> "TrainConfig":
         if self.global_batch_size is not None and self.global_batch_tokens is not None:
             raise ValueError("set train.global_batch_size or train.global_batch_tokens, not both")
+        if not all(0.0 <= beta < 1.0 for beta in self.betas):
+            raise ValueError(f"train.betas {list(self.betas)} must each be in [0, 1), e.g. [0.9, 0.999]")
         return self
 
 
@@ -167,6 +169,17 @@ class JobConfig(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     dist: DistConfig = DistConfig()
     log: LogConfig = LogConfig()
+    _where: dict[str, str] = PrivateAttr(default_factory=dict)
+    """Where each field was set ("file:line" or "override 'k=v'"), for errors found after loading."""
+
+    def where(self, field: str) -> str | None:
+        """The file:line (or override) that set `field` or its nearest parent, if known."""
+        parts = field.split(".")
+        for depth in range(len(parts), 0, -1):
+            found = self._where.get(".".join(parts[:depth]))
+            if found:
+                return found
+        return None
 
     @model_validator(mode="after")
     def _run_name_is_a_folder_name(self) -> "JobConfig":
@@ -211,11 +224,12 @@ def _read_yaml(path: str) -> tuple[dict[str, Any], dict[str, int], str]:
     if not file.exists() and path in PRESETS:
         file = preset_path(path)
     if not file.is_file():
+        what = "is a folder, not a file" if file.is_dir() else "does not exist"
         raise ConfigError(
-            f"config file {path} does not exist",
+            f"config file {path} {what}",
             fix=f"pass a YAML file, or one of the built-in presets: {', '.join(PRESETS)}",
         )
-    text = file.read_text()
+    text = _decode_text(file.read_bytes(), str(file))
     try:
         data = yaml.load(text, Loader=_LineLoader) or {}
         lines = _compose_lines(text)
@@ -226,6 +240,20 @@ def _read_yaml(path: str) -> tuple[dict[str, Any], dict[str, int], str]:
     if not isinstance(data, dict):
         raise ConfigError("the top level must be a mapping of sections", where=f"{file}:1")
     return data, lines, str(file)
+
+
+def _decode_text(raw: bytes, name: str) -> str:
+    """UTF-8 text of a config file; a binary or otherwise encoded file names its first bad line."""
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        kind = "a binary file" if b"\0" in raw[:8192] else "not UTF-8 text"
+        raise ConfigError(
+            f"{kind} (byte 0x{raw[err.start]:02x} at offset {err.start}), not a YAML job",
+            where=f"{name}:{line}",
+            fix="pass the job's YAML file, saved as UTF-8",
+        ) from None
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
@@ -308,7 +336,7 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
 
     _check_unknown_keys(data, where_of, [])
     try:
-        return JobConfig.model_validate(data)
+        cfg = JobConfig.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
         loc = [str(part) for part in first["loc"]]
@@ -321,6 +349,8 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
             where=where_of(loc),
             fix="change that value in the file, or override it with key=value",
         ) from None
+    cfg._where = {**{key: f"{file}:{line}" for key, line in lines.items()}, **sources}
+    return cfg
 
 
 # ---------------------------------------------------------------- batch plan

@@ -120,12 +120,23 @@ def check_model_matches(model: torch.nn.Module, step: Path) -> None:
 
 def _prepare_out(out: Path) -> Path:
     """A fresh temp folder beside `out`: a failed export leaves nothing half written."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise OptionError(f"--out {out} exists and is not empty", fix="choose a new folder, or remove that one first")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise OptionError(f"--out {out} is a file", fix="choose a new folder; export writes a model folder")
+    if out.exists() and any(out.iterdir()):
+        raise OptionError(
+            f"--out {out} exists and is not empty",
+            fix="choose a new folder, or remove that one first (export never deletes files, so it has no --force)",
+        )
+    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise OptionError(f"--out {out}: {blocker} is a file, not a folder", fix="choose a folder path")
     tmp = temp_sibling(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as err:
+        raise OptionError(f"--out {out}: cannot create it ({err.strerror})", fix="choose a writable folder") from None
     return tmp
 
 

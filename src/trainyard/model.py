@@ -12,8 +12,10 @@ import os
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from trainyard.config import LoraConfig, ModelConfig
@@ -106,8 +108,9 @@ def load_tokenizer(cfg: ModelConfig, model_path: str | None) -> PreTrainedTokeni
     else:
         try:
             tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
-        except OSError as err:
-            raise ModelError(f"cannot load tokenizer {source}: {err}", fix="check model.tokenizer") from None
+        except (OSError, ValueError) as err:  # a corrupt folder raises ValueError, not OSError
+            field = "model.tokenizer" if cfg.tokenizer else "model.path"
+            raise ModelError(f"{field}: cannot load tokenizer {source}: {err}", fix=f"check {field}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -126,11 +129,14 @@ def load_model(
         settings.setdefault("bos_token_id", tokenizer.bos_token_id)
         try:
             hf_config = AutoConfig.for_model(model_type, **settings)
-        except (ValueError, TypeError) as err:
+        except (ValueError, TypeError, StrictDataclassError) as err:  # hub's validators raise the last
             raise ModelError(f"model.config: {err}", fix="use keys of the model's HF config.json") from None
         hf_config._attn_implementation = cfg.attn_implementation
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        except (ValueError, TypeError, StrictDataclassError) as err:  # e.g. heads do not divide hidden_size
+            raise ModelError(f"model.config: {err}", fix="use keys and values of the model's HF config.json") from None
     else:
         try:
             model = AutoModelForCausalLM.from_pretrained(
@@ -140,7 +146,7 @@ def load_model(
                 trust_remote_code=cfg.trust_remote_code,
                 low_cpu_mem_usage=True,
             )
-        except OSError as err:
+        except (OSError, ValueError, SafetensorError) as err:
             raise ModelError(f"model.path: cannot load {model_path}: {err}", fix="check model.path") from None
     model.to(dtype)  # one dtype everywhere: FSDP refuses to flatten mixed dtypes
     if model.config.pad_token_id is None:
@@ -158,7 +164,12 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn.M
         task_type="CAUSAL_LM",
     )
     torch.manual_seed(seed)
-    return get_peft_model(model, peft_config)
+    try:
+        return get_peft_model(model, peft_config)
+    except ValueError as err:  # peft's "Target modules {...} not found in the base model"
+        raise ModelError(
+            f"lora.target_modules: {err}", fix="use names of the model's linear layers, or all-linear"
+        ) from None
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:

@@ -82,7 +82,7 @@ def load_run(run_dir: Path) -> Run:
 def read_events(path: Path) -> tuple[list[dict[str, Any]], int]:
     """Every JSON object line; a line cut short by a killed run is counted, not fatal."""
     events, bad = [], 0
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().decode("utf-8", "replace").splitlines():  # garbled bytes: a bad line
         if not line.strip():
             continue
         try:
@@ -100,13 +100,16 @@ def read_events(path: Path) -> tuple[list[dict[str, Any]], int]:
 def read_json(path: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
+    fix = "remove the broken file; the report then uses metrics.jsonl"
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_bytes().decode("utf-8"))
     except json.JSONDecodeError as err:
-        raise RunDirError(
-            f"{path} is not valid JSON ({err.msg}, line {err.lineno})",
-            fix="remove the broken file; the report then uses metrics.jsonl",
-        ) from None
+        raise RunDirError(f"{path} is not valid JSON ({err.msg}, line {err.lineno})", fix=fix) from None
+    except UnicodeDecodeError:
+        raise RunDirError(f"{path} is not UTF-8 text", fix=fix) from None
+    if not isinstance(data, dict):
+        raise RunDirError(f"{path} is not a JSON object", fix=fix)
+    return data
 
 
 def load_runs(run_dirs: list[Path]) -> list[Run]:
@@ -260,11 +263,30 @@ def default_out(run_dirs: list[Path]) -> Path:
     return Path(run_dirs[0]) / "report" if len(run_dirs) == 1 else Path(DEFAULT_MULTI_RUN_OUT)
 
 
-def write_report(run_dirs: list[Path], out: Path | None = None) -> list[Path]:
-    """Write the PNGs and report.md under `out`; return the files written."""
+def check_out(out: Path, force: bool) -> None:
+    """An explicit --out keeps the user's files: report files already there need --force."""
+    from trainyard.errors import OptionError
+
+    if out.exists() and not out.is_dir():
+        raise OptionError(f"--out {out} is a file, not a folder", fix="pass a folder for the PNGs and report.md")
+    taken = [name for name in (*(plot.file for plot in PLOTS), "report.md") if (out / name).exists()]
+    if taken and not force:
+        raise OptionError(
+            f"--out {out} already holds {', '.join(taken)}",
+            fix="choose a new folder, or pass --force to replace those files",
+        )
+
+
+def write_report(run_dirs: list[Path], out: Path | None = None, force: bool = False) -> list[Path]:
+    """Write the PNGs and report.md under `out`; return the files written.
+
+    The default folder is trainyard's own and is refreshed; a folder given as `out` is checked first.
+    """
     if not run_dirs:
         raise RunDirError("no run dir given", fix="pass one or more run dirs: trainyard report runs/NAME")
     runs = load_runs(run_dirs)
+    if out is not None:
+        check_out(Path(out), force)
     out = Path(out) if out is not None else default_out(run_dirs)
     try:
         out.mkdir(parents=True, exist_ok=True)

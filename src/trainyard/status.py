@@ -23,6 +23,7 @@ from trainyard.errors import ConfigError
 from trainyard.files import write_atomically
 
 STALE_AFTER_S = 60.0
+RUN_DIR_MARKERS = ("metrics.jsonl", "env.json", "config.yaml", "heartbeats", "logs", "checkpoints")
 HEARTBEAT_INTERVAL_S = 2.0
 _TAIL_BYTES = 1 << 20
 _RATE_WINDOW = 10
@@ -141,9 +142,11 @@ def _tail_events(path: Path) -> list[dict[str, Any]]:
     events = []
     for line in lines:
         try:
-            events.append(json.loads(line))
+            event = json.loads(line)
         except ValueError:
             continue  # a line still being written
+        if isinstance(event, dict):
+            events.append(event)
     return events
 
 
@@ -175,8 +178,12 @@ def read_status(run_dir: Path | str, stale_after_s: float = STALE_AFTER_S, now: 
     """Step, loss, tokens/s, ETA, last committed checkpoint and silent ranks of one run."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
+        what = "is a file, not a run dir" if run_dir.exists() else "does not exist"
+        raise ConfigError(f"run dir {run_dir} {what}", fix="pass <output_dir>/<run_name> of the job, e.g. runs/tiny")
+    if not any((run_dir / name).exists() for name in RUN_DIR_MARKERS):
         raise ConfigError(
-            f"run dir {run_dir} does not exist", fix="pass <output_dir>/<run_name> of the job, e.g. runs/tiny"
+            f"{run_dir} is not a run dir (none of {', '.join(RUN_DIR_MARKERS)} in it)",
+            fix="pass <output_dir>/<run_name> of a job that started, e.g. runs/tiny",
         )
     now = time.time() if now is None else now
     events = _tail_events(run_dir / "metrics.jsonl")
@@ -210,7 +217,13 @@ def read_status(run_dir: Path | str, stale_after_s: float = STALE_AFTER_S, now: 
     if not finished and per_step and max_steps and last.get("step") is not None:
         status["eta_s"] = max(0.0, (max_steps - last["step"]) * per_step)
     if finished:
-        status["summary"] = json.loads((run_dir / "summary.json").read_text())
+        try:
+            status["summary"] = json.loads((run_dir / "summary.json").read_text())
+        except (OSError, ValueError) as err:
+            raise ConfigError(
+                f"{run_dir / 'summary.json'} is unreadable ({err})",
+                fix="the run wrote it last; restore it from the run's logs or remove it to see the live status",
+            ) from None
     return status
 
 

@@ -148,3 +148,27 @@ def test_redact_hides_secret_keys_in_nested_data() -> None:
 @pytest.mark.parametrize("name", ["tiny.yaml", "quickstart.yaml", "mistral7b-lora-ddp.yaml", "glm45air-fsdp-lora.yaml", "scratch-1.5b.yaml"])
 def test_shipped_configs_load(name: str) -> None:
     load_config(str(REPO / "configs" / name))
+
+
+def test_a_binary_config_file_is_a_config_error_naming_its_line(tmp_path):
+    """It used to raise UnicodeDecodeError with a traceback."""
+    job = tmp_path / "job.yaml"
+    job.write_bytes(b"run_name: x\ntrain:\n  lr: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="not UTF-8 text") as err:
+        load_config(str(job))
+    assert err.value.where == f"{job}:3"
+
+
+def test_betas_outside_zero_one_are_rejected_before_the_optimizer_sees_them():
+    with pytest.raises(ConfigError, match=r"train.betas \[1.5, 0.9\] must each be in \[0, 1\)"):
+        load_config("tiny", ["train.betas=[1.5,0.9]"])
+
+
+def test_the_config_remembers_where_each_field_was_set(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("run_name: x\ndata:\n  path: a.jsonl\n")
+    cfg = load_config(str(job), ["output_dir=/elsewhere"])
+    assert cfg.where("data.path") == f"{job}:3"
+    assert cfg.where("data.cache_dir") == f"{job}:2"  # unset: its section's line
+    assert cfg.where("output_dir") == "override 'output_dir=/elsewhere'"
+    assert cfg.where("train.lr") is None

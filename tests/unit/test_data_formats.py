@@ -289,3 +289,41 @@ def test_only_bad_rows_is_an_error_even_when_skipping(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", [dict(ALPACA, output="")])
     with pytest.raises(DataError, match="no usable rows"):
         prepare(tmp_path, tok, path=str(path), on_bad_row="skip")
+
+
+# ---------------------------------------------------------------- unreadable bytes
+
+
+def test_a_line_that_is_not_utf8_names_its_line_or_is_skipped(tmp_path, tok):
+    """A latin-1 row used to raise UnicodeDecodeError from deep in the reader."""
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n{"text": "also fine"}\n')
+    with pytest.raises(DataError, match="not UTF-8 text") as err:
+        prepare(tmp_path, tok, path=str(path))
+    assert err.value.where == f"{path}:2"
+    prepared = prepare(tmp_path, tok, path=str(path), on_bad_row="skip")
+    assert prepared.stats["skipped"] == {"not UTF-8 text": 1} and len(prepared.train) == 2
+
+
+@pytest.mark.parametrize("name", ["binary.jsonl", "binary.json"])
+def test_a_binary_file_is_a_data_error_naming_the_field(tmp_path, tok, name):
+    path = tmp_path / name
+    path.write_bytes(b"PK\x03\x04\x14\x00\x08\x00" * 50)  # a zip file named .jsonl
+    with pytest.raises(DataError, match=r"data.path: .* is a binary file") as err:
+        prepare(tmp_path, tok, path=str(path))
+    assert err.value.where == f"{path}:1"
+
+
+def test_a_truncated_parquet_file_is_a_data_error(tmp_path, tok):
+    whole = write_source("parquet", tmp_path, [TEXT] * 20).read_bytes()
+    path = tmp_path / "cut.parquet"
+    path.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(DataError, match="data.path: .* is not a readable Parquet file"):
+        prepare(tmp_path, tok, path=str(path))
+
+
+def test_a_corrupt_save_to_disk_folder_is_a_data_error(tmp_path, tok):
+    path = write_source("saved", tmp_path, [TEXT, TEXT])
+    (path / "state.json").write_text("{")
+    with pytest.raises(DataError, match="save_to_disk folder .* cannot be read"):
+        prepare(tmp_path, tok, path=str(path))

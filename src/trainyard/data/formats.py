@@ -16,6 +16,7 @@ from typing import Any
 
 from trainyard.config import DataConfig
 from trainyard.errors import DataError
+from trainyard.preflight import DATA_FIX, SNIFF_BYTES, check_text, parquet_file
 
 IGNORE_INDEX = -100
 FORMATS = ("chat", "alpaca", "text")
@@ -38,24 +39,21 @@ class BadRow(Exception):
 # ---------------------------------------------------------------- readers
 
 
-def read_rows(path: Path) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
+def read_rows(path: Path, field: str = "data.path") -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
     """(location, row) for every row of a JSONL, JSON, Parquet or `save_to_disk` source."""
     if not path.exists():
-        raise DataError(
-            f"data file {path} does not exist",
-            fix="set data.path to a JSONL, JSON or Parquet file or a save_to_disk folder",
-        )
+        raise DataError(f"{field}: data file {path} does not exist", fix=DATA_FIX.format(field=field))
     if path.is_dir():
-        return _read_saved_dataset(path)
+        return _read_saved_dataset(path, field)
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        return _read_jsonl(path)
+        return _read_jsonl(path, field)
     if suffix == ".json":
-        return _read_json(path)
+        return _read_json(path, field)
     if suffix == ".parquet":
-        return _read_parquet(path)
+        return _read_parquet(path, field)
     raise DataError(
-        f"cannot read {path}: unknown file type '{suffix}'",
+        f"{field}: cannot read {path}: unknown file type '{suffix}'",
         fix="use a .jsonl, .json or .parquet file, or a folder written by Dataset.save_to_disk",
     )
 
@@ -64,12 +62,22 @@ def _object_or_bad(row: Any) -> dict[str, Any] | BadRow:
     return row if isinstance(row, dict) else BadRow("not an object", type(row).__name__)
 
 
-def _read_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
-    with path.open(encoding="utf-8") as file:
-        for number, line in enumerate(file, start=1):
+def _read_jsonl(path: Path, field: str) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
+    with path.open("rb") as file:
+        head = file.read(SNIFF_BYTES)
+        if b"\0" in head:
+            check_text(head, path, field, final=True)
+        file.seek(0)
+        for number, raw in enumerate(file, start=1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                detail = f"byte 0x{raw[err.start]:02x} at column {err.start + 1}; re-save the file as UTF-8"
+                yield where, BadRow("not UTF-8 text", detail)
+                continue
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
@@ -78,18 +86,20 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
             yield where, _object_or_bad(row)
 
 
-def _read_json(path: Path) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
+def _read_json(path: Path, field: str) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
+    raw = path.read_bytes()
+    check_text(raw, path, field, final=True)
     try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
+        rows = json.loads(raw.decode("utf-8-sig"))
     except json.JSONDecodeError as err:
         raise DataError(
-            f"not valid JSON ({err.msg})",
+            f"{field}: not valid JSON ({err.msg})",
             where=f"{path}:{err.lineno}",
             fix="a .json file holds one list of objects; for one object per line use .jsonl",
         ) from None
     if not isinstance(rows, list):
         raise DataError(
-            f"expected a list of objects, found a {type(rows).__name__}",
+            f"{field}: expected a list of objects, found a {type(rows).__name__}",
             where=str(path),
             fix="a .json file holds one list of objects; for one object per line use .jsonl",
         )
@@ -98,30 +108,43 @@ def _read_json(path: Path) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
         yield where, _object_or_bad(row)
 
 
-def _read_parquet(path: Path) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
-    import pyarrow.parquet as pq
+def _read_parquet(path: Path, field: str) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
+    import pyarrow
 
     index = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-        for row in batch.to_pylist():
-            yield f"{path}:row {index}", row
-            index += 1
+    try:
+        for batch in parquet_file(path, field).iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                yield f"{path}:row {index}", row
+                index += 1
+    except (pyarrow.ArrowException, OSError) as err:
+        raise DataError(
+            f"{field}: {path} is corrupt after row {index} ({err})",
+            where=f"{path}:row {index}",
+            fix="write the Parquet file again from its source",
+        ) from None
 
 
-def _read_saved_dataset(path: Path) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
+def _read_saved_dataset(path: Path, field: str) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
     import datasets
+    import pyarrow
 
     try:
         loaded = datasets.load_from_disk(str(path))
     except FileNotFoundError:
         raise DataError(
-            f"{path} is a folder but not one written by Dataset.save_to_disk",
-            fix="point data.path at a data file, or at a folder written by save_to_disk",
+            f"{field}: {path} is a folder but not one written by Dataset.save_to_disk",
+            fix=f"point {field} at a data file, or at a folder written by save_to_disk",
+        ) from None
+    except (ValueError, OSError, KeyError, TypeError, pyarrow.ArrowException) as err:
+        raise DataError(
+            f"{field}: the save_to_disk folder {path} cannot be read ({type(err).__name__}: {err})",
+            fix="write it again with Dataset.save_to_disk, or point at the original data file",
         ) from None
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded and len(loaded) != 1:
             raise DataError(
-                f"{path} holds the splits {sorted(loaded)} and none is called 'train'",
+                f"{field}: {path} holds the splits {sorted(loaded)} and none is called 'train'",
                 fix="save one Dataset, or a DatasetDict with a 'train' split",
             )
         loaded = loaded["train"] if "train" in loaded else next(iter(loaded.values()))

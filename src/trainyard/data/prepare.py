@@ -164,9 +164,9 @@ def _sources(cfg: DataConfig) -> tuple[Source, Source | None]:
         train_rows = [(f"{cfg.path}:row {i}", row) for i, row in enumerate(train)]
         eval_rows = [(f"{cfg.path}:eval row {i}", row) for i, row in enumerate(held_out)]
     else:
-        train_rows = read_rows(Path(cfg.path))
+        train_rows = read_rows(Path(cfg.path), "data.path")
     if cfg.eval_path:
-        eval_rows = read_rows(Path(cfg.eval_path))
+        eval_rows = read_rows(Path(cfg.eval_path), "data.eval_path")
     return train_rows, eval_rows
 
 
