@@ -32,22 +32,69 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = ["configs/tiny.yaml", "lora.enabled=true", "train.max_steps=20", "checkpoint.every_steps=6", "checkpoint.lite_every_steps=3"]
-SMOL = ["quickstart", "model.gradient_checkpointing=false", "data.synthetic_train_size=400", "data.synthetic_eval_size=8"]
+TINY = [
+    "configs/tiny.yaml",
+    "lora.enabled=true",
+    "train.max_steps=20",
+    "checkpoint.every_steps=6",
+    "checkpoint.lite_every_steps=3",
+]
+SMOL = [
+    "quickstart",
+    "model.gradient_checkpointing=false",
+    "data.synthetic_train_size=400",
+    "data.synthetic_eval_size=8",
+]
 RUNS: dict[str, list[str]] = {
     "tiny-lora-sync": TINY,
     "tiny-lora-async": [*TINY, "checkpoint.async=true"],
-    "smol-lora-sync": [*SMOL, "train.micro_batch_size=2", "train.global_batch_size=4", "train.max_steps=9",
-                       "checkpoint.every_steps=4", "checkpoint.lite_every_steps=2"],
-    "smol-lora-async": [*SMOL, "train.micro_batch_size=2", "train.global_batch_size=4", "train.max_steps=9",
-                        "checkpoint.every_steps=4", "checkpoint.lite_every_steps=2", "checkpoint.async=true"],
-    "smol-full-sync": [*SMOL, "lora.enabled=false", "checkpoint.save_frozen=true", "train.micro_batch_size=1",
-                       "train.global_batch_size=2", "train.max_steps=7", "checkpoint.every_steps=3"],
-    "smol-full-async": [*SMOL, "lora.enabled=false", "checkpoint.save_frozen=true", "train.micro_batch_size=1",
-                        "train.global_batch_size=2", "train.max_steps=7", "checkpoint.every_steps=3", "checkpoint.async=true"],
+    "smol-lora-sync": [
+        *SMOL,
+        "train.micro_batch_size=2",
+        "train.global_batch_size=4",
+        "train.max_steps=9",
+        "checkpoint.every_steps=4",
+        "checkpoint.lite_every_steps=2",
+    ],
+    "smol-lora-async": [
+        *SMOL,
+        "train.micro_batch_size=2",
+        "train.global_batch_size=4",
+        "train.max_steps=9",
+        "checkpoint.every_steps=4",
+        "checkpoint.lite_every_steps=2",
+        "checkpoint.async=true",
+    ],
+    "smol-full-sync": [
+        *SMOL,
+        "lora.enabled=false",
+        "checkpoint.save_frozen=true",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=2",
+        "train.max_steps=7",
+        "checkpoint.every_steps=3",
+    ],
+    "smol-full-async": [
+        *SMOL,
+        "lora.enabled=false",
+        "checkpoint.save_frozen=true",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=2",
+        "train.max_steps=7",
+        "checkpoint.every_steps=3",
+        "checkpoint.async=true",
+    ],
 }
-COMMON = ["log.every_steps=1", "log.progress=false", "log.tensorboard=false", "eval.baseline=false",
-          "eval.every_steps=0", "eval.at_end=false", "checkpoint.at_end=false", "checkpoint.keep_last=1"]
+COMMON = [
+    "log.every_steps=1",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "eval.baseline=false",
+    "eval.every_steps=0",
+    "eval.at_end=false",
+    "checkpoint.at_end=false",
+    "checkpoint.keep_last=1",
+]
 
 
 def sh(*command: str) -> str:
@@ -68,11 +115,23 @@ def wait_for_quiet(threshold: float, max_wait_s: float) -> str:
         print(f"waiting for a quiet machine: load {load_average()}", flush=True)
         time.sleep(15)
     quiet = float(load_average().split()[0]) < threshold
-    return f"1-minute load {'below' if quiet else 'still at or above'} {threshold} after {time.monotonic() - started:.0f}s of waiting"
+    state = "below" if quiet else "still at or above"
+    return f"1-minute load {state} {threshold} after {time.monotonic() - started:.0f}s of waiting"
 
 
 def run(name: str, out_dir: Path, nproc: int) -> tuple[Path, float]:
-    argv = [sys.executable, "-m", "trainyard.cli", "train", *RUNS[name], f"run_name={name}", f"output_dir={out_dir}", *COMMON, "--nproc", str(nproc)]
+    argv = [
+        sys.executable,
+        "-m",
+        "trainyard.cli",
+        "train",
+        *RUNS[name],
+        f"run_name={name}",
+        f"output_dir={out_dir}",
+        *COMMON,
+        "--nproc",
+        str(nproc),
+    ]
     print(f"== {name}: trainyard {' '.join(argv[4:])}", flush=True)
     started = time.monotonic()
     with open(out_dir / f"{name}.log", "w") as log:
@@ -109,7 +168,8 @@ def figures(run_dir: Path) -> dict[str, Any]:
         if any(e.get("async_save") for e in mine):
             row["commit_s"] = statistics.median(commits[e["step"]] - e["time"] for e in mine if e["step"] in commits)
             row["overlap_s"] = statistics.median(
-                sum(gap - step_s for k, gap in gaps.items() if e["step"] < k and train[k] < commits.get(e["step"], 0)) for e in mine
+                sum(gap - step_s for k, gap in gaps.items() if e["step"] < k and train[k] < commits.get(e["step"], 0))
+                for e in mine
             )
         result[kind] = row
     checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
@@ -128,7 +188,8 @@ def _mb(mb: float | None) -> str:
 
 def table(results: dict[str, dict[str, Any]]) -> list[str]:
     lines = [
-        "| run | median step (s) | checkpoint | n | size (MB) | stall_s (median) | step delta (s, median) | async: save→commit (s) | async: excess step time while writing (s) |",
+        "| run | median step (s) | checkpoint | n | size (MB) | stall_s (median) | step delta (s, median) "
+        "| async: save→commit (s) | async: excess step time while writing (s) |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, result in results.items():
@@ -149,7 +210,10 @@ def table(results: dict[str, dict[str, Any]]) -> list[str]:
 def record(path: Path, lines: list[str], notes: list[str]) -> None:
     dirty = bool(sh("git", "status", "--porcelain", "--untracked-files=no"))
     commit = sh("git", "rev-parse", "--short", "HEAD") + (" (plus uncommitted changes)" if dirty else "")
-    cpu = next((line.split(":", 1)[1].strip() for line in sh("lscpu").splitlines() if line.startswith("Model name")), "unknown CPU")
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in sh("lscpu").splitlines() if line.startswith("Model name")),
+        "unknown CPU",
+    )
     header = [
         f"## Checkpoint stall — {sh('date', '-u')}",
         "",
@@ -174,7 +238,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", choices=list(RUNS), default=list(RUNS))
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--quiet-load", type=float, default=1.0, help="start when the 1-minute load average is below this")
+    parser.add_argument(
+        "--quiet-load", type=float, default=1.0, help="start when the 1-minute load average is below this"
+    )
     parser.add_argument("--max-wait-s", type=float, default=600.0)
     parser.add_argument("--no-wait", action="store_true")
     parser.add_argument("--no-record", action="store_true")

@@ -68,7 +68,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps (max_steps)")
     parser.add_argument("--batch", type=int, default=None, help="per-device batch (default: the mode's)")
     parser.add_argument("--max-length", type=int, default=512)
-    parser.add_argument("--n-train", type=int, default=2000, help="builtin:dates train rows (data.synthetic_train_size)")
+    parser.add_argument(
+        "--n-train", type=int, default=2000, help="builtin:dates train rows (data.synthetic_train_size)"
+    )
     parser.add_argument("--n-eval", type=int, default=40, help="builtin:dates eval rows (data.synthetic_eval_size)")
     parser.add_argument("--model", default="builtin:smollm2-135m-instruct", help="trainyard model.path to resolve")
     parser.add_argument("--seed", type=int, default=42)

@@ -65,12 +65,22 @@ class Run:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run (the first is excluded from tokens/s)")
+    parser.add_argument(
+        "--steps", type=int, default=12, help="optimizer steps per run (the first is excluded from tokens/s)"
+    )
     parser.add_argument("--nproc", type=int, default=2, help="processes per run")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="run the list this many times, every other round in reverse order (ABBA); medians are reported")
-    parser.add_argument("--only", nargs="*", default=None, help="run only these (hf-seeds hf-tuned ty-mb4-gc ty-mb4 ty-mb1)")
-    parser.add_argument("--quiet-load", type=float, default=1.0, help="start when the 1-minute load average is below this")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the list this many times, every other round in reverse order (ABBA); medians are reported",
+    )
+    parser.add_argument(
+        "--only", nargs="*", default=None, help="run only these (hf-seeds hf-tuned ty-mb4-gc ty-mb4 ty-mb1)"
+    )
+    parser.add_argument(
+        "--quiet-load", type=float, default=1.0, help="start when the 1-minute load average is below this"
+    )
     parser.add_argument("--max-wait-s", type=float, default=1200.0, help="then start anyway, noting the load")
     parser.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine")
     parser.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
@@ -81,7 +91,9 @@ def parse_args() -> argparse.Namespace:
 
 def sh(command: list[str]) -> str:
     try:
-        return subprocess.run(command, check=False, cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip("\n")
+        return subprocess.run(command, check=False, cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip(
+            "\n"
+        )
     except (OSError, subprocess.SubprocessError):
         return "(unavailable)"
 
@@ -121,7 +133,8 @@ class LoadSampler:
         if not self.samples:
             return "no samples"
         mean = sum(self.samples) / len(self.samples)
-        return f"min {min(self.samples):.2f}, mean {mean:.2f}, max {max(self.samples):.2f} over {len(self.samples)} samples"
+        low, high, count = min(self.samples), max(self.samples), len(self.samples)
+        return f"min {low:.2f}, mean {mean:.2f}, max {high:.2f} over {count} samples"
 
 
 def wait_for_quiet(threshold: float, max_wait_s: float) -> tuple[float, bool]:
@@ -153,11 +166,39 @@ def plan(args: argparse.Namespace, out_dir: str, round_: int = 0) -> list[Run]:
     if args.rounds > 1:
         out_dir = f"{out_dir}/round-{round_ + 1}"
     runs = [
-        Run("hf-seeds", "hf", 1 * nproc, 1, False, "HF Trainer, seed 002 recipe: pad to 512, batch 1/device, labels = input_ids"),
-        Run("hf-tuned", "hf", 4 * nproc, 4, False, "HF Trainer, dynamic padding (DataCollatorForSeq2Seq), response-only labels, batch 4/device"),
+        Run(
+            "hf-seeds",
+            "hf",
+            1 * nproc,
+            1,
+            False,
+            "HF Trainer, seed 002 recipe: pad to 512, batch 1/device, labels = input_ids",
+        ),
+        Run(
+            "hf-tuned",
+            "hf",
+            4 * nproc,
+            4,
+            False,
+            "HF Trainer, dynamic padding (DataCollatorForSeq2Seq), response-only labels, batch 4/device",
+        ),
         Run("ty-mb4-gc", "trainyard", 4 * nproc, 4, True, "trainyard quickstart, micro 4, activation checkpointing on"),
-        Run("ty-mb4", "trainyard", 4 * nproc, 4, False, "trainyard quickstart, micro 4, no activation checkpointing (matches hf-tuned)"),
-        Run("ty-mb1", "trainyard", 1 * nproc, 1, False, "trainyard quickstart, micro 1, no activation checkpointing (matches hf-seeds)"),
+        Run(
+            "ty-mb4",
+            "trainyard",
+            4 * nproc,
+            4,
+            False,
+            "trainyard quickstart, micro 4, no activation checkpointing (matches hf-tuned)",
+        ),
+        Run(
+            "ty-mb1",
+            "trainyard",
+            1 * nproc,
+            1,
+            False,
+            "trainyard quickstart, micro 1, no activation checkpointing (matches hf-seeds)",
+        ),
     ]
     if args.only:
         runs = [run for run in runs if run.name in args.only]
@@ -167,20 +208,42 @@ def plan(args: argparse.Namespace, out_dir: str, round_: int = 0) -> list[Run]:
         if run.stack == "hf":
             mode = run.name.removeprefix("hf-")
             tail = [
-                "--nproc-per-node", str(nproc), HF_SCRIPT, "--mode", mode, "--steps", str(steps),
-                "--max-length", str(MAX_LENGTH), "--n-train", str(rows), "--n-eval", str(EVAL_ROWS),
-                "--out", f"{out_dir}/{run.name}.json",
+                "--nproc-per-node",
+                str(nproc),
+                HF_SCRIPT,
+                "--mode",
+                mode,
+                "--steps",
+                str(steps),
+                "--max-length",
+                str(MAX_LENGTH),
+                "--n-train",
+                str(rows),
+                "--n-eval",
+                str(EVAL_ROWS),
+                "--out",
+                f"{out_dir}/{run.name}.json",
             ]
             run.argv = [*executable("torchrun"), "--standalone", *tail]
             run.shown = shlex.join(["torchrun", "--standalone", *tail])
         else:
             tail = [
-                "train", "quickstart", "--nproc", str(nproc),
-                f"run_name={run.name}", f"output_dir={out_dir}",
-                f"train.max_steps={steps}", f"train.micro_batch_size={run.micro}",
-                f"train.global_batch_size={run.samples_per_step}", f"data.max_length={MAX_LENGTH}",
-                f"data.synthetic_train_size={rows}", f"data.synthetic_eval_size={EVAL_ROWS}",
-                "eval.baseline=false", "eval.at_end=false", "eval.every_steps=0", "checkpoint.at_end=false",
+                "train",
+                "quickstart",
+                "--nproc",
+                str(nproc),
+                f"run_name={run.name}",
+                f"output_dir={out_dir}",
+                f"train.max_steps={steps}",
+                f"train.micro_batch_size={run.micro}",
+                f"train.global_batch_size={run.samples_per_step}",
+                f"data.max_length={MAX_LENGTH}",
+                f"data.synthetic_train_size={rows}",
+                f"data.synthetic_eval_size={EVAL_ROWS}",
+                "eval.baseline=false",
+                "eval.at_end=false",
+                "eval.every_steps=0",
+                "checkpoint.at_end=false",
                 f"model.gradient_checkpointing={'true' if run.checkpointing else 'false'}",
             ]
             run.argv = [*executable("trainyard"), *tail]
@@ -240,8 +303,11 @@ def execute(run: Run, env: dict[str, str]) -> None:
         run.error = f"no result: {err}"
         print(f"   FAILED ({run.error})", flush=True)
         return
-    print(f"   {run.result['tokens_per_s']:.1f} real tokens/s, {run.result['s_per_step']:.2f} s/step, "
-          f"{run.seconds:.0f}s in all, load {run.load_before} -> {run.load_after}", flush=True)
+    print(
+        f"   {run.result['tokens_per_s']:.1f} real tokens/s, {run.result['s_per_step']:.2f} s/step, "
+        f"{run.seconds:.0f}s in all, load {run.load_before} -> {run.load_after}",
+        flush=True,
+    )
 
 
 def median(values: list[float]) -> float:
@@ -266,7 +332,11 @@ def combine(executed: list[Run], rounds: int) -> list[Run]:
         if not good:
             merged.error = mine[0].error
         else:
-            keys = [k for k, v in good[0].result.items() if isinstance(v, int | float) and all(isinstance(r.result.get(k), int | float) for r in good)]
+            keys = [
+                k
+                for k, v in good[0].result.items()
+                if isinstance(v, int | float) and all(isinstance(r.result.get(k), int | float) for r in good)
+            ]
             merged.result = {k: median([r.result[k] for r in good]) for k in keys}
             merged.result["rounds_tokens_per_s"] = [round(r.result["tokens_per_s"], 1) for r in good]
             if len(good) < len(mine):
@@ -290,11 +360,14 @@ def table(runs: list[Run]) -> list[str]:
     ]
     for run in runs:
         if run.error:
-            lines.append(f"| {run.name} | {run.samples_per_step} | {'on' if run.checkpointing else 'off'} | failed | - | - | - |")
+            lines.append(
+                f"| {run.name} | {run.samples_per_step} | {'on' if run.checkpointing else 'off'} | failed | - | - | - |"
+            )
             continue
         lines.append(
             f"| {run.name} | {run.samples_per_step} | {'on' if run.checkpointing else 'off'} | "
-            f"{run.result['tokens_per_s']:.1f} | {run.result['s_per_step']:.2f} | {ratio(run, seeds)} | {ratio(run, tuned)} |"
+            f"{run.result['tokens_per_s']:.1f} | {run.result['s_per_step']:.2f} | "
+            f"{ratio(run, seeds)} | {ratio(run, tuned)} |"
         )
     return lines
 
@@ -310,16 +383,22 @@ def verdicts(runs: list[Run]) -> list[str]:
             continue
         r = a.result["tokens_per_s"] / b.result["tokens_per_s"]
         if r < 1.0:
-            lines.append(f"- MISS: {ours} is slower than {theirs} at the same samples per step: {r:.2f}x "
-                         f"({a.result['tokens_per_s']:.1f} vs {b.result['tokens_per_s']:.1f} real tokens/s).")
+            lines.append(
+                f"- MISS: {ours} is slower than {theirs} at the same samples per step: {r:.2f}x "
+                f"({a.result['tokens_per_s']:.1f} vs {b.result['tokens_per_s']:.1f} real tokens/s)."
+            )
         else:
-            lines.append(f"- {ours} vs {theirs} (same samples per step): {r:.2f}x "
-                         f"({a.result['tokens_per_s']:.1f} vs {b.result['tokens_per_s']:.1f} real tokens/s).")
+            lines.append(
+                f"- {ours} vs {theirs} (same samples per step): {r:.2f}x "
+                f"({a.result['tokens_per_s']:.1f} vs {b.result['tokens_per_s']:.1f} real tokens/s)."
+            )
     gc, plain = by_name.get("ty-mb4-gc"), by_name.get("ty-mb4")
     if gc and plain and not gc.error and not plain.error:
         r = gc.result["tokens_per_s"] / plain.result["tokens_per_s"]
-        lines.append(f"- activation checkpointing costs trainyard {1 - r:.0%} of its throughput here "
-                     f"(ty-mb4-gc / ty-mb4 = {r:.2f}x): it recomputes every block's forward in the backward pass.")
+        lines.append(
+            f"- activation checkpointing costs trainyard {1 - r:.0%} of its throughput here "
+            f"(ty-mb4-gc / ty-mb4 = {r:.2f}x): it recomputes every block's forward in the backward pass."
+        )
     for run in runs:
         if run.stack != "trainyard" or run.error:
             continue
@@ -329,8 +408,10 @@ def verdicts(runs: list[Run]) -> list[str]:
                 continue
             r = run.result["tokens_per_s"] / other.result["tokens_per_s"]
             if r < 1.0:
-                lines.append(f"- MISS: {run.name} is slower than {base} ({r:.2f}x), though not at the same samples per step "
-                             f"({run.samples_per_step} vs {other.samples_per_step}).")
+                lines.append(
+                    f"- MISS: {run.name} is slower than {base} ({r:.2f}x), though not at the same samples per step "
+                    f"({run.samples_per_step} vs {other.samples_per_step})."
+                )
     for run in runs:
         if run.error:
             lines.append(f"- {run.name} FAILED: {run.error}")
@@ -341,7 +422,8 @@ def machine() -> list[str]:
     import torch
 
     model_name = next(
-        (line.split(":", 1)[1].strip() for line in sh(["lscpu"]).splitlines() if line.startswith("Model name")), "unknown"
+        (line.split(":", 1)[1].strip() for line in sh(["lscpu"]).splitlines() if line.startswith("Model name")),
+        "unknown",
     )
     gpu = "no GPU" if not torch.cuda.is_available() else f"GPU: {torch.cuda.get_device_name(0)} (not used)"
     return [f"{sh(['nproc'])} CPU cores ({model_name}), {gpu}", "", "```", "$ free -g", sh(["free", "-g"]), "```"]
@@ -352,16 +434,31 @@ def versions() -> str:
     import torch
     import transformers
 
-    return f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, python {sys.version.split()[0]}"
+    versions = [f"torch {torch.__version__}", f"transformers {transformers.__version__}", f"peft {peft.__version__}"]
+    return ", ".join([*versions, f"python {sys.version.split()[0]}"])
 
 
-def record(path: Path, args: argparse.Namespace, runs: list[Run], executed: list[Run], env_threads: str, date: str, wait: tuple[float, bool],
-           load_start: str, load_end: str, load_during: str) -> None:
+def record(
+    path: Path,
+    args: argparse.Namespace,
+    runs: list[Run],
+    executed: list[Run],
+    env_threads: str,
+    date: str,
+    wait: tuple[float, bool],
+    load_start: str,
+    load_end: str,
+    load_during: str,
+) -> None:
     dirty = bool(sh(["git", "status", "--porcelain", "--untracked-files=no"]))
     commit = sh(["git", "rev-parse", "--short", "HEAD"]) + (" (plus uncommitted changes)" if dirty else "")
     waited, quiet = wait
-    load_note = (f"1-minute load below {args.quiet_load} after waiting {waited:.0f}s" if quiet
-                 else f"the machine never got quiet: 1-minute load still at or above {args.quiet_load} after {waited:.0f}s; ran anyway")
+    load_note = (
+        f"1-minute load below {args.quiet_load} after waiting {waited:.0f}s"
+        if quiet
+        else f"the machine never got quiet: 1-minute load still at or above {args.quiet_load} "
+        f"after {waited:.0f}s; ran anyway"
+    )
     if args.no_wait:
         load_note = "did not wait for a quiet machine (--no-wait)"
     lines = [
@@ -378,7 +475,8 @@ def record(path: Path, args: argparse.Namespace, runs: list[Run], executed: list
             + f"builtin:dates, train rows = steps x samples/step (each row once), {EVAL_ROWS} eval rows held out"
         ),
         f"- load average (1/5/15 min): {load_start} at the start, {load_end} at the end; {load_note}",
-        f"- 1-minute load during the runs (every 10 s; the benchmark's own {args.nproc} processes add about {args.nproc}): {load_during}",
+        f"- 1-minute load during the runs (every 10 s; the benchmark's own {args.nproc} processes add about "
+        f"{args.nproc}): {load_during}",
         "",
         "Real (non-padding) tokens/s over the steps after the first; ratios are trainyard / HF.",
         "",
@@ -390,15 +488,28 @@ def record(path: Path, args: argparse.Namespace, runs: list[Run], executed: list
     for run in runs:
         extra = ""
         if not run.error and run.stack == "hf":
-            extra = (f"; end-to-end (batch fetch included) {run.result['tokens_per_s_end_to_end']:.1f} tokens/s; "
-                     f"padded tokens/s {run.result['padded_tokens_per_s']:.1f}")
+            extra = (
+                f"; end-to-end (batch fetch included) {run.result['tokens_per_s_end_to_end']:.1f} tokens/s; "
+                f"padded tokens/s {run.result['padded_tokens_per_s']:.1f}"
+            )
         elif not run.error:
             cs, dw = run.result.get("comm_share"), run.result.get("data_wait_share")
-            extra = (f"; comm share {cs:.1%}" if cs is not None else "") + (f"; data wait share {dw:.1%}" if dw is not None else "")
+            extra = (f"; comm share {cs:.1%}" if cs is not None else "") + (
+                f"; data wait share {dw:.1%}" if dw is not None else ""
+            )
         if not run.error and "rounds_tokens_per_s" in run.result:
             extra += f"; tokens/s per round {run.result['rounds_tokens_per_s']}"
         lines.append(f"- {run.name}: {run.what}; load {run.load_before} -> {run.load_after}; {run.seconds:.0f}s{extra}")
-    lines += ["", "Findings:", "", *(verdicts(runs) or ["- (no comparable pairs)"]), "", "Commands (from the repository root):", "", "```"]
+    lines += [
+        "",
+        "Findings:",
+        "",
+        *(verdicts(runs) or ["- (no comparable pairs)"]),
+        "",
+        "Commands (from the repository root):",
+        "",
+        "```",
+    ]
     lines += [f"OMP_NUM_THREADS={env_threads} {run.shown}" for run in executed]
     lines += ["```", "", ""]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -442,8 +553,18 @@ def main() -> None:
     print("\n" + "\n".join(verdicts(runs)))
     if not args.no_record:
         results = Path(args.results)
-        record(results if results.is_absolute() else REPO / results, args, runs, executed, threads, date, wait, load_start, load_end,
-               sampler.describe())
+        record(
+            results if results.is_absolute() else REPO / results,
+            args,
+            runs,
+            executed,
+            threads,
+            date,
+            wait,
+            load_start,
+            load_end,
+            sampler.describe(),
+        )
 
 
 if __name__ == "__main__":

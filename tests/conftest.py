@@ -15,7 +15,9 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
 
 
-def trainyard(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def trainyard(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
     """Run the CLI as a user would, in a separate process."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
@@ -34,7 +36,9 @@ def events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
 
 
 def assert_ok(result: subprocess.CompletedProcess[str]) -> None:
-    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-5000:]}"
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-5000:]}"
+    )
 
 
 @pytest.fixture

@@ -127,7 +127,10 @@ def evaluate(
         for batch_indices in _rank_batches(indices, info, batch_size):
             padding_only = not batch_indices
             rows = [eval_data[i] for i in (batch_indices or indices[:1])]
-            batch = _to_device(collate([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows], tokenizer.pad_token_id), info.device)
+            batch = _to_device(
+                collate([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows], tokenizer.pad_token_id),
+                info.device,
+            )
             batch.pop("real_tokens", None)
             loss, count = token_loss_sum(net, batch)
             if not padding_only:

@@ -67,7 +67,8 @@ def check_replicas_agree(model: torch.nn.Module, info: DistInfo, step: int, tole
         shown = ", ".join(f"rank {r}: {norms[r]:.8g}" for r in drifted)
         raise DistError(
             f"replicas desynced at step {step}: weight norm on rank 0 is {reference:.8g}, but {shown}",
-            fix="a rank ran different code or data, or hardware corrupted memory: stop, check that node, resume from the last checkpoint",
+            fix="a rank ran different code or data, or hardware corrupted memory: stop, check that node, "
+            "resume from the last checkpoint",
         )
 
 

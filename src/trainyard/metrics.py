@@ -138,8 +138,9 @@ class LogWindow:
         self.data_wait = 0.0
         self.steps = 0
 
-    def add(self, loss_sum: torch.Tensor, targets: torch.Tensor, real_tokens: torch.Tensor, seconds: float,
-            data_wait: float) -> None:
+    def add(
+        self, loss_sum: torch.Tensor, targets: torch.Tensor, real_tokens: torch.Tensor, seconds: float, data_wait: float
+    ) -> None:
         """One trained step: this rank's loss sum; target and real tokens already summed over ranks."""
         self.sums[0] += loss_sum
         self.sums[1] += targets
@@ -280,7 +281,9 @@ def _brief(fields: dict[str, Any]) -> str:
 
 def _git_commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
 

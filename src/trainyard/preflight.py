@@ -12,6 +12,7 @@ import codecs
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
 from trainyard.config import JobConfig
 from trainyard.errors import CheckpointError, ConfigError, DataError, ModelError, TrainyardError

@@ -79,12 +79,26 @@ def figures(stdout: str) -> dict[str, str]:
     return dict(line.split(" ", 1) for line in stdout.strip().splitlines())
 
 
-@pytest.mark.parametrize(("reference", "mode", "nproc"), [("lora_reference", LORA_DDP, 1), ("full_reference", FULL_FSDP, 2)])
-def test_eval_of_a_checkpoint_matches_the_runs_final_eval(reference: str, mode: list[str], nproc: int, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize(
+    ("reference", "mode", "nproc"), [("lora_reference", LORA_DDP, 1), ("full_reference", FULL_FSDP, 2)]
+)
+def test_eval_of_a_checkpoint_matches_the_runs_final_eval(
+    reference: str, mode: list[str], nproc: int, request: pytest.FixtureRequest
+) -> None:
     run_dir: Path = request.getfixturevalue(reference)
     from tests.conftest import TINY
 
-    result = trainyard("eval", TINY, f"output_dir={run_dir.parent}", *COMMON, *mode, "--checkpoint", str(run_dir), "--nproc", str(nproc))
+    result = trainyard(
+        "eval",
+        TINY,
+        f"output_dir={run_dir.parent}",
+        *COMMON,
+        *mode,
+        "--checkpoint",
+        str(run_dir),
+        "--nproc",
+        str(nproc),
+    )
     assert_ok(result)
     got = figures(result.stdout)
     want = events(run_dir, "eval")[-1]

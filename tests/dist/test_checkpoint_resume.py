@@ -173,7 +173,9 @@ def test_fsdp_lora_adapter_files_hold_the_weights_dcp_saved(fsdp_lora_reference:
 def test_two_rank_fsdp_checkpoint_resumes_in_one_process(tmp_path: Path, full_reference: Path) -> None:
     """DCP reshards model and optimizer: the one-process run continues the 2-rank trajectory."""
     start_from = step_dir(full_reference / "checkpoints", STEPS - EVERY)
-    result = trainyard(*train_args(tmp_path, "lora.enabled=false", "dist.strategy=none", f"checkpoint.resume={start_from}", nproc=1))
+    result = trainyard(
+        *train_args(tmp_path, "lora.enabled=false", "dist.strategy=none", f"checkpoint.resume={start_from}", nproc=1)
+    )
     assert_ok(result)
     run_dir = tmp_path / "tiny"
     assert [e["saved_world_size"] for e in resumed_events(run_dir)] == [2]

@@ -38,7 +38,9 @@ def non_loopback_ipv4() -> str | None:
 def test_one_node_two_ranks_reports_bandwidth(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
-    result = trainyard("doctor", "--nnodes", "1", "--nproc", "2", "--dir", str(shared), "--json", cwd=tmp_path, timeout=180)
+    result = trainyard(
+        "doctor", "--nnodes", "1", "--nproc", "2", "--dir", str(shared), "--json", cwd=tmp_path, timeout=180
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = rows_of(result.stdout)
     bandwidth = [row for name, row in rows.items() if name.startswith("all-reduce ") and "MiB" in name]
@@ -62,13 +64,32 @@ def test_two_nodes_on_one_host_find_a_dir_that_is_not_shared(tmp_path: Path) -> 
         pytest.skip("needs a non-loopback IPv4 address for a two-node rendezvous")
     shared = tmp_path / "shared"
     shared.mkdir()
-    common = ["doctor", "--nnodes", "2", "--nproc", "1", "--master", f"{address}:{free_port()}", "--timeout", "60", "--json"]
+    common = [
+        "doctor",
+        "--nnodes",
+        "2",
+        "--nproc",
+        "1",
+        "--master",
+        f"{address}:{free_port()}",
+        "--timeout",
+        "60",
+        "--json",
+    ]
     workers = []
     for rank in (0, 1):
         cwd = tmp_path / f"node{rank}"
         (cwd / "local").mkdir(parents=True)
         args = [*common, "--node-rank", str(rank), "--dir", str(shared), "--dir", "local"]
-        workers.append(subprocess.Popen([sys.executable, "-m", "trainyard.cli", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        workers.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "trainyard.cli", *args],
+                cwd=cwd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outputs = [worker.communicate(timeout=180) for worker in workers]
     assert [worker.returncode for worker in workers] == [1, 1], outputs[0][0][-3000:] + outputs[0][1][-3000:]
     rows = rows_of(outputs[0][0])

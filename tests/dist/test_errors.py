@@ -20,7 +20,9 @@ def write_rows(path: Path, lines: list[str]) -> Path:
 
 
 def test_malformed_row_fails_every_rank_with_file_and_line(tmp_path: Path) -> None:
-    data = write_rows(tmp_path / "train.jsonl", [json.dumps(GOOD), json.dumps(GOOD), '{"instruction": "broken",', json.dumps(GOOD)])
+    data = write_rows(
+        tmp_path / "train.jsonl", [json.dumps(GOOD), json.dumps(GOOD), '{"instruction": "broken",', json.dumps(GOOD)]
+    )
     result = trainyard("train", TINY, f"output_dir={tmp_path}", f"data.path={data}", "--nproc", "2")
     assert result.returncode == 2, result.stderr
     assert f"{data}:3" in result.stderr
@@ -33,8 +35,15 @@ def test_skipped_rows_are_counted_in_the_summary(tmp_path: Path) -> None:
     rows = [json.dumps(GOOD)] * 40 + ['{"instruction": "broken",', json.dumps({**GOOD, "output": ""})]
     data = write_rows(tmp_path / "train.jsonl", rows)
     result = trainyard(
-        "train", TINY, f"output_dir={tmp_path}", f"data.path={data}", "data.on_bad_row=skip",
-        "train.max_steps=2", "eval.at_end=false", "--nproc", "2",
+        "train",
+        TINY,
+        f"output_dir={tmp_path}",
+        f"data.path={data}",
+        "data.on_bad_row=skip",
+        "train.max_steps=2",
+        "eval.at_end=false",
+        "--nproc",
+        "2",
     )
     assert_ok(result)
     summary = json.loads((tmp_path / "tiny" / "summary.json").read_text())

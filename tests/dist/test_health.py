@@ -23,7 +23,13 @@ FAST = ["eval.every_steps=0", "eval.at_end=false", "checkpoint.at_end=false", "l
 
 def test_injected_nan_stops_the_run_naming_step_and_rank(tmp_path: Path) -> None:
     result = trainyard(
-        "train", TINY, f"output_dir={tmp_path}", "train.max_steps=6", *FAST, "--nproc", "2",
+        "train",
+        TINY,
+        f"output_dir={tmp_path}",
+        "train.max_steps=6",
+        *FAST,
+        "--nproc",
+        "2",
         env={"TRAINYARD_FAULT": "nan@rank1:step3"},
     )
     assert result.returncode == 1, result.stderr
@@ -33,8 +39,15 @@ def test_injected_nan_stops_the_run_naming_step_and_rank(tmp_path: Path) -> None
 
 def test_nan_step_is_skipped_when_configured(tmp_path: Path) -> None:
     result = trainyard(
-        "train", TINY, f"output_dir={tmp_path}", "train.max_steps=5", "train.on_nonfinite=skip", *FAST,
-        "--nproc", "2", env={"TRAINYARD_FAULT": "nan@rank0:step2"},
+        "train",
+        TINY,
+        f"output_dir={tmp_path}",
+        "train.max_steps=5",
+        "train.on_nonfinite=skip",
+        *FAST,
+        "--nproc",
+        "2",
+        env={"TRAINYARD_FAULT": "nan@rank0:step2"},
     )
     assert result.returncode == 0, result.stderr
     skipped = [e for e in events(tmp_path / "tiny", "system") if e.get("event") == "skipped_nonfinite_step"]
@@ -43,8 +56,15 @@ def test_nan_step_is_skipped_when_configured(tmp_path: Path) -> None:
 
 def test_desynced_replica_is_detected(tmp_path: Path) -> None:
     result = trainyard(
-        "train", TINY, f"output_dir={tmp_path}", "train.max_steps=8", "dist.desync_check_steps=4", *FAST,
-        "--nproc", "2", env={"TRAINYARD_FAULT": "desync@rank1:step4"},
+        "train",
+        TINY,
+        f"output_dir={tmp_path}",
+        "train.max_steps=8",
+        "dist.desync_check_steps=4",
+        *FAST,
+        "--nproc",
+        "2",
+        env={"TRAINYARD_FAULT": "desync@rank1:step4"},
     )
     assert result.returncode == 1, result.stderr
     assert "replicas desynced at step 4" in result.stderr
@@ -52,7 +72,9 @@ def test_desynced_replica_is_detected(tmp_path: Path) -> None:
 
 
 def test_healthy_replicas_pass_the_desync_check(tmp_path: Path) -> None:
-    result = trainyard("train", TINY, f"output_dir={tmp_path}", "train.max_steps=4", "dist.desync_check_steps=2", *FAST, "--nproc", "2")
+    result = trainyard(
+        "train", TINY, f"output_dir={tmp_path}", "train.max_steps=4", "dist.desync_check_steps=2", *FAST, "--nproc", "2"
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -61,8 +83,18 @@ def test_stopped_rank_is_named_within_the_timeout_and_diagnosed(tmp_path: Path) 
     original exception stays in the rank log, and the flight record names who did not join."""
     timeout_s = 8
     command = [
-        sys.executable, "-m", "trainyard.cli", "train", TINY, f"output_dir={tmp_path}", "train.max_steps=1000000",
-        f"dist.timeout_s={timeout_s}", "log.every_steps=1000", *FAST, "--nproc", "2",
+        sys.executable,
+        "-m",
+        "trainyard.cli",
+        "train",
+        TINY,
+        f"output_dir={tmp_path}",
+        "train.max_steps=1000000",
+        f"dist.timeout_s={timeout_s}",
+        "log.every_steps=1000",
+        *FAST,
+        "--nproc",
+        "2",
     ]
     proc = subprocess.Popen(
         command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True

@@ -28,7 +28,11 @@ def strict(schema: Any) -> Any:
     """Forbid properties a schema does not list, unless it keeps unknown fields on purpose."""
     if isinstance(schema, dict):
         schema = {key: strict(value) for key, value in schema.items()}
-        if "properties" in schema and "additionalProperties" not in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        if (
+            "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
             schema["additionalProperties"] = False
         return schema
     if isinstance(schema, list):
@@ -52,9 +56,19 @@ def crd_schema(file: str) -> dict[str, Any]:
 def generate(tmp_path: Path, *options: str) -> tuple[str, dict[str, dict[str, Any]]]:
     out = tmp_path / "job.yaml"
     result = trainyard(
-        "k8s", TINY, f"data.path=/data/{PLANTED_ENV['HF_TOKEN']}/train.jsonl", f"model.config.api_key={PLANTED_CONFIG_KEY}",
-        "--image", "registry.example.com/ml/trainyard:0.1", "--namespace", "ml", "--out", str(out), *options,
-        cwd=tmp_path, env=PLANTED_ENV,
+        "k8s",
+        TINY,
+        f"data.path=/data/{PLANTED_ENV['HF_TOKEN']}/train.jsonl",
+        f"model.config.api_key={PLANTED_CONFIG_KEY}",
+        "--image",
+        "registry.example.com/ml/trainyard:0.1",
+        "--namespace",
+        "ml",
+        "--out",
+        str(out),
+        *options,
+        cwd=tmp_path,
+        env=PLANTED_ENV,
     )
     assert result.returncode == 0, result.stderr
     text = out.read_text()
@@ -91,14 +105,18 @@ def test_pytorchjob_manifests_validate_and_hold_no_secret(pytorchjob: tuple[str,
 
 
 def test_trainjob_manifests_validate_and_hold_no_secret(tmp_path: Path) -> None:
-    text, docs = generate(tmp_path, "--kind", "trainjob", "--nodes", "2", "--nproc-per-node", "2", "--secret", "team-tokens")
+    text, docs = generate(
+        tmp_path, "--kind", "trainjob", "--nodes", "2", "--nproc-per-node", "2", "--secret", "team-tokens"
+    )
     assert set(docs) == {"ConfigMap", "PersistentVolumeClaim", "TrainingRuntime", "TrainJob"}
     jsonschema.validate(docs["TrainJob"], crd_schema("trainer.kubeflow.org_trainjobs.yaml"))
     validate_core(docs["ConfigMap"])
     validate_core(docs["PersistentVolumeClaim"])
     # No TrainingRuntime CRD is at hand; the batch Job it stamps out is a core object.
     replicated = docs["TrainingRuntime"]["spec"]["template"]["spec"]["replicatedJobs"][0]
-    validate_core({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "node"}, "spec": replicated["template"]["spec"]})
+    validate_core(
+        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "node"}, "spec": replicated["template"]["spec"]}
+    )
     assert_no_secret(text)
 
 

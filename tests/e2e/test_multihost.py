@@ -44,11 +44,18 @@ def _ensure_ip_tool() -> None:
     if shutil.which("ip"):
         return
     subprocess.run(["apt-get", "update"], check=True, capture_output=True)
-    subprocess.run(["apt-get", "install", "-y", "iproute2"], check=True, capture_output=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    subprocess.run(
+        ["apt-get", "install", "-y", "iproute2"],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+    )
 
 
 def _kill_namespace_processes(namespace: str) -> None:
-    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False).stdout.split()
+    pids = subprocess.run(
+        ["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False
+    ).stdout.split()
     for pid in pids:
         try:
             os.kill(int(pid), signal.SIGKILL)
@@ -62,7 +69,10 @@ def hosts() -> Iterator[tuple[Host, Host]]:
         pytest.skip("network namespaces need root")
     _ensure_ip_tool()
     tag = f"{os.getpid() % 100000}"
-    pair = (Host(f"trainyard-a{tag}", f"tyv{tag}a", HOST_ADDRESSES[0]), Host(f"trainyard-b{tag}", f"tyv{tag}b", HOST_ADDRESSES[1]))
+    pair = (
+        Host(f"trainyard-a{tag}", f"tyv{tag}a", HOST_ADDRESSES[0]),
+        Host(f"trainyard-b{tag}", f"tyv{tag}b", HOST_ADDRESSES[1]),
+    )
     try:
         for host in pair:
             _ip("netns", "add", host.namespace)
@@ -99,15 +109,24 @@ def finish(process: subprocess.Popen[str], timeout: float) -> tuple[int, str]:
 def test_two_hosts_train_exactly_like_one_host_with_four_processes(hosts: tuple[Host, Host], tmp_path: Path) -> None:
     job = [TINY, f"output_dir={tmp_path / 'two-hosts'}", "train.max_steps=6", *FAST]
     master = f"{HOST_ADDRESSES[0]}:29500"
-    nodes = [launch_on(host, tmp_path, *job, "--nnodes", "2", "--node-rank", str(rank), "--master", master, "--nproc", "2") for rank, host in enumerate(hosts)]
+    nodes = [
+        launch_on(host, tmp_path, *job, "--nnodes", "2", "--node-rank", str(rank), "--master", master, "--nproc", "2")
+        for rank, host in enumerate(hosts)
+    ]
     outcomes = [finish(node, timeout=240) for node in nodes]
     for code, output in outcomes:
         assert code == 0, output[-4000:]
     head_output = outcomes[0][1]
-    assert "running: " in head_output and "--node-rank=0" in head_output and f"--master-addr={HOST_ADDRESSES[0]}" in head_output
+    assert (
+        "running: " in head_output
+        and "--node-rank=0" in head_output
+        and f"--master-addr={HOST_ADDRESSES[0]}" in head_output
+    )
     assert f"GLOO_SOCKET_IFNAME={hosts[0].nic}  (yours, kept)" in head_output
 
-    single = trainyard("train", TINY, f"output_dir={tmp_path / 'one-host'}", "train.max_steps=6", *FAST, "--nproc", "4", cwd=tmp_path)
+    single = trainyard(
+        "train", TINY, f"output_dir={tmp_path / 'one-host'}", "train.max_steps=6", *FAST, "--nproc", "4", cwd=tmp_path
+    )
     assert_ok(single)
 
     two_hosts, one_host = tmp_path / "two-hosts" / "tiny", tmp_path / "one-host" / "tiny"
@@ -124,7 +143,10 @@ def _wait_for_train_events(run_dir: Path, count: int, timeout: float, nodes: lis
         if (run_dir / "metrics.jsonl").is_file() and len(events(run_dir, "train")) >= count:
             return
         if any(node.poll() is not None for node in nodes):
-            pytest.fail("a node stopped before training got going:\n" + "\n".join(node.communicate()[0][-3000:] for node in nodes))
+            pytest.fail(
+                "a node stopped before training got going:\n"
+                + "\n".join(node.communicate()[0][-3000:] for node in nodes)
+            )
         time.sleep(0.5)
     pytest.fail(f"no {count} train steps within {timeout} s")
 
@@ -132,7 +154,18 @@ def _wait_for_train_events(run_dir: Path, count: int, timeout: float, nodes: lis
 def test_killing_one_host_fails_the_other_fast_and_names_it(hosts: tuple[Host, Host], tmp_path: Path) -> None:
     timeout_s = 30
     job = [TINY, f"output_dir={tmp_path}", "train.max_steps=100000", f"dist.timeout_s={timeout_s}", *FAST]
-    rendezvous = ["--nnodes", "2", "--rdzv", "c10d", "--rdzv-id", "kill-test", "--master", f"{HOST_ADDRESSES[0]}:29600", "--nproc", "2"]
+    rendezvous = [
+        "--nnodes",
+        "2",
+        "--rdzv",
+        "c10d",
+        "--rdzv-id",
+        "kill-test",
+        "--master",
+        f"{HOST_ADDRESSES[0]}:29600",
+        "--nproc",
+        "2",
+    ]
     nodes = [launch_on(host, tmp_path, *job, *rendezvous, "--node-rank", str(rank)) for rank, host in enumerate(hosts)]
     _wait_for_train_events(tmp_path / "tiny", 3, timeout=180, nodes=nodes)
 
@@ -152,7 +185,9 @@ def test_killing_one_host_fails_the_other_fast_and_names_it(hosts: tuple[Host, H
     assert int(found[2]) > 3, f"the lost step {found[2]} is before the steps already trained"
 
 
-def test_cutting_the_network_fails_the_head_within_the_collective_timeout(hosts: tuple[Host, Host], tmp_path: Path) -> None:
+def test_cutting_the_network_fails_the_head_within_the_collective_timeout(
+    hosts: tuple[Host, Host], tmp_path: Path
+) -> None:
     """A host that stays alive but unreachable: only dist.timeout_s can end the wait."""
     timeout_s = 15
     job = [TINY, f"output_dir={tmp_path}", "train.max_steps=100000", f"dist.timeout_s={timeout_s}", *FAST]
@@ -167,4 +202,6 @@ def test_cutting_the_network_fails_the_head_within_the_collective_timeout(hosts:
 
     assert code != 0, output[-4000:]
     assert timeout_s - 1 < took < timeout_s + 30, f"the head failed after {took:.0f} s with dist.timeout_s={timeout_s}"
-    assert f"{timeout_s * 1000}ms" in output, output[-4000:]  # the collective used the job's timeout, not torch's default
+    assert f"{timeout_s * 1000}ms" in output, output[
+        -4000:
+    ]  # the collective used the job's timeout, not torch's default

@@ -38,10 +38,17 @@ def test_quickstart_learns_the_task_and_saves_a_peft_adapter(tmp_path: Path) -> 
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(adapter))
     prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Rewrite the date 1987-11-04 in the form 'Month D, YYYY'. Reply with the date only."}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+        [
+            {
+                "role": "user",
+                "content": "Rewrite the date 1987-11-04 in the form 'Month D, YYYY'. Reply with the date only.",
+            }
+        ],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
     with torch.no_grad():
         out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
-    answer = tokenizer.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    answer = tokenizer.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True).strip()
     assert answer == "November 4, 1987"

@@ -79,9 +79,20 @@ def _start_munge(root: Path) -> subprocess.Popen:
     key.chmod(0o600)
     socket_path = sockdir / "munge.socket"
     daemon = subprocess.Popen(
-        ["munged", "--foreground", f"--socket={socket_path}", f"--key-file={key}",
-         f"--pid-file={keydir / 'munged.pid'}", f"--log-file={keydir / 'munged.log'}", f"--seed-file={keydir / 'seed'}"],
-        user=munge.pw_uid, group=munge.pw_gid, extra_groups=[], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            "munged",
+            "--foreground",
+            f"--socket={socket_path}",
+            f"--key-file={key}",
+            f"--pid-file={keydir / 'munged.pid'}",
+            f"--log-file={keydir / 'munged.log'}",
+            f"--seed-file={keydir / 'seed'}",
+        ],
+        user=munge.pw_uid,
+        group=munge.pw_gid,
+        extra_groups=[],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     _wait(socket_path.exists, 20, "the munge socket")
     return daemon
@@ -94,34 +105,37 @@ def _write_conf(root: Path, socket_path: Path) -> Path:
         (root / folder).mkdir()
     conf = root / "slurm.conf"
     conf.write_text(
-        "\n".join([
-            "ClusterName=trainyard",
-            f"SlurmctldHost={host}",
-            "SlurmUser=root",
-            f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            f"AuthInfo=socket={socket_path},cred_expire={CRED_EXPIRE_S}",
-            "SchedulerParameters=sched_interval=1",  # a requeued job starts as soon as its hold ends
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core",
-            "MpiDefault=none",
-            "ReturnToService=2",
-            f"StateSaveLocation={root / 'state'}",
-            f"SlurmdSpoolDir={root / 'spool'}",
-            f"SlurmctldPidFile={root / 'slurmctld.pid'}",
-            f"SlurmdPidFile={root / 'slurmd.pid'}",
-            f"SlurmctldLogFile={root / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={root / 'log' / 'slurmd.log'}",
-            "JobCompType=jobcomp/none",
-            "JobAcctGatherType=jobacct_gather/none",
-            "AccountingStorageType=accounting_storage/none",
-            f"{node_line} State=UNKNOWN",
-            f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP",
-        ]) + "\n"
+        "\n".join(
+            [
+                "ClusterName=trainyard",
+                f"SlurmctldHost={host}",
+                "SlurmUser=root",
+                f"SlurmctldPort={_free_port()}",
+                f"SlurmdPort={_free_port()}",
+                "AuthType=auth/munge",
+                "CredType=cred/munge",
+                f"AuthInfo=socket={socket_path},cred_expire={CRED_EXPIRE_S}",
+                "SchedulerParameters=sched_interval=1",  # a requeued job starts as soon as its hold ends
+                "ProctrackType=proctrack/linuxproc",
+                "TaskPlugin=task/none",
+                "SelectType=select/cons_tres",
+                "SelectTypeParameters=CR_Core",
+                "MpiDefault=none",
+                "ReturnToService=2",
+                f"StateSaveLocation={root / 'state'}",
+                f"SlurmdSpoolDir={root / 'spool'}",
+                f"SlurmctldPidFile={root / 'slurmctld.pid'}",
+                f"SlurmdPidFile={root / 'slurmd.pid'}",
+                f"SlurmctldLogFile={root / 'log' / 'slurmctld.log'}",
+                f"SlurmdLogFile={root / 'log' / 'slurmd.log'}",
+                "JobCompType=jobcomp/none",
+                "JobAcctGatherType=jobacct_gather/none",
+                "AccountingStorageType=accounting_storage/none",
+                f"{node_line} State=UNKNOWN",
+                f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP",
+            ]
+        )
+        + "\n"
     )
     return conf
 
@@ -143,13 +157,23 @@ def slurm() -> Iterator[dict[str, str]]:
             daemons.append(subprocess.Popen(daemon, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
         def node_idle() -> bool:
-            state = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, env=env, check=False).stdout.strip()
+            state = subprocess.run(
+                ["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, env=env, check=False
+            ).stdout.strip()
             return state == "idle"
 
         _wait(node_idle, 60, "the Slurm node to become idle")
         yield {"SLURM_CONF": str(conf)}
         subprocess.run(["scancel", "--user", "root"], capture_output=True, check=False, env=env)
-        _wait(lambda: not subprocess.run(["squeue", "-h"], capture_output=True, text=True, check=False, env=env).stdout.strip(), 60, "the queue to drain")
+        _wait(
+            lambda: (
+                not subprocess.run(
+                    ["squeue", "-h"], capture_output=True, text=True, check=False, env=env
+                ).stdout.strip()
+            ),
+            60,
+            "the queue to drain",
+        )
     finally:
         for daemon in reversed(daemons):
             daemon.terminate()
@@ -162,7 +186,13 @@ def slurm() -> Iterator[dict[str, str]]:
 
 
 def job_field(job_id: str, field: str, env: dict[str, str]) -> str:
-    line = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, env={**os.environ, **env}, check=False).stdout
+    line = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        check=False,
+    ).stdout
     match = re.search(rf"\b{field}=(\S+)", line)
     return match.group(1) if match else ""
 
@@ -178,7 +208,21 @@ def test_generated_script_trains_is_preempted_requeues_and_finishes(slurm: dict[
     script = tmp_path / "job.sbatch"
     # Enough steps that the signal always lands mid-run, however fast the machine.
     job = [TINY, "train.max_steps=200", "log.every_steps=1", "eval.every_steps=0", "eval.at_end=false"]
-    submitted = trainyard("slurm", *job, "--nodes", "1", "--gpus-per-node", "0", "--nproc-per-node", "2", "--out", str(script), "--submit", cwd=tmp_path, env=slurm)
+    submitted = trainyard(
+        "slurm",
+        *job,
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "0",
+        "--nproc-per-node",
+        "2",
+        "--out",
+        str(script),
+        "--submit",
+        cwd=tmp_path,
+        env=slurm,
+    )
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
     assert job_id.isdigit(), submitted.stdout
@@ -196,7 +240,9 @@ def test_generated_script_trains_is_preempted_requeues_and_finishes(slurm: dict[
         return last_step(run_dir) >= 3
 
     _wait(training, 300, "three training steps")
-    subprocess.run(["scancel", "--signal=USR1", job_id], check=True, env={**os.environ, **slurm})  # what --signal=USR1@90 does
+    subprocess.run(
+        ["scancel", "--signal=USR1", job_id], check=True, env={**os.environ, **slurm}
+    )  # what --signal=USR1@90 does
 
     def requeued() -> bool:
         state(("RUNNING", "COMPLETING", "REQUEUED", "PENDING"))

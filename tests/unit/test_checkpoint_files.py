@@ -72,7 +72,9 @@ def test_resume_from_a_partial_path_names_it(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=re.escape(str(partial))):
         resolve_resume(str(partial), tmp_path)
     make(tmp_path / "run" / "checkpoints", 4)
-    assert resolve_resume(str(tmp_path / "run"), tmp_path / "elsewhere") == step_dir(tmp_path / "run" / "checkpoints", 4)
+    assert resolve_resume(str(tmp_path / "run"), tmp_path / "elsewhere") == step_dir(
+        tmp_path / "run" / "checkpoints", 4
+    )
 
 
 def test_compatibility_names_only_what_differs(tmp_path: Path) -> None:

@@ -19,7 +19,9 @@ def assert_user_error(result, *needles: str) -> None:
 def test_unknown_key_exits_2_with_suggestion(tmp_path: Path) -> None:
     job = tmp_path / "job.yaml"
     job.write_text("run_name: x\ntrain:\n  lr: 0.1\n  micro_batch: 3\n")
-    assert_user_error(trainyard("train", str(job)), f"{job}:4", "train.micro_batch", "did you mean 'train.micro_batch_size'")
+    assert_user_error(
+        trainyard("train", str(job)), f"{job}:4", "train.micro_batch", "did you mean 'train.micro_batch_size'"
+    )
 
 
 def test_bad_override_value_exits_2() -> None:
@@ -37,7 +39,9 @@ def test_missing_data_file_exits_2(tmp_path: Path) -> None:
 
 
 def test_global_batch_that_does_not_divide_exits_2(tmp_path: Path) -> None:
-    result = trainyard("train", TINY, f"output_dir={tmp_path}", "train.global_batch_size=12", "--dry-run", "--world-size", "8")
+    result = trainyard(
+        "train", TINY, f"output_dir={tmp_path}", "train.global_batch_size=12", "--dry-run", "--world-size", "8"
+    )
     assert_user_error(result, "train.global_batch_size=12")
 
 

@@ -30,10 +30,28 @@ def write(tmp_path: Path, text: str) -> str:
 def test_required_keys_exist_with_their_names() -> None:
     cfg = JobConfig()
     for dotted in [
-        "run_name", "output_dir", "train.max_steps", "train.micro_batch_size", "train.global_batch_size",
-        "train.global_batch_tokens", "train.lr", "train.seed", "lora.enabled", "lora.r", "lora.alpha",
-        "lora.dropout", "dist.strategy", "eval.every_steps", "eval.subset_size", "checkpoint.every_steps",
-        "checkpoint.resume", "log.every_steps", "model.path", "data.path", "data.format", "data.max_length",
+        "run_name",
+        "output_dir",
+        "train.max_steps",
+        "train.micro_batch_size",
+        "train.global_batch_size",
+        "train.global_batch_tokens",
+        "train.lr",
+        "train.seed",
+        "lora.enabled",
+        "lora.r",
+        "lora.alpha",
+        "lora.dropout",
+        "dist.strategy",
+        "eval.every_steps",
+        "eval.subset_size",
+        "checkpoint.every_steps",
+        "checkpoint.resume",
+        "log.every_steps",
+        "model.path",
+        "data.path",
+        "data.format",
+        "data.max_length",
         "data.packing",
     ]:
         node = cfg
@@ -145,7 +163,9 @@ def test_redact_hides_secret_keys_in_nested_data() -> None:
     assert out["steps"] == 3
 
 
-@pytest.mark.parametrize("name", ["tiny.yaml", "quickstart.yaml", "mistral7b-lora-ddp.yaml", "glm45air-fsdp-lora.yaml", "scratch-1.5b.yaml"])
+@pytest.mark.parametrize(
+    "name", ["tiny.yaml", "quickstart.yaml", "mistral7b-lora-ddp.yaml", "glm45air-fsdp-lora.yaml", "scratch-1.5b.yaml"]
+)
 def test_shipped_configs_load(name: str) -> None:
     load_config(str(REPO / "configs" / name))
 

@@ -94,7 +94,9 @@ def test_nccl_interface_rules() -> None:
 
 def test_config_supplies_dirs_and_nic(tmp_path: Path) -> None:
     job = tmp_path / "job.yaml"
-    job.write_text(f"output_dir: {tmp_path / 'out'}\ndata:\n  cache_dir: {tmp_path / 'cache'}\ndist:\n  nic: doesnotexist0\n")
+    job.write_text(
+        f"output_dir: {tmp_path / 'out'}\ndata:\n  cache_dir: {tmp_path / 'cache'}\ndist:\n  nic: doesnotexist0\n"
+    )
     rows = {c.name: c for c in run_doctor(DoctorOptions(config=str(job)))}
     assert rows[f"writable {tmp_path / 'out'}"].status == "pass"
     assert rows[f"writable {tmp_path / 'cache'}"].status == "pass"
@@ -153,7 +155,14 @@ def test_gpu_links_read_from_nvidia_smi_topo() -> None:
 def test_a_version_mismatch_between_nodes_fails() -> None:
     from trainyard.doctor.probe import version_row
 
-    versions = {"python": "3.11.7", "torch": "2.13.0", "trainyard": "0.1.0", "transformers": "5.23.0", "cuda": "12.8", "nccl": "2.27.3"}
+    versions = {
+        "python": "3.11.7",
+        "torch": "2.13.0",
+        "trainyard": "0.1.0",
+        "transformers": "5.23.0",
+        "cuda": "12.8",
+        "nccl": "2.27.3",
+    }
     ranks = [{"rank": r, "node": r // 2, "versions": dict(versions)} for r in range(4)]
     assert version_row(ranks).status == "pass"
     ranks[3]["versions"]["nccl"] = "2.21.5"

@@ -44,7 +44,11 @@ def test_pytorchjob_has_a_master_and_n_minus_one_workers() -> None:
 def test_pytorchjob_pod_runs_trainyard_launch_with_a_retryable_preemption_code() -> None:
     pod = render(grace_s=600)["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     container = pod["containers"][0]
-    assert container["name"] == "pytorch" and container["command"][:3] == ["trainyard", "launch", "/etc/trainyard/job.yaml"]
+    assert container["name"] == "pytorch" and container["command"][:3] == [
+        "trainyard",
+        "launch",
+        "/etc/trainyard/job.yaml",
+    ]
     command = " ".join(container["command"])
     assert f"--preempt-exit-code {RETRYABLE_PREEMPTED_EXIT_CODE}" in command and RETRYABLE_PREEMPTED_EXIT_CODE >= 128
     assert "--node-rank $(RANK) --master $(MASTER_ADDR):$(MASTER_PORT)" in command
@@ -69,24 +73,41 @@ def test_existing_claim_is_used_not_written() -> None:
 
 
 def test_network_preset_goes_into_the_pod_env() -> None:
-    env = render(("dist.network=socket", "dist.nic=eth0"))["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["env"]
+    env = render(("dist.network=socket", "dist.nic=eth0"))["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]["Master"][
+        "template"
+    ]["spec"]["containers"][0]["env"]
     assert {"name": "NCCL_SOCKET_IFNAME", "value": "eth0"} in env and {"name": "NCCL_IB_DISABLE", "value": "1"} in env
 
 
 def test_secrets_are_references_only() -> None:
     env = secret_env(("team-tokens", "WANDB_API_KEY=wandb:api-key"))
     by_name = {entry["name"]: entry for entry in env}
-    assert by_name["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "team-tokens", "key": "HF_TOKEN", "optional": True}
-    assert by_name["WANDB_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "wandb", "key": "api-key", "optional": False}
+    assert by_name["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "team-tokens",
+        "key": "HF_TOKEN",
+        "optional": True,
+    }
+    assert by_name["WANDB_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "wandb",
+        "key": "api-key",
+        "optional": False,
+    }
     assert all("value" not in entry for entry in env)
 
 
 def test_trainjob_writes_a_runtime_with_the_exit_code_rules() -> None:
     docs = render(kind="trainjob", gpus_per_node=0, nproc_per_node=2)
-    assert docs["TrainJob"]["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "name": "tiny-runtime", "kind": "TrainingRuntime"}
+    assert docs["TrainJob"]["spec"]["runtimeRef"] == {
+        "apiGroup": "trainer.kubeflow.org",
+        "name": "tiny-runtime",
+        "kind": "TrainingRuntime",
+    }
     assert docs["TrainJob"]["spec"]["trainer"]["numProcPerNode"] == 2
     job = docs["TrainingRuntime"]["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]
-    rules = {(rule["action"], tuple(rule.get("onExitCodes", {}).get("values", ()))) for rule in job["podFailurePolicy"]["rules"]}
+    rules = {
+        (rule["action"], tuple(rule.get("onExitCodes", {}).get("values", ())))
+        for rule in job["podFailurePolicy"]["rules"]
+    }
     assert ("Ignore", (75,)) in rules and ("FailJob", (2,)) in rules
     assert job["template"]["spec"]["restartPolicy"] == "Never"
 
@@ -109,7 +130,13 @@ def test_names_are_dns_labels(run_name: str, name: str) -> None:
 
 @pytest.mark.parametrize(
     ("options", "needle"),
-    [({"kind": "tfjob"}, "--kind 'tfjob'"), ({"image": ""}, "--image"), ({"grace_s": 5}, "--grace 5"), ({"secrets": ("Bad Name",)}, "--secret 'Bad Name'"), ({"nodes": 0}, "--nodes 0")],
+    [
+        ({"kind": "tfjob"}, "--kind 'tfjob'"),
+        ({"image": ""}, "--image"),
+        ({"grace_s": 5}, "--grace 5"),
+        ({"secrets": ("Bad Name",)}, "--secret 'Bad Name'"),
+        ({"nodes": 0}, "--nodes 0"),
+    ],
 )
 def test_bad_options_are_user_errors(options: dict, needle: str) -> None:
     with pytest.raises(ConfigError) as err:

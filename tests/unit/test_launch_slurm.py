@@ -22,8 +22,25 @@ def render(tmp_path: Path, overrides: tuple[str, ...] = (), **options) -> str:
 
 
 def test_gpu_script_runs_one_launcher_per_node_with_c10d(tmp_path: Path) -> None:
-    text = render(tmp_path, ("train.max_steps=5",), partition="gpu", time="24:00:00", account="proj", mem="0", cpus_per_task=16, venv="/opt/venv")
-    for line in ["#SBATCH --nodes=2", "#SBATCH --gres=gpu:8", "#SBATCH --partition=gpu", "#SBATCH --time=24:00:00", "#SBATCH --account=proj", "#SBATCH --mem=0", "#SBATCH --cpus-per-task=16"]:
+    text = render(
+        tmp_path,
+        ("train.max_steps=5",),
+        partition="gpu",
+        time="24:00:00",
+        account="proj",
+        mem="0",
+        cpus_per_task=16,
+        venv="/opt/venv",
+    )
+    for line in [
+        "#SBATCH --nodes=2",
+        "#SBATCH --gres=gpu:8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=24:00:00",
+        "#SBATCH --account=proj",
+        "#SBATCH --mem=0",
+        "#SBATCH --cpus-per-task=16",
+    ]:
         assert line in text, line
     assert "#SBATCH --ntasks-per-node=1" in text and "srun --ntasks-per-node=1 bash -c run_node" in text
     assert f"trainyard launch {TINY} train.max_steps=5" in text
@@ -93,7 +110,13 @@ def test_script_is_valid_bash(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("options", "needle"),
-    [({"nodes": 0}, "--nodes 0"), ({"env_file": "/no/such/tokens.env"}, "--env-file /no/such/tokens.env"), ({"gpus_per_node": -1}, "--gpus-per-node -1"), ({"partition": "gpu; rm -rf /"}, "--partition"), ({"nproc_per_node": 0}, "--nproc-per-node 0")],
+    [
+        ({"nodes": 0}, "--nodes 0"),
+        ({"env_file": "/no/such/tokens.env"}, "--env-file /no/such/tokens.env"),
+        ({"gpus_per_node": -1}, "--gpus-per-node -1"),
+        ({"partition": "gpu; rm -rf /"}, "--partition"),
+        ({"nproc_per_node": 0}, "--nproc-per-node 0"),
+    ],
 )
 def test_bad_options_are_user_errors(tmp_path: Path, options: dict, needle: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -103,7 +126,18 @@ def test_bad_options_are_user_errors(tmp_path: Path, options: dict, needle: str)
 
 def test_cli_writes_the_script_and_its_log_folder(tmp_path: Path) -> None:
     out = tmp_path / "job.sbatch"
-    result = trainyard("slurm", TINY, f"output_dir={tmp_path / 'runs'}", "--nodes", "2", "--gpus-per-node", "4", "--out", str(out), cwd=tmp_path)
+    result = trainyard(
+        "slurm",
+        TINY,
+        f"output_dir={tmp_path / 'runs'}",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "4",
+        "--out",
+        str(out),
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --gres=gpu:4" in out.read_text()
     assert (tmp_path / "runs" / "tiny" / "logs").is_dir()  # sbatch would not create it, and would log nothing

@@ -23,16 +23,28 @@ from trainyard.status import (
 )
 
 
-def make_run(run_dir: Path, steps: list[int], start: float, seconds_per_step: float = 2.0, max_steps: int = 100) -> None:
+def make_run(
+    run_dir: Path, steps: list[int], start: float, seconds_per_step: float = 2.0, max_steps: int = 100
+) -> None:
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "config.yaml").write_text(f"run_name: r\ntrain:\n  max_steps: {max_steps}\n")
     lines = [
-        {"kind": "train", "time": start + step * seconds_per_step, "step": step, "loss": 3.0 - step / 100, "lr": 1e-4, "grad_norm": 1.0, "tokens_per_s": 1234.0}
+        {
+            "kind": "train",
+            "time": start + step * seconds_per_step,
+            "step": step,
+            "loss": 3.0 - step / 100,
+            "lr": 1e-4,
+            "grad_norm": 1.0,
+            "tokens_per_s": 1234.0,
+        }
         for step in steps
     ]
     lines.insert(1, {"kind": "eval", "time": start + 1, "step": steps[0], "eval_loss": 2.5})
     lines.append({"kind": "checkpoint", "time": start + steps[-1] * seconds_per_step, "step": steps[-1]})
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"kind": "tra')  # a half-written line
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps(line) + "\n" for line in lines) + '{"kind": "tra'
+    )  # a half-written line
     (run_dir / "checkpoints" / "LATEST").write_text("step-00000040\n")
 
 
@@ -53,7 +65,9 @@ def test_progress_eta_and_checkpoint(tmp_path: Path) -> None:
     assert status["last_checkpoint"] == "step-00000040" and status["last_eval"]["eval_loss"] == 2.5
     assert status["finished"] is False
     text = format_status(status)
-    assert "running, step 40/100" in text and "ETA 2m00s" in text and "step-00000040" in text and "1234 tokens/s" in text
+    assert (
+        "running, step 40/100" in text and "ETA 2m00s" in text and "step-00000040" in text and "1234 tokens/s" in text
+    )
 
 
 def test_silent_ranks_are_named(tmp_path: Path) -> None:
@@ -112,8 +126,14 @@ def test_background_heartbeat_beats_while_the_main_thread_is_busy(tmp_path: Path
 def test_silent_ranks_tells_a_killed_process_from_a_blocked_one(tmp_path: Path) -> None:
     """Rank 1 lives in another process that is SIGKILLed; rank 2 is alive but idle."""
     child = subprocess.Popen(
-        [sys.executable, "-c", f"import time; from trainyard.status import BackgroundHeartbeat as B; B({str(tmp_path)!r}, 1, 0.05).start(); print('up', flush=True); time.sleep(60)"],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import time; from trainyard.status import BackgroundHeartbeat as B; "
+            f"B({str(tmp_path)!r}, 1, 0.05).start(); print('up', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert child.stdout is not None and child.stdout.readline().strip() == "up"
     alive = BackgroundHeartbeat(tmp_path, 2, interval_s=0.05).start()

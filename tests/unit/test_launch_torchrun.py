@@ -30,7 +30,13 @@ def test_static_command_is_one_line_per_node_from_flags() -> None:
     plan = resolve_plan(nnodes="2", node_rank=1, master="10.11.7.50:29600", nproc="8", env={})
     argv = torchrun_argv(plan, "job.yaml", ["train.lr=1e-4"])
     assert argv[1:3] == ["-m", "trainyard.launch.torchrun"]  # torchrun's flags, its agent without the traceback
-    assert {"--nnodes=2", "--nproc-per-node=8", "--node-rank=1", "--master-addr=10.11.7.50", "--master-port=29600"} <= set(argv)
+    assert {
+        "--nnodes=2",
+        "--nproc-per-node=8",
+        "--node-rank=1",
+        "--master-addr=10.11.7.50",
+        "--master-port=29600",
+    } <= set(argv)
     assert argv[-5:] == ["-m", "trainyard.cli", "train", "job.yaml", "train.lr=1e-4"]
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in argv
 
@@ -41,9 +47,21 @@ def test_single_node_without_master_runs_standalone() -> None:
 
 
 def test_kubeflow_pet_variables_fill_what_flags_leave_open() -> None:
-    env = {"PET_NNODES": "4", "PET_NODE_RANK": "3", "PET_MASTER_ADDR": "job-master-0", "PET_MASTER_PORT": "23456", "PET_NPROC_PER_NODE": "8"}
+    env = {
+        "PET_NNODES": "4",
+        "PET_NODE_RANK": "3",
+        "PET_MASTER_ADDR": "job-master-0",
+        "PET_MASTER_PORT": "23456",
+        "PET_NPROC_PER_NODE": "8",
+    }
     plan = resolve_plan(env=env)
-    assert (plan.nnodes, plan.node_rank, plan.master_addr, plan.master_port, plan.nproc) == ("4", 3, "job-master-0", 23456, "8")
+    assert (plan.nnodes, plan.node_rank, plan.master_addr, plan.master_port, plan.nproc) == (
+        "4",
+        3,
+        "job-master-0",
+        23456,
+        "8",
+    )
     assert "--node-rank from PET_NODE_RANK" in describe_plan(plan)
     assert resolve_plan(node_rank=0, env=env).node_rank == 0  # a flag wins over the environment
 
@@ -64,22 +82,46 @@ def test_first_host(nodelist: str, first: str) -> None:
 
 
 def test_pet_variables_win_over_slurm() -> None:
-    env = {"PET_NNODES": "2", "SLURM_NNODES": "5", "PET_MASTER_ADDR": "a", "SLURM_JOB_NODELIST": "b[1-5]", "PET_NODE_RANK": "1"}
+    env = {
+        "PET_NNODES": "2",
+        "SLURM_NNODES": "5",
+        "PET_MASTER_ADDR": "a",
+        "SLURM_JOB_NODELIST": "b[1-5]",
+        "PET_NODE_RANK": "1",
+    }
     plan = resolve_plan(nproc="1", env=env)
     assert (plan.nnodes, plan.master_addr) == ("2", "a")
 
 
 def test_elastic_c10d_command() -> None:
-    plan = resolve_plan(nnodes="1:4", nproc="2", master="[fe80::1]:29400", rdzv="c10d", rdzv_id="job7", rdzv_conf=["join_timeout=60"], max_restarts=3, env={})
+    plan = resolve_plan(
+        nnodes="1:4",
+        nproc="2",
+        master="[fe80::1]:29400",
+        rdzv="c10d",
+        rdzv_id="job7",
+        rdzv_conf=["join_timeout=60"],
+        max_restarts=3,
+        env={},
+    )
     argv = torchrun_argv(plan, "job.yaml", [])
-    assert {"--nnodes=1:4", "--rdzv-backend=c10d", "--rdzv-endpoint=[fe80::1]:29400", "--rdzv-id=job7", "--rdzv-conf=join_timeout=60", "--max-restarts=3"} <= set(argv)
+    assert {
+        "--nnodes=1:4",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=[fe80::1]:29400",
+        "--rdzv-id=job7",
+        "--rdzv-conf=join_timeout=60",
+        "--max-restarts=3",
+    } <= set(argv)
     assert not any(arg.startswith("--node-rank") for arg in argv)
 
 
 def test_c10d_names_the_store_host_from_the_node_rank_unless_told() -> None:
     host = resolve_plan(nnodes="2", node_rank=0, master="h:1", nproc="1", rdzv="c10d", rdzv_id="x", env={})
     assert host.rdzv_conf == ("is_host=1",)
-    told = resolve_plan(nnodes="2", node_rank=0, master="h:1", nproc="1", rdzv="c10d", rdzv_id="x", rdzv_conf=["is_host=0"], env={})
+    told = resolve_plan(
+        nnodes="2", node_rank=0, master="h:1", nproc="1", rdzv="c10d", rdzv_id="x", rdzv_conf=["is_host=0"], env={}
+    )
     assert told.rdzv_conf == ("is_host=0",)
 
 
@@ -87,7 +129,12 @@ def test_c10d_advertises_the_address_of_the_jobs_nic() -> None:
     plan = resolve_plan(nnodes="2", master="h:1", nproc="1", rdzv="c10d", rdzv_id="x", nic="lo", env={})
     assert plan.local_addr == "127.0.0.1"
     assert "--local-addr=127.0.0.1" in torchrun_argv(plan, "job.yaml", [])
-    assert resolve_plan(nnodes="2", master="h:1", nproc="1", rdzv="c10d", rdzv_id="x", nic="no-such-nic0", env={}).local_addr is None
+    assert (
+        resolve_plan(
+            nnodes="2", master="h:1", nproc="1", rdzv="c10d", rdzv_id="x", nic="no-such-nic0", env={}
+        ).local_addr
+        is None
+    )
 
 
 def test_rendezvous_id_defaults_to_what_the_caller_shares() -> None:
@@ -154,7 +201,10 @@ _WORKER = textwrap.dedent(
 def _launcher(tmp_path: Path, preempt_code: int) -> subprocess.Popen:
     worker = tmp_path / "worker.py"
     worker.write_text(_WORKER)
-    driver = f"import sys; from trainyard.launch.torchrun import run_torchrun; sys.exit(run_torchrun([sys.executable, {str(worker)!r}], dict(__import__('os').environ), {preempt_code})[0])"
+    driver = (
+        "import sys; from trainyard.launch.torchrun import run_torchrun; "
+        f"sys.exit(run_torchrun([sys.executable, {str(worker)!r}], dict(__import__('os').environ), {preempt_code})[0])"
+    )
     return subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
 
 

@@ -21,28 +21,68 @@ START = 1_795_000_000.0
 
 def train_event(step: int, loss: float, lr: float, tokens_per_s: float, memory_gib: float) -> dict:
     return {
-        "kind": "train", "time": START + step * 2.0, "step": step, "loss": loss, "lr": lr,
-        "grad_norm": (1.0 + 50 * lr) / math.sqrt(step), "tokens_per_s": tokens_per_s, "tokens_per_s_per_rank": tokens_per_s / 2,
-        "achieved_flops_per_rank": 1.2e10, "data_wait_share": 0.02,
-        "peak_memory_bytes": int(memory_gib * 1024**3), "tokens": step * 1536,
+        "kind": "train",
+        "time": START + step * 2.0,
+        "step": step,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": (1.0 + 50 * lr) / math.sqrt(step),
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_rank": tokens_per_s / 2,
+        "achieved_flops_per_rank": 1.2e10,
+        "data_wait_share": 0.02,
+        "peak_memory_bytes": int(memory_gib * 1024**3),
+        "tokens": step * 1536,
     }
 
 
 def write_run(run_dir: Path, lr: float, finished: bool) -> None:
     """metrics.jsonl as the trainer writes it; the unfinished run hits a NaN and is killed mid-line."""
     run_dir.mkdir(parents=True)
-    events = [{"kind": "eval", "time": START, "step": 0, "baseline": True, "eval_loss": 5.6, "eval_ppl": 270.4, "eval_tokens": 768, "eval_accuracy": 0.0}]
+    events = [
+        {
+            "kind": "eval",
+            "time": START,
+            "step": 0,
+            "baseline": True,
+            "eval_loss": 5.6,
+            "eval_ppl": 270.4,
+            "eval_tokens": 768,
+            "eval_accuracy": 0.0,
+        }
+    ]
     for step in range(5, 41, 5):
         loss = 5.5 * math.exp(-step * lr * 20) + 1.0
         if not finished and step >= 35:
             loss = float("nan")
-        events.append(train_event(step, loss, lr * (1 - step / 45), 40_000.0 + 2e5 * lr + 100 * step, 0.49 + lr + step / 1000))
+        events.append(
+            train_event(step, loss, lr * (1 - step / 45), 40_000.0 + 2e5 * lr + 100 * step, 0.49 + lr + step / 1000)
+        )
         if not finished and step == 35:
             events.append({"kind": "system", "time": START + 70.5, "step": 35, "event": "skipped_nonfinite_step"})
         if step % 10 == 0:
-            events.append({"kind": "eval", "time": START + step * 2 + 0.5, "step": step, "eval_loss": loss + 0.1, "eval_ppl": 20.0, "eval_tokens": 768, "eval_accuracy": step / 50})
+            events.append(
+                {
+                    "kind": "eval",
+                    "time": START + step * 2 + 0.5,
+                    "step": step,
+                    "eval_loss": loss + 0.1,
+                    "eval_ppl": 20.0,
+                    "eval_tokens": 768,
+                    "eval_accuracy": step / 50,
+                }
+            )
         if step % 20 == 0:
-            events.append({"kind": "checkpoint", "time": START + step * 2 + 1, "step": step, "mode": "lite", "path": str(run_dir / f"checkpoints/step-{step:08d}"), "seconds": 0.4})
+            events.append(
+                {
+                    "kind": "checkpoint",
+                    "time": START + step * 2 + 1,
+                    "step": step,
+                    "mode": "lite",
+                    "path": str(run_dir / f"checkpoints/step-{step:08d}"),
+                    "seconds": 0.4,
+                }
+            )
     text = "".join(json.dumps(event) + "\n" for event in events)
     (run_dir / "env.json").write_text(json.dumps({"python": "3.11.7", "world_size": 2, "device": "cpu", "hosts": []}))
     if not finished:
@@ -50,10 +90,21 @@ def write_run(run_dir: Path, lr: float, finished: bool) -> None:
     (run_dir / "metrics.jsonl").write_text(text)
     if finished:
         summary = {
-            "wall_time_s": 3725.0, "steps": 40, "tokens": 61_440, "tokens_per_s": 51_234.5, "tokens_per_s_per_rank": 25_617.2,
-            "world_size": 2, "strategy": "ddp", "accumulation": 1, "device": "cpu", "first_train_loss": 4.2117,
-            "final_train_loss": 1.0871, "final_eval_loss": 1.1871, "final_eval_accuracy": 0.8,
-            "baseline_eval_loss": 5.6, "baseline_eval_accuracy": 0.0,
+            "wall_time_s": 3725.0,
+            "steps": 40,
+            "tokens": 61_440,
+            "tokens_per_s": 51_234.5,
+            "tokens_per_s_per_rank": 25_617.2,
+            "world_size": 2,
+            "strategy": "ddp",
+            "accumulation": 1,
+            "device": "cpu",
+            "first_train_loss": 4.2117,
+            "final_train_loss": 1.0871,
+            "final_eval_loss": 1.1871,
+            "final_eval_accuracy": 0.8,
+            "baseline_eval_loss": 5.6,
+            "baseline_eval_accuracy": 0.0,
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
@@ -87,7 +138,17 @@ def test_report_plots_both_runs_and_summarises_them(two_runs: list[Path], tmp_pa
     report = (out / "report.md").read_text()
     assert "`baseline`" in report and "`high-lr`" in report
     baseline_row = next(line for line in report.splitlines() if line.startswith("| baseline |"))
-    assert baseline_row.split(" | ")[1:] == ["finished", "2", "40", "4.2117", "1.0871", "1.1871", "80.0%", "51,234", "1h 02m 05s |"]
+    assert baseline_row.split(" | ")[1:] == [
+        "finished",
+        "2",
+        "40",
+        "4.2117",
+        "1.0871",
+        "1.1871",
+        "80.0%",
+        "51,234",
+        "1h 02m 05s |",
+    ]
     crashed_row = next(line for line in report.splitlines() if line.startswith("| high-lr |"))
     assert crashed_row.split(" | ")[1:5] == ["no summary.json (crashed or running)", "2", "40", "1.7443"]
     assert "non-finite train loss first at step 35" in report

@@ -16,7 +16,9 @@ from trainyard.plan import checkpoint_policy
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
 def test_warmup_then_schedule(schedule: str) -> None:
-    cfg = load_config("tiny", ["train.max_steps=11", "train.warmup_steps=2", f"train.schedule={schedule}", "train.min_lr_ratio=0.1"])
+    cfg = load_config(
+        "tiny", ["train.max_steps=11", "train.warmup_steps=2", f"train.schedule={schedule}", "train.min_lr_ratio=0.1"]
+    )
     factor = lr_lambda(cfg)
     assert factor(0) == pytest.approx(0.5) and factor(1) == pytest.approx(1.0)
     assert factor(2) == pytest.approx(1.0)

@@ -64,15 +64,23 @@ def k8s_name(run_name: str) -> str:
 
 def _check(job: K8sJob) -> None:
     if job.kind not in KINDS:
-        raise ConfigError(f"--kind '{job.kind}' is not one of {', '.join(KINDS)}", fix="use --kind pytorchjob or --kind trainjob")
+        raise ConfigError(
+            f"--kind '{job.kind}' is not one of {', '.join(KINDS)}", fix="use --kind pytorchjob or --kind trainjob"
+        )
     if job.nodes < 1:
         raise ConfigError(f"--nodes {job.nodes} must be at least 1", fix="for example --nodes 2")
     if job.gpus_per_node < 0:
         raise ConfigError(f"--gpus-per-node {job.gpus_per_node} is negative", fix="use 0 for CPU-only nodes")
     if job.grace_s <= SHUTDOWN_MARGIN_S:
-        raise ConfigError(f"--grace {job.grace_s} leaves no time to save", fix=f"give more than {SHUTDOWN_MARGIN_S} seconds, e.g. --grace 300")
+        raise ConfigError(
+            f"--grace {job.grace_s} leaves no time to save",
+            fix=f"give more than {SHUTDOWN_MARGIN_S} seconds, e.g. --grace 300",
+        )
     if not job.image or any(c.isspace() for c in job.image):
-        raise ConfigError(f"--image '{job.image}' is not an image reference", fix="for example --image registry.example.com/team/trainyard:1.0")
+        raise ConfigError(
+            f"--image '{job.image}' is not an image reference",
+            fix="for example --image registry.example.com/team/trainyard:1.0",
+        )
 
 
 def nproc_per_node(job: K8sJob) -> int:
@@ -85,7 +93,10 @@ def secret_env(specs: tuple[str, ...]) -> list[dict[str, Any]]:
     for spec in specs:
         match = re.fullmatch(r"(?:([A-Za-z_][A-Za-z0-9_]*)=)?([a-z0-9][a-z0-9.-]*)(?::([A-Za-z0-9._-]+))?", spec)
         if not match:
-            raise ConfigError(f"--secret '{spec}' is not NAME or VAR=NAME:KEY", fix="e.g. --secret team-tokens, or --secret WANDB_API_KEY=wandb:api-key")
+            raise ConfigError(
+                f"--secret '{spec}' is not NAME or VAR=NAME:KEY",
+                fix="e.g. --secret team-tokens, or --secret WANDB_API_KEY=wandb:api-key",
+            )
         var, secret, key = match.groups()
         pairs = [(var, key or var)] if var else [(name, key or name) for name in DEFAULT_SECRET_KEYS]
         for env_name, secret_key in pairs:
@@ -161,12 +172,22 @@ def volume_claim(name: str, job: K8sJob) -> dict[str, Any]:
 def _pytorchjob_pod(name: str, cfg: JobConfig, job: K8sJob) -> dict[str, Any]:
     volumes, mounts = _volumes(name, job)
     command = [
-        "trainyard", "launch", CONFIG_FILE,
-        "--nnodes", str(job.nodes), "--nproc", str(nproc_per_node(job)),
+        "trainyard",
+        "launch",
+        CONFIG_FILE,
+        "--nnodes",
+        str(job.nodes),
+        "--nproc",
+        str(nproc_per_node(job)),
         # RANK, MASTER_ADDR and MASTER_PORT are set by the operator: pod index, master service
-        "--node-rank", "$(RANK)", "--master", "$(MASTER_ADDR):$(MASTER_PORT)",
-        "--shutdown-timeout", str(job.grace_s - SHUTDOWN_MARGIN_S),
-        "--preempt-exit-code", str(RETRYABLE_PREEMPTED_EXIT_CODE),
+        "--node-rank",
+        "$(RANK)",
+        "--master",
+        "$(MASTER_ADDR):$(MASTER_PORT)",
+        "--shutdown-timeout",
+        str(job.grace_s - SHUTDOWN_MARGIN_S),
+        "--preempt-exit-code",
+        str(RETRYABLE_PREEMPTED_EXIT_CODE),
     ]
     container = {
         "name": "pytorch",  # the operator injects its variables into the container of this name
@@ -248,7 +269,11 @@ def training_runtime(name: str, job: K8sJob) -> dict[str, Any]:
 
 def trainjob(name: str, cfg: JobConfig, job: K8sJob) -> dict[str, Any]:
     volumes, mounts = _volumes(name, job)
-    runtime = {"name": job.runtime, "kind": "ClusterTrainingRuntime"} if job.runtime else {"name": f"{name}-runtime", "kind": "TrainingRuntime"}
+    runtime = (
+        {"name": job.runtime, "kind": "ClusterTrainingRuntime"}
+        if job.runtime
+        else {"name": f"{name}-runtime", "kind": "TrainingRuntime"}
+    )
     return {
         "apiVersion": "trainer.kubeflow.org/v1alpha1",
         "kind": "TrainJob",
@@ -258,14 +283,24 @@ def trainjob(name: str, cfg: JobConfig, job: K8sJob) -> dict[str, Any]:
             "trainer": {
                 "image": job.image,
                 # PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR/PORT come from the controller
-                "command": ["trainyard", "launch", CONFIG_FILE, "--shutdown-timeout", str(job.grace_s - SHUTDOWN_MARGIN_S)],
+                "command": [
+                    "trainyard",
+                    "launch",
+                    CONFIG_FILE,
+                    "--shutdown-timeout",
+                    str(job.grace_s - SHUTDOWN_MARGIN_S),
+                ],
                 "numNodes": job.nodes,
                 "numProcPerNode": nproc_per_node(job),
                 "resourcesPerNode": _resources(job),
                 "env": _container_env(cfg, job),
             },
             "podSpecOverrides": [
-                {"targetJobs": [{"name": "node"}], "volumes": volumes, "containers": [{"name": "node", "volumeMounts": mounts}]}
+                {
+                    "targetJobs": [{"name": "node"}],
+                    "volumes": volumes,
+                    "containers": [{"name": "node", "volumeMounts": mounts}],
+                }
             ],
         },
     }
@@ -318,7 +353,7 @@ terminationGracePeriodSeconds {grace} gives the preemption save its time.""",
         "trainjob": f"""
 Kubeflow Trainer v2 TrainJob '{name}': {job.nodes} node(s) x {nproc_per_node(job)} process(es). The controller sets
 PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK and PET_MASTER_ADDR/PORT; `trainyard launch` reads them.
-Restarts and the grace period come from the runtime it references ({job.runtime or f'{name}-runtime, above'}).
+Restarts and the grace period come from the runtime it references ({job.runtime or f"{name}-runtime, above"}).
 Secrets are env entries from Secrets (secretKeyRef): no value is in this file.""",
     }
 
@@ -338,5 +373,8 @@ def render_manifests(cfg: JobConfig, job: K8sJob) -> str:
         if job.runtime is None:
             documents.append(_document(notes["runtime"], training_runtime(name, job)))
         documents.append(_document(notes["trainjob"], trainjob(name, pod_cfg, job)))
-    header = f"# trainyard job '{cfg.run_name}' for Kubernetes, written by `trainyard k8s`. Apply with: kubectl apply -f THIS_FILE\n"
+    header = (
+        f"# trainyard job '{cfg.run_name}' for Kubernetes, written by `trainyard k8s`. "
+        "Apply with: kubectl apply -f THIS_FILE\n"
+    )
     return header + "---\n".join(documents)

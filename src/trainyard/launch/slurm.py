@@ -52,9 +52,14 @@ def _check(job: SlurmJob) -> None:
     if job.gpus_per_node < 0:
         raise ConfigError(f"--gpus-per-node {job.gpus_per_node} is negative", fix="use 0 for CPU-only nodes")
     if job.nproc_per_node is not None and job.nproc_per_node < 1:
-        raise ConfigError(f"--nproc-per-node {job.nproc_per_node} must be at least 1", fix="for example --nproc-per-node 2")
+        raise ConfigError(
+            f"--nproc-per-node {job.nproc_per_node} must be at least 1", fix="for example --nproc-per-node 2"
+        )
     if job.env_file is not None and not Path(job.env_file).is_file():
-        raise ConfigError(f"--env-file {job.env_file} does not exist", fix="write VAR=value lines (e.g. WANDB_API_KEY=...) to a file every node can read")
+        raise ConfigError(
+            f"--env-file {job.env_file} does not exist",
+            fix="write VAR=value lines (e.g. WANDB_API_KEY=...) to a file every node can read",
+        )
     for item in job.overrides:
         key, _, value = item.partition("=")
         if is_secret_name(key.split(".")[-1]) or redact_text(value) != value:
@@ -62,9 +67,17 @@ def _check(job: SlurmJob) -> None:
                 f"override '{key}=...' carries a secret, and the script would keep it in plain text",
                 fix="put the value in a file of VAR=value lines and pass it with --env-file",
             )
-    for option, value in (("--partition", job.partition), ("--time", job.time), ("--account", job.account), ("--mem", job.mem), ("--nic", job.nic)):
+    for option, value in (
+        ("--partition", job.partition),
+        ("--time", job.time),
+        ("--account", job.account),
+        ("--mem", job.mem),
+        ("--nic", job.nic),
+    ):
         if value is not None and not _SAFE_VALUE.fullmatch(value):
-            raise ConfigError(f"{option} '{value}' has characters Slurm does not take here", fix=f"pass {option} as one plain word")
+            raise ConfigError(
+                f"{option} '{value}' has characters Slurm does not take here", fix=f"pass {option} as one plain word"
+            )
 
 
 def nproc_per_node(job: SlurmJob) -> int:
@@ -87,13 +100,20 @@ def _sbatch_lines(job: SlurmJob, cfg: JobConfig, log_dir: Path) -> list[str]:
     ]
     if job.gpus_per_node:
         lines.append(f"#SBATCH --gres=gpu:{job.gpus_per_node}")
-    optional = (("cpus-per-task", job.cpus_per_task), ("mem", job.mem), ("time", job.time), ("partition", job.partition), ("account", job.account))
+    optional = (
+        ("cpus-per-task", job.cpus_per_task),
+        ("mem", job.mem),
+        ("time", job.time),
+        ("partition", job.partition),
+        ("account", job.account),
+    )
     lines += [f"#SBATCH --{name}={value}" for name, value in optional if value is not None]
     lines += [
         f"#SBATCH --chdir={job.workdir}",
         f"#SBATCH --output={log_dir}/slurm-%j.out   # one log per job; a requeued run appends",
         "#SBATCH --open-mode=append",
-        f"#SBATCH --signal=USR1@{SIGNAL_LEAD_S}              # before the time limit: save, exit {PREEMPTED_EXIT_CODE}, requeue",
+        f"#SBATCH --signal=USR1@{SIGNAL_LEAD_S}              "
+        f"# before the time limit: save, exit {PREEMPTED_EXIT_CODE}, requeue",
         "#SBATCH --requeue",
     ]
     return lines
@@ -103,7 +123,9 @@ def _network_lines(cfg: JobConfig, nic: str | None) -> list[str]:
     wanted = network_env(cfg.dist.network, nic)
     if not wanted:
         return [f"# Network preset '{cfg.dist.network}' sets no variables (dist.network, dist.nic in the config)."]
-    lines = [f"# Network preset '{cfg.dist.network}'{f', NIC {nic}' if nic else ''}. A value exported before sbatch wins."]
+    lines = [
+        f"# Network preset '{cfg.dist.network}'{f', NIC {nic}' if nic else ''}. A value exported before sbatch wins."
+    ]
     return lines + [f'export {name}="${{{name}:-{value}}}"' for name, value in wanted.items()]
 
 
@@ -201,9 +223,16 @@ def write_sbatch(text: str, path: Path, cfg: JobConfig, workdir: str) -> Path:
 def submit(path: Path) -> str:
     """`sbatch --parsable PATH`; returns the job id."""
     try:
-        result = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, timeout=60, check=False)
+        result = subprocess.run(
+            ["sbatch", "--parsable", str(path)], capture_output=True, text=True, timeout=60, check=False
+        )
     except FileNotFoundError:
-        raise ConfigError("sbatch is not on PATH", fix="run --submit on a Slurm login node, or submit the written script there") from None
+        raise ConfigError(
+            "sbatch is not on PATH", fix="run --submit on a Slurm login node, or submit the written script there"
+        ) from None
     if result.returncode != 0:
-        raise ConfigError(f"sbatch refused {path}: {result.stderr.strip()}", fix="check the #SBATCH lines (partition, account, time) and submit again")
+        raise ConfigError(
+            f"sbatch refused {path}: {result.stderr.strip()}",
+            fix="check the #SBATCH lines (partition, account, time) and submit again",
+        )
     return result.stdout.strip().split(";")[0]

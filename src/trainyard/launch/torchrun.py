@@ -84,7 +84,9 @@ def _first_set(env: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str
     return None
 
 
-def _pick(value: object, option: str, env: Mapping[str, str], names: tuple[str, ...], sources: dict[str, str]) -> str | None:
+def _pick(
+    value: object, option: str, env: Mapping[str, str], names: tuple[str, ...], sources: dict[str, str]
+) -> str | None:
     """The flag if given, else the first scheduler variable that is set; remembers which."""
     if value is not None:
         sources[option] = option
@@ -98,19 +100,25 @@ def _pick(value: object, option: str, env: Mapping[str, str], names: tuple[str, 
 
 def _check_nnodes(nnodes: str, rdzv: str) -> str:
     if not re.fullmatch(r"\d+(:\d+)?", nnodes):
-        raise ConfigError(f"--nnodes '{nnodes}' is not N or MIN:MAX", fix="for example --nnodes 2, or --nnodes 1:4 with --rdzv c10d")
+        raise ConfigError(
+            f"--nnodes '{nnodes}' is not N or MIN:MAX", fix="for example --nnodes 2, or --nnodes 1:4 with --rdzv c10d"
+        )
     low, _, high = nnodes.partition(":")
     if int(low) < 1 or (high and int(high) < int(low)):
         raise ConfigError(f"--nnodes '{nnodes}' must be at least 1 (and MIN <= MAX)", fix="for example --nnodes 2")
     if high and rdzv != "c10d":
-        raise ConfigError("--nnodes MIN:MAX (elastic) needs --rdzv c10d", fix="add --rdzv c10d --rdzv-id ID, or give one number")
+        raise ConfigError(
+            "--nnodes MIN:MAX (elastic) needs --rdzv c10d", fix="add --rdzv c10d --rdzv-id ID, or give one number"
+        )
     return nnodes
 
 
 def _check_nproc(nproc: str) -> str:
     if nproc in NPROC_WORDS or (nproc.isdigit() and int(nproc) >= 1):
         return nproc
-    raise ConfigError(f"--nproc '{nproc}' is not a positive number", fix=f"give a count, or one of {', '.join(NPROC_WORDS)}")
+    raise ConfigError(
+        f"--nproc '{nproc}' is not a positive number", fix=f"give a count, or one of {', '.join(NPROC_WORDS)}"
+    )
 
 
 def interface_ipv4(name: str) -> str | None:
@@ -167,13 +175,19 @@ def resolve_plan(
     """Flags first, then PET_* (Kubeflow, torchrun), then SLURM_*, then MASTER_ADDR/PORT."""
     env = os.environ if env is None else env
     if rdzv not in ("static", "c10d"):
-        raise ConfigError(f"--rdzv '{rdzv}' is not static or c10d", fix="use --rdzv static (fixed nodes) or --rdzv c10d (elastic)")
+        raise ConfigError(
+            f"--rdzv '{rdzv}' is not static or c10d", fix="use --rdzv static (fixed nodes) or --rdzv c10d (elastic)"
+        )
     sources: dict[str, str] = {}
-    nnodes = _check_nnodes(_pick(nnodes, "--nnodes", env, ("PET_NNODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES"), sources) or "1", rdzv)
+    nnodes = _check_nnodes(
+        _pick(nnodes, "--nnodes", env, ("PET_NNODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES"), sources) or "1", rdzv
+    )
     nproc = _pick(nproc, "--nproc", env, ("PET_NPROC_PER_NODE", "SLURM_GPUS_ON_NODE"), sources) or _default_nproc()
     rank_text = _pick(node_rank, "--node-rank", env, ("PET_NODE_RANK", "SLURM_NODEID"), sources)
     if rank_text is not None and not rank_text.isdigit():
-        raise ConfigError(f"node rank '{rank_text}' (from {sources['--node-rank']}) is not a number", fix="pass --node-rank 0, 1, ...")
+        raise ConfigError(
+            f"node rank '{rank_text}' (from {sources['--node-rank']}) is not a number", fix="pass --node-rank 0, 1, ..."
+        )
     rank = int(rank_text) if rank_text is not None else None
     addr, port = _resolve_master(master, env, sources)
     plan = LaunchPlan(
@@ -211,7 +225,9 @@ def _resolve_master(master: str | None, env: Mapping[str, str], sources: dict[st
     if port is None:
         found_port = _first_set(env, ("PET_MASTER_PORT", "MASTER_PORT"))
         if found_port and not found_port[0].isdigit():
-            raise ConfigError(f"{found_port[1]}='{found_port[0]}' is not a port number", fix="set it to a free TCP port, e.g. 29500")
+            raise ConfigError(
+                f"{found_port[1]}='{found_port[0]}' is not a port number", fix="set it to a free TCP port, e.g. 29500"
+            )
         port = int(found_port[0]) if found_port else DEFAULT_MASTER_PORT
     return addr, port
 
@@ -238,9 +254,13 @@ def _check_multinode(plan: LaunchPlan) -> None:
             fix="pass --node-rank R (0 on the head node), or use --rdzv c10d to let nodes take ranks as they join",
         )
     if plan.rdzv == "static" and plan.node_rank is not None and plan.node_rank >= int(plan.nnodes):
-        raise ConfigError(f"--node-rank {plan.node_rank} is not below --nnodes {plan.nnodes}", fix="node ranks run 0 .. nnodes-1")
+        raise ConfigError(
+            f"--node-rank {plan.node_rank} is not below --nnodes {plan.nnodes}", fix="node ranks run 0 .. nnodes-1"
+        )
     if plan.rdzv == "c10d" and not plan.rdzv_id:
-        raise ConfigError("c10d rendezvous needs a job id shared by all nodes", fix="pass --rdzv-id ID (the same on every node)")
+        raise ConfigError(
+            "c10d rendezvous needs a job id shared by all nodes", fix="pass --rdzv-id ID (the same on every node)"
+        )
 
 
 def torchrun_argv(plan: LaunchPlan, config: str, overrides: list[str] | tuple[str, ...]) -> list[str]:
@@ -250,7 +270,11 @@ def torchrun_argv(plan: LaunchPlan, config: str, overrides: list[str] | tuple[st
     if plan.nnodes == "1" and plan.rdzv == "static" and plan.master_addr is None:
         argv.append("--standalone")
     elif plan.rdzv == "static":
-        argv += [f"--node-rank={plan.node_rank}", f"--master-addr={plan.master_addr}", f"--master-port={plan.master_port}"]
+        argv += [
+            f"--node-rank={plan.node_rank}",
+            f"--master-addr={plan.master_addr}",
+            f"--master-port={plan.master_port}",
+        ]
     else:
         endpoint = f"[{plan.master_addr}]" if ":" in str(plan.master_addr) else str(plan.master_addr)
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}:{plan.master_port}", f"--rdzv-id={plan.rdzv_id}"]
@@ -288,7 +312,11 @@ def format_command(argv: list[str]) -> str:
 def describe_plan(plan: LaunchPlan) -> str:
     """One line a person can check against the other nodes' lines."""
     where = ", ".join(f"{option} from {source}" for option, source in plan.sources.items() if source != option)
-    node = f"node {plan.node_rank} of {plan.nnodes}" if plan.node_rank is not None else f"one of {plan.nnodes} nodes (rank set at rendezvous)"
+    node = (
+        f"node {plan.node_rank} of {plan.nnodes}"
+        if plan.node_rank is not None
+        else f"one of {plan.nnodes} nodes (rank set at rendezvous)"
+    )
     text = f"{node}, {plan.nproc} processes each, {plan.rdzv} rendezvous"
     if plan.master_addr:
         text += f" at {plan.master_addr}:{plan.master_port}"
@@ -327,7 +355,9 @@ def first_reported_failure(prefix: str) -> tuple[int, str] | None:
     return int(code), message
 
 
-def run_torchrun(argv: list[str], env: Mapping[str, str], preempt_exit_code: int = PREEMPTED_EXIT_CODE) -> tuple[int, str | None]:
+def run_torchrun(
+    argv: list[str], env: Mapping[str, str], preempt_exit_code: int = PREEMPTED_EXIT_CODE
+) -> tuple[int, str | None]:
     """Run torchrun to the end; return (exit code, message from a worker if one reported).
 
     torchrun exits 1 whatever its workers exited with, so the workers' own code (2 for
