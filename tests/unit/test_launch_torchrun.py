@@ -41,6 +41,11 @@ def test_static_command_is_one_line_per_node_from_flags() -> None:
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in argv
 
 
+def test_single_node_with_a_master_is_node_rank_0_without_being_told() -> None:
+    argv = torchrun_argv(resolve_plan(nnodes="1", master="10.11.7.50:29600", nproc="2", env={}), "job.yaml", [])
+    assert "--node-rank=0" in argv and "--master-addr=10.11.7.50" in argv
+
+
 def test_single_node_without_master_runs_standalone() -> None:
     argv = torchrun_argv(resolve_plan(nproc="2", env={}), "job.yaml", [])
     assert "--standalone" in argv and "--nnodes=1" in argv

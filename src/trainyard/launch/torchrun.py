@@ -189,6 +189,8 @@ def resolve_plan(
             f"node rank '{rank_text}' (from {sources['--node-rank']}) is not a number", fix="pass --node-rank 0, 1, ..."
         )
     rank = int(rank_text) if rank_text is not None else None
+    if rank is None and nnodes == "1" and rdzv == "static":
+        rank = 0  # one node is the head node: there is no other rank it could take
     addr, port = _resolve_master(master, env, sources)
     plan = LaunchPlan(
         nnodes=nnodes,
