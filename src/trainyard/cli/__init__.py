@@ -1,0 +1,55 @@
+"""The `trainyard` command: parse, call the library, turn user errors into exit codes."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from trainyard.cli import jobs, cluster, runs  # noqa: F401, I001  (each registers its commands; train first in --help)
+from trainyard.cli.app import _notice, app, err_console
+from trainyard.config import redact_text
+from trainyard.errors import TrainyardError
+
+
+def main() -> None:
+    import click
+
+    from trainyard.dist import exit_process
+
+    try:
+        code = app(standalone_mode=False)
+    except TrainyardError as err:
+        _report_user_error(err)
+    except (click.ClickException, typer.TyperException) as err:  # typer >= 0.22 raises its own click copies
+        err.show()
+        sys.exit(2)
+    except (click.exceptions.Abort, typer.Abort):
+        sys.exit(130)
+    exit_process(code if isinstance(code, int) else 0)
+
+
+def _report_user_error(err: TrainyardError) -> None:
+    """Under our own launcher the parent prints the message once; otherwise print it here."""
+    import os
+
+    from trainyard.launch.local import EXIT_FILE_ENV, write_exit_file
+    from trainyard.launch.torchrun import PREEMPTED_EXIT_CODE
+
+    if os.environ.get(EXIT_FILE_ENV):
+        write_exit_file(err.exit_code, err.render())
+    elif err.exit_code == PREEMPTED_EXIT_CODE:  # every rank saved and stopped; one says so
+        if os.environ.get("RANK", "0") == "0":
+            _notice(err.render())
+    else:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        prefix = f" (rank {os.environ.get('RANK', '0')})" if world > 1 else ""
+        err_console.print(f"[bold red]trainyard: error{prefix}[/]")
+        err_console.print(redact_text(err.render()), markup=False)
+    from trainyard.dist import exit_process
+
+    exit_process(err.exit_code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+from trainyard.cli import main
+
+main()

@@ -1,0 +1,100 @@
+"""The typer app and what every command shares: failing with an exit code, the notice for a
+preemption, config + overrides, and `--out` files that never overwrite."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from trainyard.config import redact_text
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="One YAML-described LLM training job, from a CPU to many nodes."
+)
+err_console = Console(stderr=True, highlight=False)
+
+
+@app.callback()
+def _root() -> None:
+    """One YAML-described LLM training job, from a CPU to many nodes."""
+
+
+def _fail(code: int, message: str, preempt_code: int | None = None) -> None:
+    from trainyard.launch.torchrun import PREEMPTED_EXIT_CODE
+
+    if code == (preempt_code or PREEMPTED_EXIT_CODE):
+        _notice(message)
+    else:
+        err_console.print("[bold red]trainyard: error[/]")
+        err_console.print(redact_text(message), markup=False)
+    raise typer.Exit(code)
+
+
+def _notice(message: str) -> None:
+    """Preempted after a committed checkpoint (exit 75): one line saying how to go on, not an error."""
+    what, _, fix = message.partition("\nFix: ")
+    err_console.print(redact_text(f"trainyard: {what}" + (f" — {fix}" if fix else "")), markup=False, soft_wrap=True)
+
+
+def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
+    """`train [CONFIG] [k=v ...]`: the first item is the config unless it is an override."""
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, items
+
+
+def _positive(value: float) -> float:
+    """Option callback: seconds and thresholds of 0 or less make no sense."""
+    if value is not None and value <= 0:
+        raise typer.BadParameter(f"{value:g} is not a positive number of seconds; for example 60")
+    return value
+
+
+def _check_out(out: Path, force: bool, config_path: str | None) -> None:
+    """`--out FILE` never replaces a file without --force, and never the job config being read."""
+    import os
+
+    from trainyard.config import PRESETS, preset_path
+    from trainyard.errors import OptionError
+
+    config_file = Path(config_path) if config_path else None
+    if config_file is not None and not config_file.exists() and config_path in PRESETS:
+        config_file = preset_path(config_path)
+    if config_file is not None and out.exists() and config_file.exists() and os.path.samefile(out, config_file):
+        raise OptionError(
+            f"--out {out} is the job config this command reads; writing there would lose the job",
+            fix="write the generated file somewhere else, e.g. --out job.k8s.yaml (even --force does not allow this)",
+        )
+    if out.is_dir():
+        raise OptionError(f"--out {out} is a folder", fix=f"give a file path, e.g. --out {out / 'job.yaml'}")
+    if out.exists() and not force:
+        raise OptionError(f"--out {out} already exists", fix="choose a new file name, or pass --force to replace it")
+    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise OptionError(f"--out {out}: {blocker} is a file, not a folder", fix="choose a path in a folder")
+
+
+def _write_out(out: Path, text: str) -> None:
+    """Write a generated file whole: a temp file beside it, then an atomic rename."""
+    from trainyard.errors import OptionError
+
+    tmp = out.parent / f".{out.name}.tmp"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        tmp.replace(out)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OptionError(f"--out {out}: cannot write ({err.strerror})", fix="choose a writable path") from None
+
+
+def _config_and_overrides(args: list[str]) -> tuple[str, list[str]]:
+    """`CONFIG [k=v ...]` where CONFIG is required (multi-node commands have no default job)."""
+    config_path, overrides = _split_config_and_overrides(args)
+    if config_path is None:
+        from trainyard.errors import ConfigError
+
+        raise ConfigError("no CONFIG given", fix="pass a YAML file (or a preset name) before the key=value overrides")
+    return config_path, overrides

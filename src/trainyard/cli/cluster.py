@@ -1,0 +1,287 @@
+"""Commands that take a job to many machines: launch, slurm, k8s, doctor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from trainyard.cli.app import (
+    _check_out,
+    _config_and_overrides,
+    _fail,
+    _positive,
+    _write_out,
+    app,
+    err_console,
+)
+
+
+@app.command()
+def launch(
+    args: Annotated[list[str], typer.Argument(help="CONFIG then key=value overrides")],
+    nnodes: Annotated[
+        Optional[str],
+        typer.Option("--nnodes", help="nodes: N, or MIN:MAX with --rdzv c10d (or PET_NNODES, SLURM_NNODES)"),
+    ] = None,
+    node_rank: Annotated[
+        Optional[int],
+        typer.Option(
+            "--node-rank",
+            min=0,
+            help="this node's rank, 0 on the head node (or PET_NODE_RANK, SLURM_NODEID)",
+        ),
+    ] = None,
+    master: Annotated[
+        Optional[str],
+        typer.Option(
+            "--master", help="head node HOST:PORT, the same on every node (or PET_MASTER_ADDR/PORT, MASTER_ADDR/PORT)"
+        ),
+    ] = None,
+    nproc: Annotated[
+        Optional[str],
+        typer.Option("--nproc", help="processes on this node (or PET_NPROC_PER_NODE; default: GPUs, or 1)"),
+    ] = None,
+    rdzv: Annotated[
+        str, typer.Option("--rdzv", help="static (fixed node ranks) or c10d (elastic, ranks taken on joining)")
+    ] = "static",
+    rdzv_id: Annotated[
+        Optional[str],
+        typer.Option("--rdzv-id", help="c10d: job id shared by all nodes (or SLURM_JOB_ID; default: run_name)"),
+    ] = None,
+    rdzv_conf: Annotated[
+        Optional[list[str]],
+        typer.Option("--rdzv-conf", help="k=v passed to the c10d rendezvous, e.g. is_host=1; repeatable"),
+    ] = None,
+    max_restarts: Annotated[
+        int,
+        typer.Option("--max-restarts", min=0, help="restart this node's workers this many times"),
+    ] = 0,
+    shutdown_timeout: Annotated[
+        Optional[int],
+        typer.Option("--shutdown-timeout", min=1, help="seconds workers get to save after a stop signal"),
+    ] = None,
+    local_addr: Annotated[
+        Optional[str],
+        typer.Option(
+            "--local-addr", help="this node's address for c10d (default: the address of dist.nic / GLOO_SOCKET_IFNAME)"
+        ),
+    ] = None,
+    preempt_exit_code: Annotated[
+        int,
+        typer.Option(
+            "--preempt-exit-code",
+            min=1,
+            max=255,
+            help="exit with this instead of 75 when preempted after a checkpoint",
+        ),
+    ] = 75,
+) -> None:
+    """Run this node's share of a multi-node job under torchrun (one command on every node)."""
+    import os
+
+    from trainyard import config as config_room
+    from trainyard.launch import torchrun as tr
+    from trainyard.preflight import check_job_inputs
+
+    config_path, overrides = _config_and_overrides(args)
+    cfg = config_room.load_config(config_path, overrides)
+    check_job_inputs(cfg)
+    plan = tr.resolve_plan(
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master=master,
+        nproc=nproc,
+        rdzv=rdzv,
+        rdzv_id=rdzv_id,
+        rdzv_conf=rdzv_conf or [],
+        max_restarts=max_restarts,
+        shutdown_timeout_s=shutdown_timeout,
+        local_addr=local_addr,
+        nic=cfg.dist.nic,
+        default_rdzv_id=cfg.run_name,
+    )
+    added, network_lines = tr.network_settings(cfg.dist, os.environ)
+    argv = tr.torchrun_argv(plan, config_path, overrides)
+    summary = "\n".join([tr.describe_plan(plan), *network_lines, f"running: {tr.format_command(argv)}"])
+    err_console.print(config_room.redact_text(summary), highlight=False, markup=False, soft_wrap=True)
+    code, message = tr.run_torchrun(argv, {**os.environ, **added}, preempt_exit_code)
+    if code:
+        fallback = f"torchrun exited with {code}; each rank's log is under {cfg.run_dir}/logs/"
+        _fail(code, message or fallback, preempt_exit_code)
+
+
+@app.command()
+def slurm(
+    args: Annotated[list[str], typer.Argument(help="CONFIG then key=value overrides")],
+    nodes: Annotated[int, typer.Option("--nodes", help="nodes to allocate")] = 1,
+    gpus_per_node: Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node; 0 for CPU-only nodes")] = 0,
+    nproc_per_node: Annotated[
+        Optional[int], typer.Option("--nproc-per-node", help="processes per node (default: one per GPU, or 1)")
+    ] = None,
+    partition: Annotated[Optional[str], typer.Option("--partition")] = None,
+    time_limit: Annotated[Optional[str], typer.Option("--time", help="time limit, e.g. 24:00:00")] = None,
+    account: Annotated[Optional[str], typer.Option("--account")] = None,
+    cpus_per_task: Annotated[Optional[int], typer.Option("--cpus-per-task", min=1)] = None,
+    mem: Annotated[Optional[str], typer.Option("--mem", help="memory per node, e.g. 0 (all) or 500G")] = None,
+    nic: Annotated[
+        Optional[str],
+        typer.Option("--nic", help="network interface for the rendezvous and collectives (default: dist.nic)"),
+    ] = None,
+    env_file: Annotated[
+        Optional[Path], typer.Option("--env-file", help="file of VAR=value lines (tokens) sourced on the nodes")
+    ] = None,
+    venv: Annotated[
+        Optional[Path], typer.Option("--venv", help="virtual environment to activate on every node (default: this one)")
+    ] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="write the script here (default: stdout)")] = None,
+    force: Annotated[bool, typer.Option("--force", help="replace the file at --out if it exists")] = False,
+    submit: Annotated[bool, typer.Option("--submit", help="run sbatch on the script and print the job id")] = False,
+) -> None:
+    """Write an sbatch script: one `trainyard launch` per node, requeued when preempted."""
+    from trainyard import config as config_room
+    from trainyard.launch import slurm as slurm_room
+
+    config_path, overrides = _config_and_overrides(args)
+    cfg = config_room.load_config(config_path, overrides)
+    if out is not None:
+        _check_out(out, force, config_path)
+    job = slurm_room.SlurmJob(
+        config=config_path,
+        overrides=tuple(overrides),
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        nproc_per_node=nproc_per_node,
+        partition=partition,
+        time=time_limit,
+        account=account,
+        cpus_per_task=cpus_per_task,
+        mem=mem,
+        nic=nic,
+        env_file=str(env_file.resolve()) if env_file else None,
+        venv=str(venv.resolve()) if venv else slurm_room.default_venv(),
+        workdir=str(Path.cwd()),
+    )
+    text = slurm_room.render_sbatch(job, cfg)
+    if out is None and not submit:
+        print(text, end="")
+        return
+    path = slurm_room.write_sbatch(text, out or cfg.run_dir / f"{cfg.run_name}.sbatch", cfg, job.workdir)
+    err_console.print(f"wrote {path}", highlight=False)
+    if submit:
+        print(slurm_room.submit(path))
+
+
+@app.command()
+def k8s(
+    args: Annotated[list[str], typer.Argument(help="CONFIG then key=value overrides")],
+    nodes: Annotated[int, typer.Option("--nodes", help="pods, one per node")] = 1,
+    gpus_per_node: Annotated[int, typer.Option("--gpus-per-node", help="GPUs per pod; 0 for CPU-only")] = 0,
+    image: Annotated[str, typer.Option("--image", help="container image with trainyard installed")] = "",
+    kind: Annotated[
+        str, typer.Option("--kind", help="pytorchjob (Kubeflow Training Operator) or trainjob (Kubeflow Trainer v2)")
+    ] = "pytorchjob",
+    namespace: Annotated[str, typer.Option("--namespace")] = "default",
+    pvc: Annotated[
+        Optional[str], typer.Option("--pvc", help="existing ReadWriteMany claim (default: write one)")
+    ] = None,
+    storage: Annotated[str, typer.Option("--storage", help="size of the written claim")] = "100Gi",
+    storage_class: Annotated[Optional[str], typer.Option("--storage-class")] = None,
+    secret: Annotated[
+        Optional[list[str]],
+        typer.Option("--secret", help="Secret NAME (WANDB_API_KEY, HF_TOKEN), or VAR=NAME:KEY; repeatable"),
+    ] = None,
+    nproc_per_node: Annotated[
+        Optional[int],
+        typer.Option("--nproc-per-node", min=1, help="processes per pod (default: one per GPU, or 1)"),
+    ] = None,
+    grace: Annotated[
+        int, typer.Option("--grace", help="seconds between SIGTERM and SIGKILL, for the preemption save")
+    ] = 300,
+    runtime: Annotated[
+        Optional[str],
+        typer.Option("--runtime", help="trainjob: use this ClusterTrainingRuntime instead of writing one"),
+    ] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="write the YAML here (default: stdout)")] = None,
+    force: Annotated[bool, typer.Option("--force", help="replace the file at --out if it exists")] = False,
+) -> None:
+    """Write Kubernetes manifests: the job, its ConfigMap, a shared volume, secret references."""
+    from trainyard import config as config_room
+    from trainyard.launch import k8s as k8s_room
+
+    config_path, overrides = _config_and_overrides(args)
+    cfg = config_room.load_config(config_path, overrides)
+    if out is not None:
+        _check_out(out, force, config_path)
+    job = k8s_room.K8sJob(
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        image=image,
+        kind=kind,
+        namespace=namespace,
+        pvc=pvc,
+        storage=storage,
+        storage_class=storage_class,
+        secrets=tuple(secret or ()),
+        nproc_per_node=nproc_per_node,
+        grace_s=grace,
+        runtime=runtime,
+    )
+    text = k8s_room.render_manifests(cfg, job)
+    if out is None:
+        print(text, end="")
+        return
+    _write_out(out, text)
+    err_console.print(f"wrote {out}", highlight=False)
+
+
+@app.command()
+def doctor(
+    config: Annotated[
+        Optional[str], typer.Argument(help="job YAML: check its output_dir, data/model cache_dir and dist.nic")
+    ] = None,
+    dirs: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--dir",
+            help="a dir that must be writable (and shared, with --nnodes); repeatable "
+            "(default: output dir and HF cache)",
+        ),
+    ] = None,
+    nic: Annotated[
+        Optional[str],
+        typer.Option(
+            "--nic", help="network interface for NCCL/Gloo (default: dist.nic, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME)"
+        ),
+    ] = None,
+    master: Annotated[
+        Optional[str], typer.Option("--master", help="node 0's HOST:PORT: free on node 0, reachable from the others")
+    ] = None,
+    node_rank: Annotated[int, typer.Option("--node-rank", min=0, help="this node's rank; 0 hosts the rendezvous")] = 0,
+    nnodes: Annotated[
+        Optional[int], typer.Option("--nnodes", help="run the cluster probe over this many nodes (1: just this one)")
+    ] = None,
+    nproc: Annotated[Optional[int], typer.Option("--nproc", help="ranks on this node (default: GPUs, or 1)")] = None,
+    timeout: Annotated[
+        float,
+        typer.Option("--timeout", callback=_positive, help="seconds to wait for every node to join the probe"),
+    ] = 300.0,
+    as_json: Annotated[bool, typer.Option("--json", help="print the checks as JSON")] = False,
+) -> None:
+    """Check this machine (and with --nnodes the cluster) before a job: exit 1 if a check fails."""
+    from trainyard.doctor import DoctorOptions, exit_code, print_checks, run_doctor
+
+    options = DoctorOptions(
+        config=config,
+        dirs=list(dirs or []),
+        nic=nic,
+        master=master,
+        node_rank=node_rank,
+        nnodes=nnodes,
+        nproc=nproc,
+        timeout_s=timeout,
+    )
+    checks = run_doctor(options)
+    print_checks(checks, as_json, node_rank)
+    raise typer.Exit(exit_code(checks))

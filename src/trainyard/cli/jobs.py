@@ -1,0 +1,120 @@
+"""Commands that run a job here: train and eval."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from trainyard.cli.app import (
+    _config_and_overrides,
+    _fail,
+    _split_config_and_overrides,
+    app,
+    err_console,
+)
+from trainyard.config import redact_text
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def train(
+    args: Annotated[
+        Optional[list[str]], typer.Argument(help="CONFIG (YAML file or preset name) then key=value overrides")
+    ] = None,
+    nproc: Annotated[
+        Optional[int],
+        typer.Option("--nproc", min=1, help="processes on this machine; >1 re-executes under torchrun (quickstart: 2)"),
+    ] = None,
+    max_restarts: Annotated[
+        int,
+        typer.Option("--max-restarts", min=0, help="restart failed workers this many times"),
+    ] = 0,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the resolved plan without loading weights")] = False,
+    world_size: Annotated[
+        Optional[int],
+        typer.Option("--world-size", min=1, help="plan for this many ranks (dry run)"),
+    ] = None,
+) -> None:
+    """Train. No CONFIG runs the built-in quickstart."""
+    from trainyard import config as config_room
+    from trainyard.preflight import check_job_inputs
+
+    config_path, overrides = _split_config_and_overrides(list(args or []))
+    cfg = config_room.load_config(config_path, overrides)
+    if nproc is None:
+        nproc = 2 if config_path is None else 1  # the quickstart is a 2-process DDP job
+    if dry_run:
+        from trainyard.plan import describe_plan
+
+        print(describe_plan(cfg, world_size or nproc))
+        return
+    check_job_inputs(cfg)  # before torch is imported: bad input fails in seconds
+    from trainyard.dist import launched_by_torchrun
+    from trainyard.launch.local import run_local, torchrun_equivalent
+
+    if nproc > 1 and not launched_by_torchrun():
+        argv = ["train", *([config_path] if config_path else []), *overrides]
+        err_console.print(
+            redact_text(f"launching: {torchrun_equivalent(nproc, argv, max_restarts)}"), markup=False, soft_wrap=True
+        )
+        code, message = run_local(nproc, argv, max_restarts)
+        if code:
+            _fail(code, message or "a worker failed")
+        return
+    from trainyard.trainer import run
+
+    summary = run(cfg)
+    _print_outcome(summary, cfg.run_dir)
+
+
+def _print_outcome(summary: dict, run_dir: Path) -> None:
+    import os
+
+    if os.environ.get("RANK", "0") != "0":
+        return
+    lines = [f"done: {summary['steps']} steps in {summary['wall_time_s']:.0f}s, run dir {run_dir}"]
+    if summary.get("baseline_eval_accuracy") is not None:
+        lines.append(f"held-out exact match before training: {summary['baseline_eval_accuracy']:.1%}")
+    if summary.get("final_eval_accuracy") is not None:
+        lines.append(f"held-out exact match after training:  {summary['final_eval_accuracy']:.1%}")
+    if summary.get("final_eval_loss") is not None:
+        lines.append(f"final eval loss {summary['final_eval_loss']:.4f}")
+    err_console.print("\n".join(lines), markup=False)
+
+
+@app.command("eval")
+def eval_checkpoint(
+    args: Annotated[list[str], typer.Argument(help="CONFIG then key=value overrides")],
+    checkpoint: Annotated[Path, typer.Option("--checkpoint", help="a run dir or a checkpoints/step-XXXXXXXX folder")],
+    nproc: Annotated[
+        int,
+        typer.Option("--nproc", min=1, help="processes on this machine; >1 re-executes under torchrun"),
+    ] = 1,
+) -> None:
+    """Evaluate a checkpoint on the job's eval set: loss, perplexity, exact match (eval.generate)."""
+    import os
+
+    from trainyard import config as config_room
+    from trainyard.preflight import check_job_inputs
+
+    config_path, overrides = _config_and_overrides(args)
+    cfg = config_room.load_config(config_path, overrides)
+    check_job_inputs(cfg)
+    from trainyard.dist import launched_by_torchrun
+    from trainyard.launch.local import run_local, torchrun_equivalent
+
+    if nproc > 1 and not launched_by_torchrun():
+        argv = ["eval", config_path, *overrides, "--checkpoint", str(checkpoint)]
+        err_console.print(
+            redact_text(f"launching: {torchrun_equivalent(nproc, argv, 0)}"), markup=False, soft_wrap=True
+        )
+        code, message = run_local(nproc, argv)
+        if code:
+            _fail(code, message or "a worker failed")
+        return
+    from trainyard.eval_checkpoint import evaluate_checkpoint, format_figures
+
+    figures = evaluate_checkpoint(cfg, checkpoint)
+    if os.environ.get("RANK", "0") == "0":
+        print(format_figures(figures), flush=True)
