@@ -35,6 +35,7 @@ class ModelConfig(Section):
     tokenizer: str | None = None
     """Tokenizer folder or hub id; `builtin:bytes` for the local byte tokenizer. Default: `path`."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """How frozen base weights are stored (LoRA); trainable ones follow train.precision. auto: the compute dtype."""
     gradient_checkpointing: bool = False
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     trust_remote_code: bool = False
@@ -47,6 +48,11 @@ class ModelConfig(Section):
             raise ValueError("set exactly one of model.path and model.config")
         if self.config is not None and "model_type" not in self.config:
             raise ValueError("model.config needs a model_type (for example: llama)")
+        if self.dtype == "float16":
+            raise ValueError(
+                "float16 overflows without a loss scaler, and trainyard has none: use bfloat16 (same memory, "
+                "fp32's range) or auto"
+            )
         return self
 
 
@@ -93,6 +99,10 @@ class TrainConfig(Section):
     """0 turns clipping off."""
     seed: int = 42
     on_nonfinite: Literal["error", "skip"] = "error"
+    precision: Literal["auto", "bf16-mixed", "fp32", "bf16"] = "auto"
+    """bf16-mixed: fp32 master weights and AdamW moments, bf16 compute, fp32 gradient reduction.
+    bf16: everything in bf16 (least memory; small updates round away). auto: bf16-mixed on GPUs with
+    bf16 and on CPUs with native bf16 matrix units (AMX, AVX512-BF16), fp32 otherwise."""
 
     @model_validator(mode="after")
     def _one_batch_rule(self) -> "TrainConfig":

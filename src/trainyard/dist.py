@@ -69,7 +69,8 @@ def init(cfg: DistConfig, run_dir: Path | None = None) -> DistInfo:
     else:
         device = torch.device("cpu")
     backend = None
-    if world > 1 and not dist.is_initialized():
+    # Under torchrun even one process forms a group: a strategy asked for by name still wraps.
+    if (world > 1 or launched_by_torchrun()) and not dist.is_initialized():
         backend = _pick_backend(cfg, device)
         dist.init_process_group(
             backend=backend,

@@ -12,7 +12,9 @@ still generating (HF's `synced_gpus`), so each sequence still ends at its own en
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
 from typing import Any
 
 import datasets
@@ -114,8 +116,10 @@ def evaluate(
     tokenizer: Any,
     generate: bool = False,
     max_new_tokens: int = 32,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> dict[str, float]:
-    """Loss, perplexity and (optionally) exact-match accuracy, reduced once over ranks."""
+    """Loss, perplexity and (optionally) exact-match accuracy, reduced once over ranks.
+    `autocast` computes in the training's precision (bf16 products over fp32 weights)."""
     sharded = isinstance(model, FSDPModule)
     net = model if sharded else unwrap(model)
     was_training = net.training
@@ -123,7 +127,7 @@ def evaluate(
     indices = evaluation_subset(len(eval_data), subset_size, seed)
     can_generate = generate and "answer" in eval_data.column_names and "prompt_ids" in eval_data.column_names
     totals = torch.zeros(4, dtype=torch.float64, device=info.device)  # loss, tokens, correct, asked
-    with torch.no_grad():
+    with torch.no_grad(), autocast():
         for batch_indices in _rank_batches(indices, info, batch_size):
             padding_only = not batch_indices
             rows = [eval_data[i] for i in (batch_indices or indices[:1])]

@@ -1,7 +1,8 @@
-"""Load a model CPU-first in an explicit dtype, add LoRA, turn on activation checkpointing.
+"""Build a model on the meta device, add LoRA, turn on activation checkpointing.
 
-Never wraps for parallelism: parallel.py does that after this room hands back a plain
-module whose parameters all share one dtype (FSDP refuses mixed dtypes).
+Never wraps for parallelism and never reads weights: parallel.py shards the meta-built model,
+then weights.py fills each rank's own part. Buffers (rotary tables) are built for real, as they
+are computed, not loaded. `load_model` (a whole model in memory) is for export alone.
 """
 
 from __future__ import annotations
@@ -11,8 +12,13 @@ import importlib.util
 import os
 from pathlib import Path
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
-from huggingface_hub.errors import StrictDataclassError
+from accelerate import init_empty_weights
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HfHubHTTPError, StrictDataclassError
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from safetensors import SafetensorError
@@ -90,12 +96,24 @@ def resolve_model_path(cfg: ModelConfig) -> str:
         if not gguf.is_file():
             raise ModelError(f"model.path: GGUF file {gguf} does not exist", fix="check the path")
     else:
-        local = Path(cfg.path)
-        if cfg.path.startswith((".", "/", "~")) and not local.exists():
+        local = Path(cfg.path).expanduser()
+        if local.exists():
+            return str(local)
+        if cfg.path.startswith((".", "/", "~")):
             raise ModelError(f"model.path: folder {cfg.path} does not exist", fix="check the path")
-        return cfg.path
+        return download(cfg.path)
     cache_dir.mkdir(parents=True, exist_ok=True)
     return str(convert_gguf(gguf, cache_dir))
+
+
+def download(repo_id: str) -> str:
+    """A hub model's config, tokenizer and safetensors weights in the local HF cache (once per node)."""
+    try:
+        return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+    except (HfHubHTTPError, OSError, ValueError) as err:
+        raise ModelError(
+            f"model.path: cannot download {repo_id}: {err}", fix="check the hub id, the network and HF_TOKEN"
+        ) from None
 
 
 def load_tokenizer(cfg: ModelConfig, model_path: str | None) -> PreTrainedTokenizerBase:
@@ -116,11 +134,14 @@ def load_tokenizer(cfg: ModelConfig, model_path: str | None) -> PreTrainedTokeni
     return tokenizer
 
 
-def load_model(
-    cfg: ModelConfig, model_path: str | None, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype, seed: int
-) -> torch.nn.Module:
-    """Build on CPU in `dtype`: from_pretrained, or from a config with seeded random init."""
-    if cfg.config is not None:
+def hf_config(cfg: ModelConfig, model_path: str | None, tokenizer: PreTrainedTokenizerBase):  # -> PretrainedConfig
+    """The architecture: the job's `model.config` (token ids from the tokenizer) or the folder's config.json."""
+    if cfg.config is None:
+        try:
+            config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.trust_remote_code)
+        except (OSError, ValueError) as err:
+            raise ModelError(f"model.path: cannot read the config of {model_path}: {err}", fix="check model.path") from None
+    else:
         settings = dict(cfg.config)
         model_type = settings.pop("model_type")
         settings.setdefault("vocab_size", len(tokenizer))
@@ -128,15 +149,49 @@ def load_model(
         settings.setdefault("eos_token_id", tokenizer.eos_token_id)
         settings.setdefault("bos_token_id", tokenizer.bos_token_id)
         try:
-            hf_config = AutoConfig.for_model(model_type, **settings)
+            config = AutoConfig.for_model(model_type, **settings)
         except (ValueError, TypeError, StrictDataclassError) as err:  # hub's validators raise the last
             raise ModelError(f"model.config: {err}", fix="use keys of the model's HF config.json") from None
-        hf_config._attn_implementation = cfg.attn_implementation
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config._attn_implementation = cfg.attn_implementation
+    if config.pad_token_id is None:
+        config.pad_token_id = tokenizer.pad_token_id
+    return config
+
+
+def build_meta_model(cfg: ModelConfig, config, dtype: torch.dtype) -> torch.nn.Module:  # type: ignore[no-untyped-def]
+    """The model with every parameter on the meta device in `dtype` (no memory), buffers real."""
+    try:
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    except (ValueError, TypeError, StrictDataclassError) as err:  # e.g. heads do not divide hidden_size
+        raise ModelError(f"model.config: {err}", fix="use keys and values of the model's HF config.json") from None
+    for param in model.parameters():
+        param.data = param.data.to(dtype)  # from_config keeps some (norms, router biases) in fp32
+    return model
+
+
+def random_init(cfg: ModelConfig, config, seed: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Seeded fp32 random weights by checkpoint name, as transformers' own init draws them.
+
+    The one place a whole model is in memory: transformers draws every tensor from one random
+    stream in its construction order, so a rank cannot draw only its own part and get the same
+    numbers. It is freed once each rank has copied its part."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
+    return model.state_dict()
+
+
+def load_model(
+    cfg: ModelConfig, model_path: str | None, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype, seed: int
+) -> torch.nn.Module:
+    """A whole model in CPU memory in `dtype` (export merges adapters into it): from_pretrained,
+    or from a config with the seeded random init."""
+    if cfg.config is not None:
+        config = hf_config(cfg, model_path, tokenizer)
         torch.manual_seed(seed)
-        try:
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        except (ValueError, TypeError, StrictDataclassError) as err:  # e.g. heads do not divide hidden_size
-            raise ModelError(f"model.config: {err}", fix="use keys and values of the model's HF config.json") from None
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
         try:
             model = AutoModelForCausalLM.from_pretrained(
@@ -170,6 +225,33 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn.M
         raise ModelError(
             f"lora.target_modules: {err}", fix="use names of the model's linear layers, or all-linear"
         ) from None
+
+
+@contextlib.contextmanager
+def real_stand_ins(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """Give meta parameters a real stand-in (one element, broadcast: no memory) for the block.
+
+    PEFT creates adapters on the device and in the dtype of the weight they adapt; over a meta
+    base they would land on meta and lose their seeded init. Over a stand-in they are real, in
+    `dtype` (fp32 masters for bf16-mixed), drawn exactly as over a loaded base."""
+    swapped: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                pair = swapped.setdefault(id(param), (param, _stand_in(param, dtype)))
+                module._parameters[name] = pair[1]
+    try:
+        yield
+    finally:
+        originals = {id(stand_in): param for param, stand_in in swapped.values()}
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None and id(param) in originals:
+                    module._parameters[name] = originals[id(param)].requires_grad_(param.requires_grad)
+
+
+def _stand_in(param: torch.nn.Parameter, dtype: torch.dtype) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.zeros((), dtype=dtype).expand(param.shape), requires_grad=param.requires_grad)
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:

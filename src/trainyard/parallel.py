@@ -1,7 +1,8 @@
-"""Wrap a loaded model for data parallelism: DDP, or FSDP2 per block then the root.
+"""Wrap a meta-built model for data parallelism, then materialise each rank's own weights.
 
-Never loads weights. The order of steps is fixed: strategy → (FSDP: shard each block,
-then the root | DDP: replicate) so the same job always ends up with the same layout.
+The order is fixed: FSDP2 shards each block, then the root, while every weight is still on
+the meta device; only then is memory allocated for this rank's shards, and weights.py fills
+them. DDP (and a lone process) materialise one whole copy, fill it, then replicate.
 """
 
 from __future__ import annotations
@@ -12,14 +13,18 @@ from collections.abc import Iterator
 
 import psutil
 import torch
+import torch.distributed as torch_dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.nn.parallel import DistributedDataParallel
 
+from trainyard import weights
 from trainyard.dist import DistInfo
+from trainyard.errors import ConfigError
 from trainyard.model import decoder_blocks
+from trainyard.precision import Precision
 
 # AdamW keeps two fp32 moments per trainable parameter.
 _ADAM_BYTES_PER_PARAM = 8
@@ -45,34 +50,79 @@ def replicated_state_bytes(model: torch.nn.Module) -> int:
 
 
 def choose_strategy(requested: str, model: torch.nn.Module, info: DistInfo) -> str:
-    """`auto`: none alone; ddp while replicated training state fits half a device; else fsdp."""
+    """`auto`: none alone; ddp while replicated training state fits half a device; else fsdp.
+    A strategy asked for by name is kept in a 1-process group (one GPU still tests its wrapper)."""
     if requested != "auto":
-        return "none" if info.world_size == 1 else requested
+        return requested if info.distributed or torch_dist.is_initialized() else "none"
     if info.world_size == 1:
         return "none"
     fits = replicated_state_bytes(model) <= _DDP_MEMORY_SHARE * device_memory_bytes(info)
     return "ddp" if fits else "fsdp"
 
 
-def wrap(model: torch.nn.Module, strategy: str, info: DistInfo) -> torch.nn.Module:
-    model.to(info.device)
+def check_fits(strategy: str, model: torch.nn.Module, info: DistInfo, where: str | None) -> None:
+    """Refuse, before any weight is read, a plan whose training state cannot fit a device."""
+    state = replicated_state_bytes(model)
+    per_rank = state if strategy in ("ddp", "none") else state / info.world_size
+    device = device_memory_bytes(info)
+    if per_rank <= device:
+        return
+    gib = 2**30
+    sharded = state / info.world_size
+    fix = (
+        f"use dist.strategy: fsdp (about {sharded / gib:.1f} GiB per rank over {info.world_size} ranks)"
+        if sharded <= device
+        else f"use more ranks (at least {int(state // device) + 1} for fsdp), LoRA, or a smaller model"
+    )
+    raise ConfigError(
+        f"dist.strategy {strategy}: weights, gradients and AdamW state need about {per_rank / gib:.1f} GiB per rank, "
+        f"more than the {device / gib:.1f} GiB of {info.device.type} memory each rank has",
+        where=where,
+        fix=fix,
+    )
+
+
+def apply(
+    model: torch.nn.Module,
+    strategy: str,
+    info: DistInfo,
+    precision: Precision,
+    source: weights.SafetensorsFolder | weights.InMemory,
+) -> torch.nn.Module:
+    """Wrap, then allocate and fill this rank's own weights. Parameters that already hold values
+    (LoRA adapters) keep them; the meta ones and every persistent buffer are read from `source`."""
+    already_real = {name for name, param in model.named_parameters() if not param.is_meta}
+    if strategy == "fsdp":
+        shard_fsdp2(model, info, precision)
+    materialize(model, info.device)
+    weights.load(model, source, skip=lambda name: name in already_real)
     if strategy == "ddp":
         return DistributedDataParallel(
             model,
             device_ids=[info.local_rank] if info.device.type == "cuda" else None,
             forward_sync_buffers=False,  # no collective in eval forwards
         )
-    if strategy == "fsdp":
-        return shard_fsdp2(model, info)
     return model
 
 
-def shard_fsdp2(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
+def materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Memory for meta tensors (a shard's worth under FSDP2), the rest moved to `device`. The
+    tensors keep their identity, so tied weights stay tied."""
+    model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
+
+
+def mixed_precision_policy(precision: Precision) -> MixedPrecisionPolicy:
+    """bf16-mixed: gather weights in bf16 for compute, reduce-scatter gradients in fp32 onto the
+    fp32 shards the optimizer steps."""
+    if not precision.mixed:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=precision.compute_dtype, reduce_dtype=torch.float32)
+
+
+def shard_fsdp2(model: torch.nn.Module, info: DistInfo, precision: Precision) -> torch.nn.Module:
     """fully_shard every decoder block, then the root (embeddings, norm, head)."""
     mesh = init_device_mesh(info.device.type, (info.world_size,))
-    policy = MixedPrecisionPolicy()
-    if info.device.type == "cuda":
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = mixed_precision_policy(precision)
     for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

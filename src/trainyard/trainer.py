@@ -20,7 +20,8 @@ import torch
 import transformers
 from torch.distributed.fsdp import FSDPModule
 
-from trainyard import checkpoint, dist, health, parallel
+from trainyard import checkpoint, dist, health, parallel, weights
+from trainyard import precision as precision_room
 from trainyard import model as model_room
 from trainyard.config import JobConfig, accumulation_steps, dump_config
 from trainyard.data import PreparedData, ResumableSampler, micro_batches, prepare_datasets, sample_record_path
@@ -30,7 +31,6 @@ from trainyard.files import write_atomically
 from trainyard.metrics import (
     LogWindow,
     MetricsSink,
-    compute_dtype,
     device_peak_flops,
     environment_record,
     flops_per_token,
@@ -93,7 +93,12 @@ class Job:
     facts: dict[str, Any]
     """What a checkpoint must match to be resumed by this job (see checkpoint.check_compatible)."""
     saves: checkpoint.Checkpointer
+    precision: precision_room.Precision
     comm_timer: parallel.CommTimer | None = None
+
+    def autocast(self):  # type: ignore[no-untyped-def]
+        """bf16 products over fp32 weights where no FSDP2 policy casts them (DDP, one process)."""
+        return precision_room.autocast(self.precision, self.info.device, enabled=not isinstance(self.model, FSDPModule))
 
     @property
     def checkpoints(self) -> Path:
@@ -121,7 +126,7 @@ class StepVotes:
 
 def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
     cfg, info, model = job.cfg, job.info, job.model
-    interval = LogWindow(info.device, job.comm_timer, device_peak_flops(info.device, compute_dtype(model)))
+    interval = LogWindow(info.device, job.comm_timer, device_peak_flops(info.device, job.precision.compute_dtype))
     run_eval = _evaluator(job)
     if cfg.eval.baseline and run_eval and state.step == 0:
         state.baseline_eval = run_eval()
@@ -237,7 +242,8 @@ def _forward_backward(job: Job, window: list[dict[str, torch.Tensor]], targets: 
         batch = {k: v.to(info.device) for k, v in batch.items()}
         last = i == len(window) - 1
         with parallel.gradient_sync(model, enabled=last):
-            loss_sum, _ = token_loss_sum(model, batch)
+            with job.autocast():
+                loss_sum, _ = token_loss_sum(model, batch)
             if health.injected("nan", info, step):
                 loss_sum = loss_sum * float("nan")
             if last:
@@ -315,6 +321,7 @@ def _evaluator(job: Job):
             tokenizer=job.tokenizer,
             generate=cfg.eval.generate,
             max_new_tokens=cfg.eval.max_new_tokens,
+            autocast=job.autocast,
         )
 
     return run_eval
@@ -349,6 +356,30 @@ def resume(job: Job) -> LoopState:
     return LoopState(**saved["loop"])
 
 
+def build_and_wrap(
+    cfg: JobConfig, info: dist.DistInfo, precision: precision_room.Precision, model_path: str | None, tokenizer: Any
+) -> tuple[torch.nn.Module, str]:
+    """Meta-device model (+ LoRA) → strategy, checked to fit → wrap → each rank's own weights."""
+    config = model_room.hf_config(cfg.model, model_path, tokenizer)
+    trainable_dtype = precision.trainable_dtype
+    model = model_room.build_meta_model(cfg.model, config, precision.frozen_dtype if cfg.lora.enabled else trainable_dtype)
+    if cfg.lora.enabled:
+        with model_room.real_stand_ins(model, trainable_dtype):
+            model = model_room.apply_lora(model, cfg.lora, cfg.train.seed)
+    if cfg.model.gradient_checkpointing:
+        model_room.enable_activation_checkpointing(model)
+    strategy = parallel.choose_strategy(cfg.dist.strategy, model, info)
+    parallel.check_fits(strategy, model, info, cfg.where("dist.strategy"))
+    if cfg.model.config is not None:
+        source: weights.SafetensorsFolder | weights.InMemory = weights.InMemory(
+            model_room.random_init(cfg.model, config, cfg.train.seed)
+        )
+    else:
+        assert model_path is not None
+        source = weights.SafetensorsFolder.open(model_path)
+    return parallel.apply(model, strategy, info, precision, source), strategy
+
+
 def run(cfg: JobConfig) -> dict[str, Any]:
     """The whole job: init, data, model, wrap, fit, summary. Every rank runs it."""
     wall_start = time.monotonic()
@@ -359,9 +390,12 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     logger = setup_logging(run_dir, info)
     network = dist.apply_network_preset(cfg.dist)
+    precision = precision_room.resolve(cfg, info.device)
     if info.is_main:
         logger.info(
-            "run dir %s  world %d  device %s  network %s", run_dir, info.world_size, info.device, network or "default"
+            "run dir %s  world %d  device %s  network %s  precision %s",
+            run_dir, info.world_size, info.device, network or "default",
+            precision_room.describe(precision, cfg.lora.enabled),
         )
     environment = environment_record(info)
     if info.is_main:
@@ -375,24 +409,12 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output_dir) / ".cache" / "data"
     data = prepare_datasets(cfg.data, tokenizer, cache_root, log=logger.info)
 
-    dtype = model_room.resolve_dtype(cfg.model, info.device)
-    model = model_room.load_model(cfg.model, model_path, tokenizer, dtype, cfg.train.seed)
-    if cfg.lora.enabled:
-        model = model_room.apply_lora(model, cfg.lora, cfg.train.seed)
-        model.to(dtype)
-    if cfg.model.gradient_checkpointing:
-        model_room.enable_activation_checkpointing(model)
+    model, strategy = build_and_wrap(cfg, info, precision, model_path, tokenizer)
     total_params, trainable_params = model_room.parameter_counts(model)
-    strategy = parallel.choose_strategy(cfg.dist.strategy, model, info)
-    model = parallel.wrap(model, strategy, info)
     accum = accumulation_steps(cfg, info.world_size)
     logger.info(
-        "strategy %s  accumulation %d  params %s (trainable %s)  dtype %s",
-        strategy,
-        accum,
-        f"{total_params:,}",
+        "strategy %s  accumulation %d  params %s (trainable %s)", strategy, accum, f"{total_params:,}",
         f"{trainable_params:,}",
-        dtype,
     )
 
     torch.manual_seed(cfg.train.seed + info.rank)  # dropout differs per rank, data order does not
@@ -421,6 +443,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
             "global_batch_samples": cfg.train.micro_batch_size * accum * info.world_size,
         },
         saves=checkpoint.Checkpointer(cfg.checkpoint, cfg.run_dir / "checkpoints", info, sink.emit),
+        precision=precision,
     )
     job.comm_timer = parallel.attach_comm_timer(model)
     state = resume(job)

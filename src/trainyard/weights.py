@@ -1,0 +1,194 @@
+"""Fill a meta-built (and possibly sharded) model with each rank's own weights, and nothing more.
+
+A source gives full-size rows of a named tensor: HF safetensors files, read a slice at a time,
+or tensors already in memory (a seeded random init, LoRA adapters). A parameter sharded by
+FSDP2/HSDP (a DTensor split along dim 0) asks only for the rows its rank owns, so no rank ever
+reads or holds the whole model; a replicated one (DDP, or no wrapper) asks for all rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch.distributed.tensor import DTensor
+
+from trainyard.errors import ModelError
+
+RowReader = Callable[[int, int], torch.Tensor]
+"""Rows [start, stop) along dim 0 of one full tensor, in the source's dtype."""
+
+_PEFT_PREFIX = "base_model.model."
+# transformers keeps routed experts fused ([E, 2I, H] and [E, H, I]); HF checkpoints store each expert.
+_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+
+
+@dataclass
+class SafetensorsFolder:
+    """Where every tensor of an HF safetensors folder lives (the index, or the one file)."""
+
+    folder: Path
+    files: dict[str, Path] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, folder: str | Path) -> SafetensorsFolder:
+        folder = Path(folder)
+        index = folder / "model.safetensors.index.json"
+        found = cls(folder)
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            found.files = {key: folder / name for key, name in weight_map.items()}
+            return found
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ModelError(
+                f"model.path: {folder} has no *.safetensors files (only safetensors weights are read)",
+                fix="save the model with save_pretrained(safe_serialization=True), or convert its .bin files",
+            )
+        for file in files:
+            for key in _keys(file):
+                found.files[key] = file
+        return found
+
+    def rows(self, key: str) -> RowReader | None:
+        """A reader of `key`'s rows, or None if the folder does not hold it."""
+        if key in self.files:
+            return lambda start, stop: _read_rows(self.files[key], key, start, stop)
+        fused = _FUSED_EXPERTS.match(key)
+        if fused:
+            return self._expert_rows(fused["prefix"], fused["kind"])
+        return None
+
+    def _expert_rows(self, prefix: str, kind: str) -> RowReader | None:
+        """Experts [start, stop) of a fused parameter, stacked from the per-expert tensors."""
+        parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+        if f"{prefix}.0.{parts[0]}.weight" not in self.files:
+            return None
+
+        def read(start: int, stop: int) -> torch.Tensor:
+            experts = []
+            for expert in range(start, stop):
+                keys = [f"{prefix}.{expert}.{part}.weight" for part in parts]
+                absent = [key for key in keys if key not in self.files]
+                if absent:
+                    raise ModelError(
+                        f"model.path: {self.folder} lacks {absent[0]}", fix="check that the folder holds the whole model"
+                    )
+                experts.append(torch.cat([_read_rows(self.files[key], key, None, None) for key in keys]))
+            return torch.stack(experts)
+
+        return read
+
+
+def _keys(file: Path) -> list[str]:
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            return list(handle.keys())
+    except (SafetensorError, OSError) as err:
+        raise ModelError(f"model.path: cannot read {file}: {err}", fix="check the file (re-download it)") from None
+
+
+def _read_rows(file: Path, key: str, start: int | None, stop: int | None) -> torch.Tensor:
+    """Rows of one tensor. The file is opened per read, so its mapping (and the pages it
+    brought into memory) is released at once: a rank's memory holds its rows, not the file."""
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            sliced = handle.get_slice(key)
+            if len(sliced.get_shape()) == 0:
+                return sliced[:]
+            return sliced[start:stop]
+    except (SafetensorError, OSError) as err:
+        raise ModelError(f"model.path: cannot read {key} from {file}: {err}", fix="check the file") from None
+
+
+def checkpoint_key(name: str) -> str:
+    """The HF checkpoint name of a model parameter: without PEFT's prefix and base_layer."""
+    return name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+
+
+def own_rows(param: torch.Tensor) -> tuple[int, int]:
+    """The rows [start, stop) of dim 0 this rank holds: FSDP2 and HSDP shard dim 0 in
+    torch.chunk's way (ceil-sized pieces, the last ones shorter or empty); Replicate keeps all."""
+    if not isinstance(param, DTensor):
+        return 0, param.shape[0] if param.dim() else 1
+    start, length = 0, param.shape[0]
+    for mesh_dim, placement in enumerate(param.placements):
+        if placement.is_shard(0):
+            pieces = param.device_mesh.size(mesh_dim)
+            index = param.device_mesh.get_local_rank(mesh_dim)
+            chunk = math.ceil(length / pieces)
+            first = min(index * chunk, length)
+            start, length = start + first, min(chunk, length - first)
+        elif not placement.is_replicate():
+            raise ModelError(f"cannot load a parameter placed as {placement}", fix="use dist.strategy ddp, fsdp or hsdp")
+    return start, start + length
+
+
+@torch.no_grad()
+def copy_own_rows(param: torch.Tensor, read: RowReader, name: str) -> None:
+    """Fill this rank's part of `param` from full-size rows, casting to its dtype."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    start, stop = own_rows(param)
+    if local.numel() == 0:
+        return
+    rows = read(start, stop)
+    expected = tuple(local.shape)
+    if tuple(rows.shape) != expected and not (local.dim() == 0 and rows.numel() == 1):
+        raise ModelError(
+            f"model.path: {name} has shape {tuple(rows.shape)} in rows {start}:{stop}, the model expects {expected}",
+            fix="model.path must hold weights of this architecture (check its config.json)",
+        )
+    local.copy_(rows.reshape(local.shape))
+
+
+def tensors_to_load(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters (tied ones once) and persistent buffers, by their names in the model."""
+    yield from model.named_parameters()
+    persistent = set(model.state_dict(keep_vars=True).keys())
+    for name, buffer in model.named_buffers():
+        if name in persistent:
+            yield name, buffer
+
+
+@dataclass
+class InMemory:
+    """Full tensors by checkpoint name (a seeded random init), served like a folder."""
+
+    tensors: dict[str, torch.Tensor]
+    folder: str = "the random init"
+
+    def rows(self, key: str) -> RowReader | None:
+        full = self.tensors.get(key)
+        if full is None:
+            return None
+        return lambda start, stop: full[start:stop] if full.dim() else full
+
+
+def load(model: torch.nn.Module, source: SafetensorsFolder | InMemory, skip: Callable[[str], bool]) -> int:
+    """Fill every tensor of `model` not `skip`ped with this rank's rows from `source`; returns
+    how many. Every missing one is named at once, before any is read."""
+    plan = []
+    missing = []
+    for name, tensor in tensors_to_load(model):
+        if skip(name):
+            continue
+        reader = source.rows(checkpoint_key(name))
+        if reader is None:
+            missing.append(checkpoint_key(name))
+        else:
+            plan.append((name, tensor, reader))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelError(
+            f"model.path: {source.folder} lacks weights the model needs: {shown}",
+            fix="point model.path at the whole model saved by save_pretrained, with its config.json",
+        )
+    for name, tensor, reader in plan:
+        copy_own_rows(tensor, reader, name)
+    return len(plan)
