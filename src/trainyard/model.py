@@ -167,6 +167,7 @@ def build_meta_model(cfg: ModelConfig, config, dtype: torch.dtype) -> torch.nn.M
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     except (ValueError, TypeError, StrictDataclassError) as err:  # e.g. heads do not divide hidden_size
         raise ModelError(f"model.config: {err}", fix="use keys and values of the model's HF config.json") from None
+    model.tie_weights()  # the meta context gave tied weights one tensor each: one again
     for param in model.parameters():
         param.data = param.data.to(dtype)  # from_config keeps some (norms, router biases) in fp32
     return model

@@ -108,8 +108,9 @@ def _read_rows(file: Path, key: str, start: int | None, stop: int | None) -> tor
 
 
 def checkpoint_key(name: str) -> str:
-    """The HF checkpoint name of a model parameter: without PEFT's prefix and base_layer."""
-    return name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+    """The HF checkpoint name of a model parameter: without PEFT's prefix and base_layer(s) (each
+    adapted expert parameter nests one more)."""
+    return re.sub(r"(\.base_layer)+\.", ".", name.removeprefix(_PEFT_PREFIX))
 
 
 def own_rows(param: torch.Tensor) -> tuple[int, int]:
