@@ -36,6 +36,7 @@ COMMON = [
     "eval.at_end=false",
     f"checkpoint.every_steps={EVERY}",
     "checkpoint.keep_last=2",
+    "train.precision=bf16-mixed",  # fp32 masters, bf16 compute: resumed bitwise on any CPU
 ]
 LORA_DDP = ["lora.enabled=true", "dist.strategy=ddp"]
 FULL_FSDP = ["lora.enabled=false", "dist.strategy=fsdp"]
