@@ -354,14 +354,17 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     wall_start = time.monotonic()
     transformers.utils.logging.disable_progress_bar()  # our own progress line is the only one
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
-    info = dist.init(cfg.dist, run_dir=cfg.run_dir)
+    info = dist.init(cfg.dist, run_dir=cfg.run_dir, nic_where=cfg.where("dist.nic"))
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     logger = setup_logging(run_dir, info)
-    network = dist.apply_network_preset(cfg.dist)
     if info.is_main:
         logger.info(
-            "run dir %s  world %d  device %s  network %s", run_dir, info.world_size, info.device, network or "default"
+            "run dir %s  world %d  device %s  network %s",
+            run_dir,
+            info.world_size,
+            info.device,
+            info.network or "default",
         )
     environment = environment_record(info)
     if info.is_main:
