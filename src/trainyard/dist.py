@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 
 from trainyard.config import DistConfig
+from trainyard.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,8 @@ class DistInfo:
     local_world_size: int
     device: torch.device
     backend: str | None
+    network: dict[str, str] = field(default_factory=dict)
+    """The network preset's variables as the process group saw them (the user's own values kept)."""
 
     @property
     def is_main(self) -> bool:
@@ -52,15 +57,19 @@ def _pick_backend(cfg: DistConfig, device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
-def init(cfg: DistConfig, run_dir: Path | None = None) -> DistInfo:
+def init(cfg: DistConfig, run_dir: Path | None = None, nic_where: str | None = None) -> DistInfo:
     """Join the process group torchrun prepared (or run alone), with the job's timeout.
 
-    With a run dir, the flight recorder is switched on first (see `flight_recorder_env`):
-    it is read once, when the first process group is created."""
+    NCCL and Gloo read their variables once, when the first process group is created: the
+    network preset and the flight recorder go into the environment before it (see
+    `_before_group`). `nic_where` says where dist.nic was set, for the error if it is wrong."""
     rank = _env_int("RANK", 0)
     world = _env_int("WORLD_SIZE", 1)
-    if run_dir is not None and world > 1 and not dist.is_initialized():
-        apply_flight_recorder(run_dir)
+    network = apply_network_preset(cfg)
+    # Under torchrun even one process forms a group: a strategy asked for by name still wraps.
+    create_group = (world > 1 or launched_by_torchrun()) and not dist.is_initialized()
+    if create_group:
+        _before_group(cfg, run_dir, nic_where)
     local_rank = _env_int("LOCAL_RANK", 0)
     local_world = _env_int("LOCAL_WORLD_SIZE", world)
     if torch.cuda.is_available():
@@ -68,16 +77,33 @@ def init(cfg: DistConfig, run_dir: Path | None = None) -> DistInfo:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    backend = None
-    # Under torchrun even one process forms a group: a strategy asked for by name still wraps.
-    if (world > 1 or launched_by_torchrun()) and not dist.is_initialized():
-        backend = _pick_backend(cfg, device)
+    backend = _pick_backend(cfg, device) if create_group else None
+    if backend is not None:
+        _create_group(backend, cfg, device)
+    return DistInfo(rank, world, local_rank, local_world, device, backend, network)
+
+
+def _before_group(cfg: DistConfig, run_dir: Path | None, nic_where: str | None) -> None:
+    """A dist.nic in force must exist here; the flight recorder is read once, at group creation."""
+    if cfg.nic and cfg.nic in (os.environ.get(name) for name in IFNAME_VARS):
+        check_nic(cfg.nic, nic_where)
+    if run_dir is not None:
+        apply_flight_recorder(run_dir)
+
+
+def _create_group(backend: str, cfg: DistConfig, device: torch.device) -> None:
+    """`init_process_group`, with an interface variable naming no usable NIC turned into a user error."""
+    try:
         dist.init_process_group(
             backend=backend,
             timeout=timedelta(seconds=cfg.timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
-    return DistInfo(rank, world, local_rank, local_world, device, backend)
+    except RuntimeError as err:  # DistBackendError included
+        user_error = interface_error(str(err))
+        if user_error is None:
+            raise
+        raise user_error from None
 
 
 def teardown() -> None:
@@ -249,3 +275,59 @@ def apply_network_preset(cfg: DistConfig, env: dict[str, str] | None = None) -> 
         target.setdefault(name, value)
         effective[name] = target[name]
     return effective
+
+
+# ---------------------------------------------------------------- network interfaces
+
+IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+# What each library says when its interface variable names nothing usable on this host: Gloo
+# (torch 2.13); NCCL's bootstrap (2.21), and 2.27's garbled address when it found no interface.
+_IFNAME_FAILURES = {
+    "GLOO_SOCKET_IFNAME": re.compile(r"Unable to find address for: \S+"),
+    "NCCL_SOCKET_IFNAME": re.compile(r"no socket interface found|NCCL_SOCKET_IFNAME interface|neither AF_INET"),
+}
+
+
+def interface_addresses() -> dict[str, list[str]]:
+    """Every interface of this host with its IP addresses (none: Gloo and NCCL cannot use it)."""
+    ip_families = (socket.AF_INET, socket.AF_INET6)
+    return {
+        name: [a.address.split("%")[0] for a in addrs if a.family in ip_families]
+        for name, addrs in psutil.net_if_addrs().items()
+    }
+
+
+def _usable_listing(found: dict[str, list[str]]) -> str:
+    return ", ".join(f"{name} ({ips[0]})" for name, ips in sorted(found.items()) if ips) or "none"
+
+
+def check_nic(nic: str, where: str | None = None) -> None:
+    """`dist.nic` names an interface of this host with an IP address; else say which ones do.
+
+    Checked before the process group, so the job fails here in one sentence rather than
+    in Gloo's or NCCL's own words, which name neither the field nor the interfaces there are."""
+    found = interface_addresses()
+    if found.get(nic):
+        return
+    problem = "has no IP address" if nic in found else "does not exist"
+    raise ConfigError(
+        f"dist.nic: network interface '{nic}' {problem} on host {socket.gethostname()}; "
+        f"interfaces with an address there: {_usable_listing(found)}",
+        where=where,
+        fix="set dist.nic to the interface on the network the other nodes reach, or remove it to let NCCL "
+        "and Gloo pick one",
+    )
+
+
+def interface_error(message: str) -> ConfigError | None:
+    """A process-group failure caused by GLOO_/NCCL_SOCKET_IFNAME, as a user error naming the variable."""
+    for name, pattern in _IFNAME_FAILURES.items():
+        value = os.environ.get(name)
+        if value and pattern.search(message):
+            return ConfigError(
+                f"{name}={value} names no network interface with an address on host {socket.gethostname()}; "
+                f"interfaces with an address there: {_usable_listing(interface_addresses())}",
+                where="the environment",
+                fix=f"export {name} naming one of those interfaces, or unset it and set dist.nic in the config",
+            )
+    return None

@@ -29,7 +29,7 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path) -> dict[str, object]:
     transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
     step = find_checkpoint(checkpoint)
-    info = dist.init(cfg.dist)
+    info = dist.init(cfg.dist, nic_where=cfg.where("dist.nic"))
     log = logging.getLogger("trainyard").info
     model_path = None
     with dist.first_on_node(info):

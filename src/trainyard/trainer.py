@@ -385,16 +385,15 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     wall_start = time.monotonic()
     transformers.utils.logging.disable_progress_bar()  # our own progress line is the only one
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
-    info = dist.init(cfg.dist, run_dir=cfg.run_dir)
+    info = dist.init(cfg.dist, run_dir=cfg.run_dir, nic_where=cfg.where("dist.nic"))
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     logger = setup_logging(run_dir, info)
-    network = dist.apply_network_preset(cfg.dist)
     precision = precision_room.resolve(cfg, info.device)
     if info.is_main:
         logger.info(
             "run dir %s  world %d  device %s  network %s  precision %s",
-            run_dir, info.world_size, info.device, network or "default",
+            run_dir, info.world_size, info.device, info.network or "default",
             precision_room.describe(precision, cfg.lora.enabled),
         )
     environment = environment_record(info)

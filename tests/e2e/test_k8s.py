@@ -22,6 +22,7 @@ from tests.conftest import REPO, TINY, trainyard
 SCHEMAS = REPO.parent / "shared" / "schemas"
 PLANTED_ENV = {"WANDB_API_KEY": "wandb-planted-0123456789abcdef", "HF_TOKEN": "hf_plantedTOKENvalue987654"}
 PLANTED_CONFIG_KEY = "sk-planted-config-secret-555"
+NETWORK = ("dist.network=wan", "dist.nic=eth1")
 
 
 def strict(schema: Any) -> Any:
@@ -80,6 +81,13 @@ def assert_no_secret(text: str) -> None:
         assert value not in text
 
 
+def assert_network_env(env: list[dict[str, Any]]) -> None:
+    """The job's dist.network / dist.nic, as plain env entries the schema accepted."""
+    values = {entry["name"]: entry.get("value") for entry in env}
+    assert values["NCCL_SOCKET_IFNAME"] == values["GLOO_SOCKET_IFNAME"] == "eth1"
+    assert values["NCCL_IB_DISABLE"] == "1" and values["NCCL_NET"] == "Socket"
+
+
 def validate_core(obj: dict[str, Any]) -> None:
     kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
 
@@ -87,7 +95,7 @@ def validate_core(obj: dict[str, Any]) -> None:
 @pytest.fixture(scope="module")
 def pytorchjob(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, dict[str, Any]]]:
     options = ("--nodes", "4", "--gpus-per-node", "8", "--secret", "team-tokens", "--secret", "HF_TOKEN=hf:token")
-    return generate(tmp_path_factory.mktemp("k8s"), *options)
+    return generate(tmp_path_factory.mktemp("k8s"), *NETWORK, *options)
 
 
 def test_pytorchjob_manifests_validate_and_hold_no_secret(pytorchjob: tuple[str, dict[str, dict[str, Any]]]) -> None:
@@ -101,12 +109,13 @@ def test_pytorchjob_manifests_validate_and_hold_no_secret(pytorchjob: tuple[str,
     refs = {entry["name"]: entry["valueFrom"]["secretKeyRef"] for entry in env if "valueFrom" in entry}
     assert refs["HF_TOKEN"] == {"name": "hf", "key": "token", "optional": False}
     assert refs["WANDB_API_KEY"]["name"] == "team-tokens"
+    assert_network_env(env)
     assert "restartPolicy ExitCode" in text and "retryable" in text  # the comments explain the restart rule
 
 
 def test_trainjob_manifests_validate_and_hold_no_secret(tmp_path: Path) -> None:
     text, docs = generate(
-        tmp_path, "--kind", "trainjob", "--nodes", "2", "--nproc-per-node", "2", "--secret", "team-tokens"
+        tmp_path, *NETWORK, "--kind", "trainjob", "--nodes", "2", "--nproc-per-node", "2", "--secret", "team-tokens"
     )
     assert set(docs) == {"ConfigMap", "PersistentVolumeClaim", "TrainingRuntime", "TrainJob"}
     jsonschema.validate(docs["TrainJob"], crd_schema("trainer.kubeflow.org_trainjobs.yaml"))
@@ -118,6 +127,7 @@ def test_trainjob_manifests_validate_and_hold_no_secret(tmp_path: Path) -> None:
         {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "node"}, "spec": replicated["template"]["spec"]}
     )
     assert_no_secret(text)
+    assert_network_env(docs["TrainJob"]["spec"]["trainer"]["env"])
 
 
 def test_strict_schema_catches_a_misplaced_field(pytorchjob: tuple[str, dict[str, dict[str, Any]]]) -> None:

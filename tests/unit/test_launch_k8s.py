@@ -10,6 +10,7 @@ import yaml
 
 from tests.conftest import TINY
 from trainyard.config import load_config
+from trainyard.dist import network_env
 from trainyard.errors import ConfigError
 from trainyard.launch.k8s import (
     RETRYABLE_PREEMPTED_EXIT_CODE,
@@ -72,11 +73,18 @@ def test_existing_claim_is_used_not_written() -> None:
     assert {"name": "data", "persistentVolumeClaim": {"claimName": "team-shared"}} in volumes
 
 
-def test_network_preset_goes_into_the_pod_env() -> None:
-    env = render(("dist.network=socket", "dist.nic=eth0"))["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]["Master"][
-        "template"
-    ]["spec"]["containers"][0]["env"]
-    assert {"name": "NCCL_SOCKET_IFNAME", "value": "eth0"} in env and {"name": "NCCL_IB_DISABLE", "value": "1"} in env
+@pytest.mark.parametrize("kind", ["pytorchjob", "trainjob"])
+def test_network_preset_goes_into_every_pod_env(kind: str) -> None:
+    docs = render(("dist.network=wan", "dist.nic=eth0"), kind=kind)
+    if kind == "pytorchjob":
+        specs = docs["PyTorchJob"]["spec"]["pytorchReplicaSpecs"].values()
+        envs = [spec["template"]["spec"]["containers"][0]["env"] for spec in specs]
+    else:
+        envs = [docs["TrainJob"]["spec"]["trainer"]["env"]]
+    for env in envs:
+        values = {entry["name"]: entry.get("value") for entry in env}
+        assert network_env("wan", "eth0").items() <= values.items()
+        assert values["GLOO_SOCKET_IFNAME"] == values["NCCL_SOCKET_IFNAME"] == "eth0"
 
 
 def test_secrets_are_references_only() -> None:

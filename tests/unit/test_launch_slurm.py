@@ -10,6 +10,7 @@ import pytest
 
 from tests.conftest import TINY, trainyard
 from trainyard.config import load_config
+from trainyard.dist import network_env
 from trainyard.errors import ConfigError
 from trainyard.launch.slurm import SlurmJob, render_sbatch
 
@@ -74,6 +75,21 @@ def test_network_preset_exported_unless_the_user_set_it(tmp_path: Path) -> None:
     assert 'export NCCL_IB_DISABLE="${NCCL_IB_DISABLE:-1}"' in text
     assert 'export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-eth0}"' in text
     assert "MASTER_ADDR=$(ip -4 -o addr show dev eth0" in text
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
+def test_config_network_reaches_the_environment_srun_passes_on(tmp_path: Path) -> None:
+    """dist.network and dist.nic from the config alone (no --nic): every variable is exported
+    before srun starts the nodes, and one the user exported before sbatch keeps its value."""
+    text = render(tmp_path, ("dist.network=wan", "dist.nic=eth0"))
+    exports = [line for line in text.splitlines() if line.startswith("export ") and ":-" in line]
+    assert text.index(exports[-1]) < text.index("srun --ntasks-per-node=1 bash -c run_node")
+    shell = "\n".join([*exports, "env"])
+    user_env = {"PATH": "/usr/bin:/bin", "NCCL_SOCKET_IFNAME": "ib0"}
+    result = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, check=True, env=user_env)
+    seen = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
+    for name, value in network_env("wan", "eth0").items():
+        assert seen[name] == ("ib0" if name == "NCCL_SOCKET_IFNAME" else value), name
 
 
 def test_without_nic_the_head_is_the_first_node_by_name(tmp_path: Path) -> None:
