@@ -380,6 +380,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     if cfg.lora.enabled:
         model = model_room.apply_lora(model, cfg.lora, cfg.train.seed)
         model.to(dtype)
+        logger.info("lora r=%d alpha=%g on %s", cfg.lora.r, cfg.lora.alpha, model_room.describe_lora_reach(model))
     if cfg.model.gradient_checkpointing:
         model_room.enable_activation_checkpointing(model)
     total_params, trainable_params = model_room.parameter_counts(model)
