@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import TINY_MOE, assert_ok, events, trainyard
 from tests.dist.checkpoint_helpers import (
+    EVERY,
     LORA_FSDP,
     SEED,
     STEPS,
@@ -69,7 +70,7 @@ def test_tiny_moe_trains_with_lora_on_the_routed_experts(moe_reference: Path) ->
 def test_full_checkpoints_hold_every_ranks_adapter_experts_included(moe_reference: Path) -> None:
     """Each adapter file (gathered from the FSDP2 shards) equals what every rank wrote into DCP."""
     saved = committed(moe_reference / "checkpoints")
-    assert [p.name for p in saved] == [f"step-{s:08d}" for s in range(4, STEPS + 1, 4)]
+    assert [p.name for p in saved] == [f"step-{s:08d}" for s in range(EVERY, STEPS + 1, EVERY)]
     for path in saved:
         adapter = adapter_tensors(path)
         assert len(expert_keys(adapter)) == 8, sorted(adapter)
