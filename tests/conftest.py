@@ -13,6 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
+TINY_MOE = str(REPO / "configs" / "tiny-moe.yaml")
 
 
 def trainyard(

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from trainyard.errors import ConfigError
 
 REDACTED = "***REDACTED***"
-PRESETS = ("quickstart", "tiny")
+PRESETS = ("quickstart", "tiny", "tiny-moe")
 
 
 class Section(BaseModel):
@@ -62,6 +62,18 @@ class LoraConfig(Section):
     alpha: float = Field(32.0, gt=0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Modules that get adapters, by name or name suffix (q_proj); all-linear: every linear layer but the head."""
+    target_parameters: list[str] | Literal["auto"] = "auto"
+    """Parameters that get adapters, by name or suffix (mlp.experts.gate_up_proj): how LoRA reaches MoE experts that
+    transformers stores fused as one 3-D tensor [experts, out, in] instead of one linear layer each (PEFT's
+    parameter targeting). auto: every 3-D parameter of the model, so routed experts carry adapters by default and a
+    dense model gets none; [] names none itself (but see below).
+
+    PEFT 0.21 treats gate_proj/up_proj/down_proj and the router `gate` in target_modules (all-linear includes them)
+    as the pre-fusion names of the experts on the MoE models transformers fuses (glm4_moe, qwen2_moe, mixtral, ...):
+    it moves them to these fused parameters (gate_up_proj at twice the rank) and the router's weight, so there the
+    dense layers' MLP and the shared experts carry no adapter. trainyard keeps PEFT's choice: an exported adapter
+    loads the same way."""
 
 
 class DataConfig(Section):

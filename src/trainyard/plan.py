@@ -73,6 +73,15 @@ def checkpoint_policy(cfg: JobConfig) -> str:
     return words + f"; keep {ckpt.keep_last}{', async' if ckpt.async_save else ''}"
 
 
+def _lora_words(cfg: JobConfig, model: torch.nn.Module | None) -> str:
+    """Rank, alpha and what carries adapters (modules, MoE expert parameters) when the model is known."""
+    lora = cfg.lora
+    if not lora.enabled:
+        return "off (full fine-tuning)"
+    words = f"r={lora.r} alpha={lora.alpha:g}"
+    return f"{words} on {model_room.describe_lora_reach(model)}" if model is not None else words
+
+
 def describe_plan(cfg: JobConfig, world_size: int) -> str:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     info = DistInfo(0, world_size, 0, min(world_size, 8), device, None)
@@ -87,7 +96,7 @@ def describe_plan(cfg: JobConfig, world_size: int) -> str:
         f"global batch     {samples} samples, up to {samples * cfg.data.max_length:,} tokens per step",
         f"steps            {train.max_steps} (lr {train.lr:g}, {train.schedule}, warmup {train.warmup_steps})",
         f"dtype            {model_room.resolve_dtype(cfg.model, device)} on {device.type}",
-        f"lora             {f'r={lora.r} alpha={lora.alpha:g}' if lora.enabled else 'off (full fine-tuning)'}",
+        f"lora             {_lora_words(cfg, model)}",
         f"checkpoints      {checkpoint_policy(cfg)}",
     ]
     if model is None:

@@ -366,6 +366,9 @@ def build_and_wrap(
     if cfg.lora.enabled:
         with model_room.real_stand_ins(model, trainable_dtype):
             model = model_room.apply_lora(model, cfg.lora, cfg.train.seed)
+        logging.getLogger("trainyard").info(
+            "lora r=%d alpha=%g on %s", cfg.lora.r, cfg.lora.alpha, model_room.describe_lora_reach(model)
+        )
     if cfg.model.gradient_checkpointing:
         model_room.enable_activation_checkpointing(model)
     strategy = parallel.choose_strategy(cfg.dist.strategy, model, info)

@@ -43,8 +43,8 @@ FULL_FSDP = ["lora.enabled=false", "dist.strategy=fsdp"]
 LORA_FSDP = ["lora.enabled=true", "dist.strategy=fsdp"]
 
 
-def train_args(out: Path, *overrides: str, nproc: int = 2) -> list[str]:
-    return ["train", TINY, f"output_dir={out}", *COMMON, *overrides, "--nproc", str(nproc)]
+def train_args(out: Path, *overrides: str, nproc: int = 2, config: str = TINY) -> list[str]:
+    return ["train", config, f"output_dir={out}", *COMMON, *overrides, "--nproc", str(nproc)]
 
 
 def start(args: list[str]) -> subprocess.Popen[str]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_ok, trainyard
+from tests.conftest import TINY_MOE, assert_ok, trainyard
 from tests.dist.checkpoint_helpers import FULL_FSDP, LORA_DDP, LORA_FSDP, SEED, train_args
 
 
@@ -46,3 +46,12 @@ def full_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def fsdp_lora_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """FSDP2 + LoRA (seed 000's setup), never interrupted, every full checkpoint kept."""
     return _reference(tmp_path_factory.mktemp("fsdp-lora-reference"), [*LORA_FSDP, "checkpoint.keep_last=6"])
+
+
+@pytest.fixture(scope="session")
+def moe_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-moe (seed 000 in miniature): FSDP2 + LoRA on attention and routed experts, never
+    interrupted, every full checkpoint kept: its run dir."""
+    out = tmp_path_factory.mktemp("moe-reference")
+    assert_ok(trainyard(*train_args(out, *LORA_FSDP, "checkpoint.keep_last=6", config=TINY_MOE)))
+    return out / "tiny-moe"

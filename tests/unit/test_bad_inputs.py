@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import TINY, trainyard
+from tests.conftest import TINY, TINY_MOE, trainyard
 
 WIDE = {"COLUMNS": "1000"}  # one message per line, so a long path is never wrapped mid-name
 
@@ -97,6 +97,11 @@ def train(*extra: str) -> Args:
     return lambda d: ["train", TINY, f"output_dir={d.parent}/runs", "train.max_steps=1", *_fill(extra, d)]
 
 
+def moe(*extra: str) -> Args:
+    """`train tiny-moe` on one process, writing under tmp."""
+    return lambda d: ["train", TINY_MOE, f"output_dir={d.parent}/runs", "train.max_steps=1", *_fill(extra, d)]
+
+
 def cli(*argv: str) -> Args:
     return lambda d: _fill(argv, d)
 
@@ -129,6 +134,15 @@ CASES: list[tuple[str, Args, list[str], str]] = [
     ("train-betas", train("train.betas=[1.5,0.9]"), ["train.betas", "override"], "new"),
     ("lora-target-modules", train("lora.enabled=true", "lora.target_modules=[nope]"),
      ["lora.target_modules", "nope"], "new"),
+    ("lora-target-modules-one-missing", train("lora.enabled=true", "lora.target_modules=[q_proj,qproj]"),
+     ["lora.target_modules", "qproj", "self_attn.q_proj, self_attn.k_proj"], "new"),
+    ("lora-target-parameters-dense", train("lora.enabled=true", "lora.target_parameters=[mlp.experts.down_proj]"),
+     ["lora.target_parameters", "mlp.experts.down_proj", "none (no fused experts"], "new"),
+    ("moe-target-modules", moe("lora.target_modules=[q_proj,w1]"),
+     ["lora.target_modules", "w1", "mlp.shared_experts.gate_proj"], "new"),
+    ("moe-target-parameters", moe("lora.target_parameters=[experts.w1]"),
+     ["lora.target_parameters", "experts.w1", "mlp.experts.gate_up_proj, mlp.experts.down_proj"], "new"),
+    ("moe-lora-dropout", moe("lora.dropout=0.1"), ["lora.dropout", "set lora.dropout: 0"], "new"),
     ("model-config-heads", train("model.config.num_attention_heads=5"), ["model.config", "attention heads"], "new"),
     # folders the run creates
     ("output-dir-is-file", cli("train", "{tiny}", "output_dir={in}/a_file"),
