@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU build on a CPU machine; set TORCH_SPEC="torch" (or a CUDA index) on GPU machines.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test test-unit test-dist test-e2e clean
+.PHONY: install demo test test-unit test-dist test-e2e test-gpu clean
 
 install: $(STAMP)
 
@@ -32,6 +32,10 @@ test-dist: $(STAMP)
 
 test-e2e: $(STAMP)
 	$(PY) -m pytest -q -rs tests/e2e
+
+# Needs a CUDA build of torch (TORCH_SPEC, above); without a GPU every test skips, saying why.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -rs tests/gpu
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

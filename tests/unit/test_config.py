@@ -164,7 +164,9 @@ def test_redact_hides_secret_keys_in_nested_data() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["tiny.yaml", "quickstart.yaml", "mistral7b-lora-ddp.yaml", "glm45air-fsdp-lora.yaml", "scratch-1.5b.yaml"]
+    "name",
+    ["tiny.yaml", "quickstart.yaml", "mistral7b-lora-ddp.yaml", "glm45air-fsdp-lora.yaml", "scratch-1.5b.yaml",
+     "llama-1b.yaml"],
 )
 def test_shipped_configs_load(name: str) -> None:
     load_config(str(REPO / "configs" / name))
