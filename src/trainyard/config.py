@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from trainyard.errors import ConfigError
 
@@ -48,12 +48,17 @@ class ModelConfig(Section):
             raise ValueError("set exactly one of model.path and model.config")
         if self.config is not None and "model_type" not in self.config:
             raise ValueError("model.config needs a model_type (for example: llama)")
-        if self.dtype == "float16":
+        return self
+
+    @field_validator("dtype")
+    @classmethod
+    def _no_float16(cls, dtype: str) -> str:
+        if dtype == "float16":
             raise ValueError(
                 "float16 overflows without a loss scaler, and trainyard has none: use bfloat16 (same memory, "
                 "fp32's range) or auto"
             )
-        return self
+        return dtype
 
 
 class LoraConfig(Section):

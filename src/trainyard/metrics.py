@@ -96,16 +96,6 @@ def matmul_precision(dtype: torch.dtype) -> str | None:
     return precision
 
 
-def compute_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype forward and backward compute in: FSDP2's param_dtype when its policy casts, else
-    that of the parameters."""
-    state = getattr(model, "_get_fsdp_state", None)
-    policy = getattr(state(), "_mp_policy", None) if state else None
-    if policy is not None and policy.param_dtype is not None:
-        return policy.param_dtype
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-
-
 def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     """MFU's denominator; None (MFU null) off CUDA or on a device or precision not listed."""
     if device.type != "cuda":

@@ -60,7 +60,7 @@ def choose_strategy(requested: str, model: torch.nn.Module, info: DistInfo) -> s
     return "ddp" if fits else "fsdp"
 
 
-def check_fits(strategy: str, model: torch.nn.Module, info: DistInfo, where: str | None) -> None:
+def check_fits(strategy: str, requested: str, model: torch.nn.Module, info: DistInfo, where: str | None) -> None:
     """Refuse, before any weight is read, a plan whose training state cannot fit a device."""
     state = replicated_state_bytes(model)
     per_rank = state if strategy in ("ddp", "none") else state / info.world_size
@@ -75,7 +75,8 @@ def check_fits(strategy: str, model: torch.nn.Module, info: DistInfo, where: str
         else f"use more ranks (at least {int(state // device) + 1} for fsdp), LoRA, or a smaller model"
     )
     raise ConfigError(
-        f"dist.strategy {strategy}: weights, gradients and AdamW state need about {per_rank / gib:.1f} GiB per rank, "
+        f"dist.strategy {requested}{f' ({strategy} on {info.world_size} rank)' if strategy != requested else ''}: "
+        f"weights, gradients and AdamW state need about {per_rank / gib:.1f} GiB per rank, "
         f"more than the {device / gib:.1f} GiB of {info.device.type} memory each rank has",
         where=where,
         fix=fix,
@@ -101,6 +102,7 @@ def apply(
             model,
             device_ids=[info.local_rank] if info.device.type == "cuda" else None,
             forward_sync_buffers=False,  # no collective in eval forwards
+            init_sync=False,  # every rank just read the same weights: no start-up broadcast (nor its memory)
         )
     return model
 

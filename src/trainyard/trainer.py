@@ -372,7 +372,7 @@ def build_and_wrap(
     if cfg.model.gradient_checkpointing:
         model_room.enable_activation_checkpointing(model)
     strategy = parallel.choose_strategy(cfg.dist.strategy, model, info)
-    parallel.check_fits(strategy, model, info, cfg.where("dist.strategy"))
+    parallel.check_fits(strategy, cfg.dist.strategy, model, info, cfg.where("dist.strategy"))
     if cfg.model.config is not None:
         source: weights.SafetensorsFolder | weights.InMemory = weights.InMemory(
             model_room.random_init(cfg.model, config, cfg.train.seed)
