@@ -1,8 +1,8 @@
 """`trainyard eval`: score a committed checkpoint on the job's eval set, on any world size.
 
-The model is built and wrapped as `trainer.run` builds it; LoRA jobs put the checkpoint's
-adapter on the base before wrapping, full fine-tuning jobs read the DCP model shards into
-the wrapped model (DCP reshards, so the world size need not match training's).
+The model is built, wrapped and loaded as `trainer.run` does it; LoRA jobs then read the
+checkpoint's adapter into each rank's adapter shards, full fine-tuning jobs read the DCP model
+shards into the wrapped model (both reshard, so the world size need not match training's).
 Then one call to `evaluate.evaluate`: the fixed subset, one all-reduce.
 """
 
@@ -13,15 +13,16 @@ import warnings
 from pathlib import Path
 
 import transformers
-from peft import PeftModel
+from torch.distributed.fsdp import FSDPModule
 
-from trainyard import dist, parallel
+from trainyard import dist, precision, weights
 from trainyard import model as model_room
 from trainyard.config import JobConfig
 from trainyard.data import prepare_datasets
 from trainyard.errors import DataError
 from trainyard.evaluate import evaluate
 from trainyard.export import adapter_dir, check_model_matches, find_checkpoint, load_full_weights
+from trainyard.trainer import build_and_wrap
 
 
 def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path) -> dict[str, object]:
@@ -43,16 +44,11 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path) -> dict[str, object]:
             f"the job has no eval set (data.path {cfg.data.path})",
             fix="set data.eval_path, or data.eval_fraction to hold out part of data.path",
         )
-    dtype = model_room.resolve_dtype(cfg.model, info.device)
-    model = model_room.load_model(cfg.model, model_path, tokenizer, dtype, cfg.train.seed)
+    used = precision.resolve(cfg, info.device)
+    model, _ = build_and_wrap(cfg, info, used, model_path, tokenizer, forward_only=True)
     if cfg.lora.enabled:
-        model = PeftModel.from_pretrained(model, str(adapter_dir(step)))
-        model.to(dtype)
-    strategy = parallel.choose_strategy(cfg.dist.strategy, model, info)
-    # Forward-only: DDP's replicas add nothing (and it refuses a model with no trainable
-    # parameter); FSDP stays, as it is what lets a model too big for one device fit.
-    model = parallel.wrap(model, "none" if strategy == "ddp" else strategy, info)
-    if not cfg.lora.enabled:
+        weights.load_adapter(model, adapter_dir(step) / "adapter_model.safetensors")
+    else:
         check_model_matches(model, step)
         load_full_weights(model, step)
     figures = evaluate(
@@ -65,6 +61,7 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path) -> dict[str, object]:
         tokenizer=tokenizer,
         generate=cfg.eval.generate,
         max_new_tokens=cfg.eval.max_new_tokens,
+        autocast=lambda: precision.autocast(used, info.device, enabled=not isinstance(model, FSDPModule)),
     )
     dist.teardown()
     return {"checkpoint": str(step), **figures}

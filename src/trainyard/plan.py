@@ -8,6 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from trainyard import model as model_room
+from trainyard import precision
 from trainyard.config import JobConfig, accumulation_steps
 from trainyard.dist import DistInfo
 from trainyard.errors import ModelError
@@ -95,7 +96,7 @@ def describe_plan(cfg: JobConfig, world_size: int) -> str:
         f"micro batch      {cfg.train.micro_batch_size} samples x {accum} accumulation x {world_size} ranks",
         f"global batch     {samples} samples, up to {samples * cfg.data.max_length:,} tokens per step",
         f"steps            {train.max_steps} (lr {train.lr:g}, {train.schedule}, warmup {train.warmup_steps})",
-        f"dtype            {model_room.resolve_dtype(cfg.model, device)} on {device.type}",
+        f"precision        {precision.describe(precision.resolve(cfg, device), cfg.lora.enabled)}",
         f"lora             {_lora_words(cfg, model)}",
         f"checkpoints      {checkpoint_policy(cfg)}",
     ]

@@ -357,9 +357,15 @@ def resume(job: Job) -> LoopState:
 
 
 def build_and_wrap(
-    cfg: JobConfig, info: dist.DistInfo, precision: precision_room.Precision, model_path: str | None, tokenizer: Any
+    cfg: JobConfig,
+    info: dist.DistInfo,
+    precision: precision_room.Precision,
+    model_path: str | None,
+    tokenizer: Any,
+    forward_only: bool = False,
 ) -> tuple[torch.nn.Module, str]:
-    """Meta-device model (+ LoRA) → strategy, checked to fit → wrap → each rank's own weights."""
+    """Meta-device model (+ LoRA) → strategy, checked to fit → wrap → each rank's own weights.
+    Forward only (evaluation), DDP's replicas add nothing: FSDP stays, as it lets a big model fit."""
     config = model_room.hf_config(cfg.model, model_path, tokenizer)
     trainable_dtype = precision.trainable_dtype
     model = model_room.build_meta_model(cfg.model, config, precision.frozen_dtype if cfg.lora.enabled else trainable_dtype)
@@ -372,6 +378,8 @@ def build_and_wrap(
     if cfg.model.gradient_checkpointing:
         model_room.enable_activation_checkpointing(model)
     strategy = parallel.choose_strategy(cfg.dist.strategy, model, info)
+    if forward_only and strategy == "ddp":
+        strategy = "none"
     parallel.check_fits(strategy, cfg.dist.strategy, model, info, cfg.where("dist.strategy"))
     if cfg.model.config is not None:
         source: weights.SafetensorsFolder | weights.InMemory = weights.InMemory(

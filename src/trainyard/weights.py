@@ -171,17 +171,22 @@ class InMemory:
         return lambda start, stop: full[start:stop] if full.dim() else full
 
 
-def load(model: torch.nn.Module, source: SafetensorsFolder | InMemory, skip: Callable[[str], bool]) -> int:
-    """Fill every tensor of `model` not `skip`ped with this rank's rows from `source`; returns
-    how many. Every missing one is named at once, before any is read."""
+def load(
+    model: torch.nn.Module,
+    source: SafetensorsFolder | InMemory,
+    skip: Callable[[str], bool],
+    key: Callable[[str], str] = checkpoint_key,
+) -> int:
+    """Fill every tensor of `model` not `skip`ped with this rank's rows of `source[key(name)]`;
+    returns how many. Every missing one is named at once, before any is read."""
     plan = []
     missing = []
     for name, tensor in tensors_to_load(model):
         if skip(name):
             continue
-        reader = source.rows(checkpoint_key(name))
+        reader = source.rows(key(name))
         if reader is None:
-            missing.append(checkpoint_key(name))
+            missing.append(key(name))
         else:
             plan.append((name, tensor, reader))
     if missing:
@@ -193,3 +198,14 @@ def load(model: torch.nn.Module, source: SafetensorsFolder | InMemory, skip: Cal
     for name, tensor, reader in plan:
         copy_own_rows(tensor, reader, name)
     return len(plan)
+
+
+def adapter_key(name: str) -> str:
+    """A LoRA parameter's name in a PEFT adapter file: the adapter's name ("default") left out."""
+    return name.replace(".default.", ".")
+
+
+def load_adapter(model: torch.nn.Module, file: Path) -> int:
+    """Each rank's rows of a saved PEFT adapter, into the model's (possibly sharded) adapters."""
+    source = SafetensorsFolder(file.parent, {key: file for key in _keys(file)})
+    return load(model, source, skip=lambda name: "lora_" not in name, key=adapter_key)
