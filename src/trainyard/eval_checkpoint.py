@@ -51,7 +51,8 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path) -> dict[str, object]:
     strategy = parallel.choose_strategy(cfg.dist.strategy, model, info)
     # Forward-only: DDP's replicas add nothing (and it refuses a model with no trainable
     # parameter); FSDP stays, as it is what lets a model too big for one device fit.
-    model = parallel.wrap(model, "none" if strategy == "ddp" else strategy, info)
+    strategy = "none" if strategy == "ddp" else strategy
+    model = parallel.wrap(model, strategy, info, dist.build_mesh(info, strategy, cfg.dist.shard_size))
     if not cfg.lora.enabled:
         check_model_matches(model, step)
         load_full_weights(model, step)

@@ -1,6 +1,7 @@
-"""Wrap a loaded model for data parallelism: DDP, or FSDP2 per block then the root.
+"""Wrap a loaded model for data parallelism: DDP, or FSDP2 per block then the root (HSDP: the
+same on a 2-D mesh).
 
-Never loads weights. The order of steps is fixed: strategy → (FSDP: shard each block,
+Never loads weights. The order of steps is fixed: strategy → (FSDP/HSDP: shard each block,
 then the root | DDP: replicate) so the same job always ends up with the same layout.
 """
 
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 import psutil
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.nn.parallel import DistributedDataParallel
@@ -45,16 +46,21 @@ def replicated_state_bytes(model: torch.nn.Module) -> int:
 
 
 def choose_strategy(requested: str, model: torch.nn.Module, info: DistInfo) -> str:
-    """`auto`: none alone; ddp while replicated training state fits half a device; else fsdp."""
+    """`auto`: none alone; ddp while replicated training state fits half a device; else hsdp on
+    several nodes when state sharded over one node fits (only gradients cross the slow link); else fsdp."""
     if requested != "auto":
         return "none" if info.world_size == 1 else requested
     if info.world_size == 1:
         return "none"
-    fits = replicated_state_bytes(model) <= _DDP_MEMORY_SHARE * device_memory_bytes(info)
-    return "ddp" if fits else "fsdp"
+    state, budget = replicated_state_bytes(model), _DDP_MEMORY_SHARE * device_memory_bytes(info)
+    if state <= budget:
+        return "ddp"
+    several_nodes = info.world_size > info.local_world_size
+    return "hsdp" if several_nodes and state / info.local_world_size <= budget else "fsdp"
 
 
-def wrap(model: torch.nn.Module, strategy: str, info: DistInfo) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, strategy: str, info: DistInfo, mesh: DeviceMesh | None) -> torch.nn.Module:
+    """`mesh`: `dist.build_mesh`'s for this strategy (None for ddp and none)."""
     model.to(info.device)
     if strategy == "ddp":
         return DistributedDataParallel(
@@ -62,16 +68,17 @@ def wrap(model: torch.nn.Module, strategy: str, info: DistInfo) -> torch.nn.Modu
             device_ids=[info.local_rank] if info.device.type == "cuda" else None,
             forward_sync_buffers=False,  # no collective in eval forwards
         )
-    if strategy == "fsdp":
-        return shard_fsdp2(model, info)
+    if strategy in ("fsdp", "hsdp"):
+        assert mesh is not None, f"{strategy} shards over dist.build_mesh's mesh"
+        return shard_fsdp2(model, mesh)
     return model
 
 
-def shard_fsdp2(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
-    """fully_shard every decoder block, then the root (embeddings, norm, head)."""
-    mesh = init_device_mesh(info.device.type, (info.world_size,))
+def shard_fsdp2(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """fully_shard every decoder block, then the root (embeddings, norm, head). A 2-D mesh
+    ("replicate", "shard") makes it HSDP: sharded within a group, replicated across groups."""
     policy = MixedPrecisionPolicy()
-    if info.device.type == "cuda":
+    if mesh.device_type == "cuda":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy)
@@ -235,12 +242,18 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def gradient_sync(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
-    """Skip the gradient all-reduce on all but the last micro-batch of a window."""
-    if isinstance(model, DistributedDataParallel) and not enabled:
+def gradient_sync(model: torch.nn.Module, last: bool, defer: bool) -> Iterator[None]:
+    """How a micro-batch's gradients are reduced, `last` of its window or not.
+
+    DDP: all-reduce on the last only (no_sync before). FSDP2/HSDP: reduce-scatter every micro-batch,
+    so each unit's unsharded gradient is freed right after its backward; HSDP all-reduces the shards
+    across replicas on the last only. `defer`: FSDP2/HSDP reduce nothing before the last, keeping
+    unsharded gradients of the whole model until then (memory for speed)."""
+    if isinstance(model, DistributedDataParallel) and not last:
         with model.no_sync():
             yield
         return
     if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled)
+        model.set_requires_gradient_sync(last or not defer)
+        model.set_requires_all_reduce(last)
     yield

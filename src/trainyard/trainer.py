@@ -2,8 +2,8 @@
 
 `run` is the whole job in the order DESIGN.md draws it; `fit` is the loop: gather one
 accumulation window, count its target tokens across ranks with one all-reduce, run
-forward/backward with gradient sync only on the last micro-batch, clip, step, log, and
-at their intervals evaluate and checkpoint.
+forward/backward (gradients reduced as `parallel.gradient_sync` says), clip, step, log,
+and at their intervals evaluate and checkpoint.
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def _timed_save_due(cfg: JobConfig, last_full: float) -> bool:
 
 
 def _forward_backward(job: Job, window: list[dict[str, torch.Tensor]], targets: float, step: int) -> torch.Tensor:
-    """Forward and backward over the window; gradients sync on its last micro-batch only.
+    """Forward and backward over the window; gradients reduced as `parallel.gradient_sync` says.
     Returns the summed (unscaled) loss of this rank's window."""
     info, model = job.info, job.model
     # DDP/FSDP average gradients over ranks; multiplying back by world makes the
@@ -236,7 +236,7 @@ def _forward_backward(job: Job, window: list[dict[str, torch.Tensor]], targets: 
     for i, batch in enumerate(window):
         batch = {k: v.to(info.device) for k, v in batch.items()}
         last = i == len(window) - 1
-        with parallel.gradient_sync(model, enabled=last):
+        with parallel.gradient_sync(model, last=last, defer=job.cfg.dist.defer_grad_sync):
             loss_sum, _ = token_loss_sum(model, batch)
             if health.injected("nan", info, step):
                 loss_sum = loss_sum * float("nan")
@@ -384,7 +384,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         model_room.enable_activation_checkpointing(model)
     total_params, trainable_params = model_room.parameter_counts(model)
     strategy = parallel.choose_strategy(cfg.dist.strategy, model, info)
-    model = parallel.wrap(model, strategy, info)
+    model = parallel.wrap(model, strategy, info, dist.build_mesh(info, strategy, cfg.dist.shard_size))
     accum = accumulation_steps(cfg, info.world_size)
     logger.info(
         "strategy %s  accumulation %d  params %s (trainable %s)  dtype %s",
