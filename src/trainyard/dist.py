@@ -108,6 +108,13 @@ def build_mesh(info: DistInfo, strategy: str, shard_size: int | None) -> DeviceM
     return None
 
 
+def describe_mesh(mesh: DeviceMesh | None) -> str:
+    """The mesh in words for the log, e.g. "replicate 2 x shard 4"."""
+    if mesh is None:
+        return "none"
+    return " x ".join(f"{name} {size}" for name, size in zip(mesh.mesh_dim_names or (), mesh.shape, strict=True))
+
+
 def teardown() -> None:
     """Leave together. The group is not destroyed: with gloo on torch 2.13 that can hang or
     abort at interpreter exit, so distributed workers end with `exit_process` instead."""

@@ -384,11 +384,13 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         model_room.enable_activation_checkpointing(model)
     total_params, trainable_params = model_room.parameter_counts(model)
     strategy = parallel.choose_strategy(cfg.dist.strategy, model, info)
-    model = parallel.wrap(model, strategy, info, dist.build_mesh(info, strategy, cfg.dist.shard_size))
+    mesh = dist.build_mesh(info, strategy, cfg.dist.shard_size)
+    model = parallel.wrap(model, strategy, info, mesh)
     accum = accumulation_steps(cfg, info.world_size)
     logger.info(
-        "strategy %s  accumulation %d  params %s (trainable %s)  dtype %s",
+        "strategy %s  mesh %s  accumulation %d  params %s (trainable %s)  dtype %s",
         strategy,
+        dist.describe_mesh(mesh),
         accum,
         f"{total_params:,}",
         f"{trainable_params:,}",
