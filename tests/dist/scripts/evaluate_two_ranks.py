@@ -22,7 +22,7 @@ from trainyard import evaluate as eval_room
 from trainyard import parallel
 from trainyard.config import load_config
 from trainyard.data import prepare_datasets
-from trainyard.dist import exit_process, init, teardown
+from trainyard.dist import build_mesh, exit_process, init, teardown
 from trainyard.model import load_model, load_tokenizer
 
 COLLECTIVES = ["all_reduce", "all_gather", "all_gather_object", "broadcast", "reduce", "barrier",
@@ -102,7 +102,7 @@ def main() -> None:
     swapped = end_on_a_token_it_emits(model, [r["prompt_ids"] for r in rows], tokenizer)
     single = copy.deepcopy(model)
     loss_sum, targets = single_process_loss(single, rows)
-    wrapped = parallel.wrap(model, strategy, info)
+    wrapped = parallel.wrap(model, strategy, info, build_mesh(info, strategy, None))
 
     counts = count_collectives()
     result = eval_room.evaluate(wrapped, data.eval, subset_size=100, seed=1, batch_size=BATCH, info=info,

@@ -10,7 +10,7 @@ import torch
 
 from trainyard import parallel
 from trainyard.config import load_config
-from trainyard.dist import exit_process, init, teardown
+from trainyard.dist import build_mesh, exit_process, init, teardown
 from trainyard.model import load_model, load_tokenizer
 
 
@@ -19,7 +19,8 @@ def main() -> None:
     cfg = load_config("tiny", ["dist.strategy=fsdp"])
     info = init(cfg.dist)
     tokenizer = load_tokenizer(cfg.model, None)
-    model = parallel.wrap(load_model(cfg.model, None, tokenizer, torch.float32, 0), "fsdp", info)
+    model = load_model(cfg.model, None, tokenizer, torch.float32, 0)
+    model = parallel.wrap(model, "fsdp", info, build_mesh(info, "fsdp", None))
     timer = parallel.attach_comm_timer(model)
     assert timer is not None
     batch = torch.randint(0, 200, (2, 16))
