@@ -97,14 +97,15 @@ def measure(hosts: tuple[Host, Host], name: str, out_root: Path, port: int) -> d
 def table(results: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| run | model | strategy | accumulation | params (trainable) | steps | link bytes per run | "
-        "link bytes per step | per step / fp32 bytes of all params |",
-        "|---|---|---|---:|---|---|---|---:|---:|",
+        "link bytes per step | ÷ fp32 bytes of all params | ÷ fp32 bytes of trainable params |",
+        "|---|---|---|---:|---|---|---|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
             f"| {r['name']} | {r['model']} | {r['strategy']} | {r['accumulation']} | "
             f"{r['params']:,} ({r['trainable']:,}) | {r['steps'][0]} / {r['steps'][1]} | "
-            f"{r['bytes'][0]:,} / {r['bytes'][1]:,} | {r['per_step']:,.0f} | {r['per_step'] / (4 * r['params']):.2f} |"
+            f"{r['bytes'][0]:,} / {r['bytes'][1]:,} | {r['per_step']:,.0f} | "
+            f"{r['per_step'] / (4 * r['params']):.2f} | {r['per_step'] / (4 * r['trainable']):.2f} |"
         )
     return lines
 
@@ -113,6 +114,7 @@ def machine() -> str:
     fields = dict(line.split(":", 1) for line in sh("lscpu").splitlines() if ":" in line)
     flags = fields.get("Flags", "").split()
     noted = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if flag in flags]
+    noted += [] if "amx_bf16" in flags else ["no amx"]
     return f"{sh('nproc')} CPU cores ({fields.get('Model name', 'unknown CPU').strip()}; {' '.join(noted)}), no GPU"
 
 
@@ -120,6 +122,7 @@ def record(path: Path, results: list[dict[str, Any]]) -> None:
     dirty = bool(sh("git", "status", "--porcelain", "--untracked-files=no"))
     commit = sh("git", "rev-parse", "--short", "HEAD") + (" (plus uncommitted changes)" if dirty else "")
     lines = [
+        "",
         f"## Link bytes per step, FSDP2 vs HSDP across two hosts — {sh('date', '-u')}",
         "",
         f"- machine: {machine()}",
