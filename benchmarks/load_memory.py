@@ -203,7 +203,7 @@ def worker(case: str, folder: str, out: Path) -> None:
     info = dist.init(cfg.dist)
     tokenizer = model_room.load_tokenizer(cfg.model, folder)
     resolved = precision.resolve(cfg, info.device)
-    (model, strategy), figures = measure(lambda: trainer.build_and_wrap(cfg, info, resolved, folder, tokenizer))
+    (model, strategy, _), figures = measure(lambda: trainer.build_and_wrap(cfg, info, resolved, folder, tokenizer))
     held = sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in model.parameters())
     figures.update(rank=info.rank, strategy=strategy, held_param_bytes=held, precision=resolved.name)
     (out / f"{case}-rank{info.rank}.json").write_text(json.dumps(figures))

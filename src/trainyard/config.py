@@ -165,7 +165,17 @@ class CheckpointConfig(Section):
 
 
 class DistConfig(Section):
-    strategy: Literal["auto", "none", "ddp", "fsdp"] = "auto"
+    strategy: Literal["auto", "none", "ddp", "fsdp", "hsdp"] = "auto"
+    """auto: none alone, ddp while replicated state fits, else hsdp across nodes or fsdp within one.
+    hsdp shards within a node and replicates across nodes: only a gradient all-reduce crosses the
+    slow link, instead of every block's all-gather and reduce-scatter."""
+    shard_size: int | None = Field(None, ge=1)
+    """hsdp: ranks per shard group (default: the processes per node); must divide the world size."""
+    defer_grad_sync: bool = False
+    """fsdp/hsdp with accumulation: reduce gradients only on a window's last micro-batch. Trades memory
+    for speed: unsharded gradients of the whole model live until then (off: each micro-batch
+    reduce-scatters and frees them; hsdp still all-reduces across nodes once per step). DDP always
+    defers: it keeps one full gradient per rank whether it syncs or not."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     timeout_s: float = Field(600.0, gt=0)
     """Collective timeout: a lost rank fails the job after this, not after 30 minutes."""
@@ -174,6 +184,15 @@ class DistConfig(Section):
     desync_check_steps: int = Field(100, ge=0)
     """Every N steps DDP replicas compare weight norms (one all-gather); 0 turns it off."""
     desync_tolerance: float = Field(1e-6, ge=0.0)
+
+    @model_validator(mode="after")
+    def _shard_size_only_for_hsdp(self) -> "DistConfig":
+        if self.shard_size is not None and self.strategy not in ("hsdp", "auto"):
+            raise ValueError(
+                f"dist.shard_size is set but dist.strategy is {self.strategy}: only hsdp has shard groups; "
+                "set dist.strategy: hsdp, or remove dist.shard_size"
+            )
+        return self
 
 
 class LogConfig(Section):

@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainyard.config import DistConfig
 from trainyard.errors import ConfigError
@@ -104,6 +105,40 @@ def _create_group(backend: str, cfg: DistConfig, device: torch.device) -> None:
         if user_error is None:
             raise
         raise user_error from None
+
+
+def hsdp_shape(info: DistInfo, shard_size: int | None) -> tuple[int, int]:
+    """(replicas, shard group size): shard within a node by default, so that only the gradient
+    all-reduce between replicas crosses the link between nodes."""
+    shard = shard_size or info.local_world_size
+    if info.world_size % shard != 0:
+        divisors = [d for d in range(1, info.world_size + 1) if info.world_size % d == 0]
+        raise ConfigError(
+            f"dist.shard_size {shard} does not divide the world size {info.world_size}"
+            + ("" if shard_size else " (it defaults to the processes per node)"),
+            fix=f"set dist.shard_size to one of {', '.join(map(str, divisors))} (usually the GPUs per node)",
+        )
+    return info.world_size // shard, shard
+
+
+def build_mesh(info: DistInfo, strategy: str, shard_size: int | None) -> DeviceMesh | None:
+    """The device mesh a sharding strategy works on: 1-D ("shard",) for fsdp, 2-D ("replicate",
+    "shard") for hsdp, none for ddp or a single process. torchrun numbers a node's ranks
+    consecutively, so the inner (shard) dimension stays within a node. Every rank must call it."""
+    if strategy == "fsdp":
+        return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("shard",))
+    if strategy == "hsdp":
+        return init_device_mesh(
+            info.device.type, hsdp_shape(info, shard_size), mesh_dim_names=("replicate", "shard")
+        )
+    return None
+
+
+def describe_mesh(mesh: DeviceMesh | None) -> str:
+    """The mesh in words for the log, e.g. "replicate 2 x shard 4"."""
+    if mesh is None:
+        return "none"
+    return " x ".join(f"{name} {size}" for name, size in zip(mesh.mesh_dim_names or (), mesh.shape, strict=True))
 
 
 def teardown() -> None:

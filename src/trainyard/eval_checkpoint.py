@@ -45,7 +45,7 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path) -> dict[str, object]:
             fix="set data.eval_path, or data.eval_fraction to hold out part of data.path",
         )
     used = precision.resolve(cfg, info.device)
-    model, _ = build_and_wrap(cfg, info, used, model_path, tokenizer, forward_only=True)
+    model, _, _ = build_and_wrap(cfg, info, used, model_path, tokenizer, forward_only=True)
     if cfg.lora.enabled:
         weights.load_adapter(model, adapter_dir(step) / "adapter_model.safetensors")
     else:

@@ -1,8 +1,9 @@
 """Wrap a meta-built model for data parallelism, then materialise each rank's own weights.
 
-The order is fixed: FSDP2 shards each block, then the root, while every weight is still on
-the meta device; only then is memory allocated for this rank's shards, and weights.py fills
-them. DDP (and a lone process) materialise one whole copy, fill it, then replicate.
+The order is fixed: FSDP2 shards each block, then the root (HSDP: the same on a 2-D mesh),
+while every weight is still on the meta device; only then is memory allocated for this rank's
+shards, and weights.py fills them. DDP (and a lone process) materialise one whole copy, fill
+it, then replicate.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import psutil
 import torch
 import torch.distributed as torch_dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.nn.parallel import DistributedDataParallel
@@ -50,20 +51,27 @@ def replicated_state_bytes(model: torch.nn.Module) -> int:
 
 
 def choose_strategy(requested: str, model: torch.nn.Module, info: DistInfo) -> str:
-    """`auto`: none alone; ddp while replicated training state fits half a device; else fsdp.
+    """`auto`: none alone; ddp while replicated training state fits half a device; else hsdp on
+    several nodes when state sharded over one node fits (only gradients cross the slow link); else fsdp.
     A strategy asked for by name is kept in a 1-process group (one GPU still tests its wrapper)."""
     if requested != "auto":
         return requested if info.distributed or torch_dist.is_initialized() else "none"
     if info.world_size == 1:
         return "none"
-    fits = replicated_state_bytes(model) <= _DDP_MEMORY_SHARE * device_memory_bytes(info)
-    return "ddp" if fits else "fsdp"
+    state, budget = replicated_state_bytes(model), _DDP_MEMORY_SHARE * device_memory_bytes(info)
+    if state <= budget:
+        return "ddp"
+    several_nodes = info.world_size > info.local_world_size
+    return "hsdp" if several_nodes and state / info.local_world_size <= budget else "fsdp"
 
 
-def check_fits(strategy: str, requested: str, model: torch.nn.Module, info: DistInfo, where: str | None) -> None:
-    """Refuse, before any weight is read, a plan whose training state cannot fit a device."""
+def check_fits(
+    strategy: str, requested: str, shards: int, model: torch.nn.Module, info: DistInfo, where: str | None
+) -> None:
+    """Refuse, before any weight is read, a plan whose training state cannot fit a device.
+    `shards`: how many ranks the state is divided over (1 for ddp, the shard group for hsdp)."""
     state = replicated_state_bytes(model)
-    per_rank = state if strategy in ("ddp", "none") else state / info.world_size
+    per_rank = state / shards
     device = device_memory_bytes(info)
     if per_rank <= device:
         return
@@ -89,12 +97,14 @@ def apply(
     info: DistInfo,
     precision: Precision,
     source: weights.SafetensorsFolder | weights.InMemory,
+    mesh: DeviceMesh | None,
 ) -> torch.nn.Module:
     """Wrap, then allocate and fill this rank's own weights. Parameters that already hold values
     (LoRA adapters) keep them; the meta ones and every persistent buffer are read from `source`."""
     already_real = {name for name, param in model.named_parameters() if not param.is_meta}
-    if strategy == "fsdp":
-        shard_fsdp2(model, info, precision)
+    if strategy in ("fsdp", "hsdp"):
+        assert mesh is not None, f"{strategy} shards over dist.build_mesh's mesh"
+        shard_fsdp2(model, mesh, precision)
     materialize(model, info.device)
     weights.load(model, source, skip=lambda name: name in already_real)
     if strategy == "ddp":
@@ -121,9 +131,9 @@ def mixed_precision_policy(precision: Precision) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=precision.compute_dtype, reduce_dtype=torch.float32)
 
 
-def shard_fsdp2(model: torch.nn.Module, info: DistInfo, precision: Precision) -> torch.nn.Module:
-    """fully_shard every decoder block, then the root (embeddings, norm, head)."""
-    mesh = init_device_mesh(info.device.type, (info.world_size,))
+def shard_fsdp2(model: torch.nn.Module, mesh: DeviceMesh, precision: Precision) -> torch.nn.Module:
+    """fully_shard every decoder block, then the root (embeddings, norm, head). A 2-D mesh
+    ("replicate", "shard") makes it HSDP: sharded within a group, replicated across groups."""
     policy = mixed_precision_policy(precision)
     for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy)
@@ -287,12 +297,18 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def gradient_sync(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
-    """Skip the gradient all-reduce on all but the last micro-batch of a window."""
-    if isinstance(model, DistributedDataParallel) and not enabled:
+def gradient_sync(model: torch.nn.Module, last: bool, defer: bool) -> Iterator[None]:
+    """How a micro-batch's gradients are reduced, `last` of its window or not.
+
+    DDP: all-reduce on the last only (no_sync before). FSDP2/HSDP: reduce-scatter every micro-batch,
+    so each unit's unsharded gradient is freed right after its backward; HSDP all-reduces the shards
+    across replicas on the last only. `defer`: FSDP2/HSDP reduce nothing before the last, keeping
+    unsharded gradients of the whole model until then (memory for speed)."""
+    if isinstance(model, DistributedDataParallel) and not last:
         with model.no_sync():
             yield
         return
     if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled)
+        model.set_requires_gradient_sync(last or not defer)
+        model.set_requires_all_reduce(last)
     yield

@@ -2,8 +2,8 @@
 
 `run` is the whole job in the order DESIGN.md draws it; `fit` is the loop: gather one
 accumulation window, count its target tokens across ranks with one all-reduce, run
-forward/backward with gradient sync only on the last micro-batch, clip, step, log, and
-at their intervals evaluate and checkpoint.
+forward/backward (gradients reduced as `parallel.gradient_sync` says), clip, step, log,
+and at their intervals evaluate and checkpoint.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 import torch
 import transformers
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from trainyard import checkpoint, dist, health, parallel, weights
@@ -231,7 +232,7 @@ def _timed_save_due(cfg: JobConfig, last_full: float) -> bool:
 
 
 def _forward_backward(job: Job, window: list[dict[str, torch.Tensor]], targets: float, step: int) -> torch.Tensor:
-    """Forward and backward over the window; gradients sync on its last micro-batch only.
+    """Forward and backward over the window; gradients reduced as `parallel.gradient_sync` says.
     Returns the summed (unscaled) loss of this rank's window."""
     info, model = job.info, job.model
     # DDP/FSDP average gradients over ranks; multiplying back by world makes the
@@ -241,7 +242,7 @@ def _forward_backward(job: Job, window: list[dict[str, torch.Tensor]], targets: 
     for i, batch in enumerate(window):
         batch = {k: v.to(info.device) for k, v in batch.items()}
         last = i == len(window) - 1
-        with parallel.gradient_sync(model, enabled=last):
+        with parallel.gradient_sync(model, last=last, defer=job.cfg.dist.defer_grad_sync):
             with job.autocast():
                 loss_sum, _ = token_loss_sum(model, batch)
             if health.injected("nan", info, step):
@@ -363,8 +364,8 @@ def build_and_wrap(
     model_path: str | None,
     tokenizer: Any,
     forward_only: bool = False,
-) -> tuple[torch.nn.Module, str]:
-    """Meta-device model (+ LoRA) → strategy, checked to fit → wrap → each rank's own weights.
+) -> tuple[torch.nn.Module, str, DeviceMesh | None]:
+    """Meta-device model (+ LoRA) → strategy, checked to fit → mesh → wrap → each rank's own weights.
     Forward only (evaluation), DDP's replicas add nothing: FSDP stays, as it lets a big model fit."""
     config = model_room.hf_config(cfg.model, model_path, tokenizer)
     trainable_dtype = precision.trainable_dtype
@@ -380,7 +381,9 @@ def build_and_wrap(
     strategy = parallel.choose_strategy(cfg.dist.strategy, model, info)
     if forward_only and strategy == "ddp":
         strategy = "none"
-    parallel.check_fits(strategy, cfg.dist.strategy, model, info, cfg.where("dist.strategy"))
+    mesh = dist.build_mesh(info, strategy, cfg.dist.shard_size)
+    shards = {"fsdp": info.world_size, "hsdp": mesh.size(-1) if mesh is not None else 1}.get(strategy, 1)
+    parallel.check_fits(strategy, cfg.dist.strategy, shards, model, info, cfg.where("dist.strategy"))
     if cfg.model.config is not None:
         source: weights.SafetensorsFolder | weights.InMemory = weights.InMemory(
             model_room.random_init(cfg.model, config, cfg.train.seed)
@@ -388,7 +391,7 @@ def build_and_wrap(
     else:
         assert model_path is not None
         source = weights.SafetensorsFolder.open(model_path)
-    return parallel.apply(model, strategy, info, precision, source), strategy
+    return parallel.apply(model, strategy, info, precision, source, mesh), strategy, mesh
 
 
 def run(cfg: JobConfig) -> dict[str, Any]:
@@ -419,11 +422,12 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output_dir) / ".cache" / "data"
     data = prepare_datasets(cfg.data, tokenizer, cache_root, log=logger.info)
 
-    model, strategy = build_and_wrap(cfg, info, precision, model_path, tokenizer)
+    model, strategy, mesh = build_and_wrap(cfg, info, precision, model_path, tokenizer)
     total_params, trainable_params = model_room.parameter_counts(model)
     accum = accumulation_steps(cfg, info.world_size)
     logger.info(
-        "strategy %s  accumulation %d  params %s (trainable %s)", strategy, accum, f"{total_params:,}",
+        "strategy %s  mesh %s  accumulation %d  params %s (trainable %s)", strategy, dist.describe_mesh(mesh), accum,
+        f"{total_params:,}",
         f"{trainable_params:,}",
     )
 

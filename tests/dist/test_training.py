@@ -1,4 +1,4 @@
-"""Real 2-rank runs (torchrun, gloo) of the tiny model: DDP and FSDP2, LoRA and full."""
+"""Real 2-rank runs (torchrun, gloo) of the tiny model: DDP, FSDP2 and HSDP, LoRA and full."""
 
 from __future__ import annotations
 
@@ -25,6 +25,16 @@ COMMON = [
     "checkpoint.at_end=false",
     "log.tensorboard=false",
 ]
+
+
+# HSDP on 2 ranks as 2 replicas x 1 shard: its all-reduce across replicas (and, accumulating, the
+# shards held back until the window's last micro-batch) on the cheapest group; 2 x 2 across hosts is
+# in tests/e2e/test_multihost.py.
+STRATEGIES = {
+    "ddp": ["dist.strategy=ddp"],
+    "fsdp": ["dist.strategy=fsdp"],
+    "hsdp": ["dist.strategy=hsdp", "dist.shard_size=1"],
+}
 
 
 def train_events(out: Path, *overrides: str, nproc: int) -> list[dict]:
@@ -57,12 +67,12 @@ def assert_same_trajectory(got: list[dict], want: list[dict]) -> None:
     np.testing.assert_allclose([e["grad_norm"] for e in got], [e["grad_norm"] for e in want], rtol=1e-3, atol=1e-6)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.parametrize("lora", ["true", "false"])
 def test_two_ranks_follow_the_single_process_trajectory(
     tmp_path: Path, single_process: dict[str, list[dict]], strategy: str, lora: str
 ) -> None:
-    got = train_events(tmp_path, f"lora.enabled={lora}", f"dist.strategy={strategy}", nproc=2)
+    got = train_events(tmp_path, f"lora.enabled={lora}", *STRATEGIES[strategy], nproc=2)
     losses = [e["loss"] for e in got]
     assert losses[-1] < losses[0] - 0.1, f"loss did not go down: {losses}"
     assert_same_trajectory(got, single_process[lora])
@@ -70,16 +80,24 @@ def test_two_ranks_follow_the_single_process_trajectory(
     assert (summary["strategy"], summary["accumulation"]) == (strategy, 1)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("lora", ["true", "false"])
+@pytest.mark.parametrize(
+    ("strategy", "lora", "defer"),
+    [
+        *((strategy, lora, "false") for strategy in STRATEGIES for lora in ("true", "false")),
+        ("fsdp", "false", "true"),
+        ("hsdp", "false", "true"),
+    ],
+)
 def test_two_ranks_accumulating_follow_the_single_process_trajectory(
-    tmp_path: Path, single_process: dict[str, list[dict]], strategy: str, lora: str
+    tmp_path: Path, single_process: dict[str, list[dict]], strategy: str, lora: str, defer: str
 ) -> None:
-    """2 ranks x 2 micro-batches of 4 (DDP no_sync / FSDP2 sync-skip on the first) see the
-    same 16 samples per step as 1 process x 1 x 16. A micro-batch's gradient lost or counted
-    twice, or never reduced across ranks, moves the losses; a wrong scale moves the norms."""
+    """2 ranks x 2 micro-batches of 4 see the same 16 samples per step as 1 process x 1 x 16, whether
+    FSDP2/HSDP reduce every micro-batch (the default) or defer to the last (as DDP always does). A
+    micro-batch's gradient lost or counted twice, or never reduced across ranks, moves the losses;
+    a wrong scale moves the norms."""
     got = train_events(
-        tmp_path, f"lora.enabled={lora}", f"dist.strategy={strategy}", "train.micro_batch_size=4", nproc=2
+        tmp_path, f"lora.enabled={lora}", *STRATEGIES[strategy], f"dist.defer_grad_sync={defer}",
+        "train.micro_batch_size=4", nproc=2,
     )
     summary = json.loads((tmp_path / "tiny" / "summary.json").read_text())
     assert (summary["strategy"], summary["accumulation"], summary["world_size"]) == (strategy, 2, 2)

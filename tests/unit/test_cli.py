@@ -49,7 +49,7 @@ def test_global_batch_that_does_not_divide_exits_2(tmp_path: Path) -> None:
     ("config", "world", "needles"),
     [
         ("mistral7b-lora-ddp.yaml", 8, ["world size       8", "strategy         ddp", "lora             r=16"]),
-        ("glm45air-fsdp-lora.yaml", 16, ["world size       16", "fsdp", "x 4 accumulation x 16 ranks"]),
+        ("glm45air-fsdp-lora.yaml", 16, ["world size       16", "strategy         hsdp", "x 4 accumulation x 16 ranks"]),
         ("scratch-1.5b.yaml", 16, ["524,288 tokens per step", "fsdp", "off (full fine-tuning)", "parameters       1,"]),
         ("tiny.yaml", 2, ["parameters       90,816 total, 90,816 trainable", "strategy         ddp"]),
         ("tiny-moe.yaml", 2, ["strategy         fsdp", "lora             r=8 alpha=16 on 12 modules, 4 expert parameters"]),

@@ -12,6 +12,7 @@ from trainyard import parallel
 from trainyard.config import load_config
 from trainyard.dist import exit_process, init, teardown
 from trainyard.model import load_model, load_tokenizer
+from wrapping import wrap_in_memory  # beside this script
 
 
 def main() -> None:
@@ -19,7 +20,8 @@ def main() -> None:
     cfg = load_config("tiny", ["dist.strategy=fsdp"])
     info = init(cfg.dist)
     tokenizer = load_tokenizer(cfg.model, None)
-    model = parallel.wrap(load_model(cfg.model, None, tokenizer, torch.float32, 0), "fsdp", info)
+    model = load_model(cfg.model, None, tokenizer, torch.float32, 0)
+    model = wrap_in_memory(model, "fsdp", info)
     timer = parallel.attach_comm_timer(model)
     assert timer is not None
     batch = torch.randint(0, 200, (2, 16))
