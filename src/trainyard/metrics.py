@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import psutil
 import datasets
 import peft
+import psutil
 import torch
 import transformers
 from rich.console import Console

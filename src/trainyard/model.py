@@ -141,7 +141,9 @@ def hf_config(cfg: ModelConfig, model_path: str | None, tokenizer: PreTrainedTok
         try:
             config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.trust_remote_code)
         except (OSError, ValueError) as err:
-            raise ModelError(f"model.path: cannot read the config of {model_path}: {err}", fix="check model.path") from None
+            raise ModelError(
+                f"model.path: cannot read the config of {model_path}: {err}", fix="check model.path"
+            ) from None
     else:
         settings = dict(cfg.config)
         model_type = settings.pop("model_type")
@@ -205,7 +207,7 @@ def load_model(
             )
         except (OSError, ValueError, SafetensorError) as err:
             raise ModelError(f"model.path: cannot load {model_path}: {err}", fix="check model.path") from None
-    model.to(dtype)  # one dtype everywhere: FSDP refuses to flatten mixed dtypes
+    model.to(dtype)  # one dtype to merge adapters into
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model

@@ -118,9 +118,28 @@ def apply(
 
 
 def materialize(model: torch.nn.Module, device: torch.device) -> None:
-    """Memory for meta tensors (a shard's worth under FSDP2), the rest moved to `device`. The
-    tensors keep their identity, so tied weights stay tied."""
-    model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
+    """Memory for meta tensors (a shard's worth under FSDP2), the rest moved to `device`. FSDP2
+    swaps its own sharded parameters; elsewhere each shared Parameter is replaced once, for every
+    module holding it, so tied weights stay tied."""
+    if isinstance(model, FSDPModule):
+        model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
+        return
+    replaced: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) not in replaced:
+                replaced[id(param)] = param if param.device == device else _real_on(param, device)
+            module._parameters[name] = replaced[id(param)]
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+
+
+def _real_on(param: torch.nn.Parameter, device: torch.device) -> torch.nn.Parameter:
+    data = torch.empty_like(param, device=device) if param.is_meta else param.detach().to(device)
+    return torch.nn.Parameter(data, requires_grad=param.requires_grad)
 
 
 def mixed_precision_policy(precision: Precision) -> MixedPrecisionPolicy:

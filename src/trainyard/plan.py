@@ -89,7 +89,7 @@ def describe_plan(cfg: JobConfig, world_size: int) -> str:
     accum = accumulation_steps(cfg, world_size)
     model = meta_model(cfg)
     samples = cfg.train.micro_batch_size * accum * world_size
-    train, lora, data = cfg.train, cfg.lora, cfg.data
+    train, data = cfg.train, cfg.data
     lines = [
         f"run dir          {cfg.run_dir}",
         f"world size       {world_size}",

@@ -22,8 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from trainyard import checkpoint, dist, health, parallel, weights
-from trainyard import precision as precision_room
 from trainyard import model as model_room
+from trainyard import precision as precision_room
 from trainyard.config import JobConfig, accumulation_steps, dump_config
 from trainyard.data import PreparedData, ResumableSampler, micro_batches, prepare_datasets, sample_record_path
 from trainyard.errors import CheckpointError, TrainyardError
@@ -369,7 +369,8 @@ def build_and_wrap(
     Forward only (evaluation), DDP's replicas add nothing: FSDP stays, as it lets a big model fit."""
     config = model_room.hf_config(cfg.model, model_path, tokenizer)
     trainable_dtype = precision.trainable_dtype
-    model = model_room.build_meta_model(cfg.model, config, precision.frozen_dtype if cfg.lora.enabled else trainable_dtype)
+    base_dtype = precision.frozen_dtype if cfg.lora.enabled else trainable_dtype
+    model = model_room.build_meta_model(cfg.model, config, base_dtype)
     if cfg.lora.enabled:
         with model_room.real_stand_ins(model, trainable_dtype):
             model = model_room.apply_lora(model, cfg.lora, cfg.train.seed)

@@ -78,7 +78,8 @@ class SafetensorsFolder:
                 absent = [key for key in keys if key not in self.files]
                 if absent:
                     raise ModelError(
-                        f"model.path: {self.folder} lacks {absent[0]}", fix="check that the folder holds the whole model"
+                        f"model.path: {self.folder} lacks {absent[0]}",
+                        fix="check that the folder holds the whole model",
                     )
                 experts.append(torch.cat([_read_rows(self.files[key], key, None, None) for key in keys]))
             return torch.stack(experts)
@@ -127,7 +128,9 @@ def own_rows(param: torch.Tensor) -> tuple[int, int]:
             first = min(index * chunk, length)
             start, length = start + first, min(chunk, length - first)
         elif not placement.is_replicate():
-            raise ModelError(f"cannot load a parameter placed as {placement}", fix="use dist.strategy ddp, fsdp or hsdp")
+            raise ModelError(
+                f"cannot load a parameter placed as {placement}", fix="use dist.strategy ddp, fsdp or hsdp"
+            )
     return start, start + length
 
 

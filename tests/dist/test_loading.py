@@ -66,10 +66,12 @@ def test_fsdp2_ranks_read_only_their_half_and_match_transformers(folders: dict[s
 
 def test_ddp_ranks_hold_one_whole_copy_equal_to_transformers(folders: dict[str, Path], tmp_path: Path) -> None:
     jobs = [["random", [], ""], ["moe", _folder_job(folders["moe"]), str(folders["moe"])]]
-    for label, ranks in _run("ddp", jobs, tmp_path).items():
+    results = _run("ddp", jobs, tmp_path)
+    for label, ranks in results.items():
         for rank in ranks:
             assert rank["mismatched"] == [] and rank["meta_left"] == [], label
             assert rank["held_share"] == 1.0
+    assert all(rank["tied"] for rank in results["random"])
 
 
 def test_a_folder_missing_a_weight_is_named_before_any_is_read(folders: dict[str, Path], tmp_path: Path) -> None:

@@ -28,9 +28,9 @@ def test_quickstart_learns_the_task_and_saves_a_peft_adapter(tmp_path: Path) -> 
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(train[0])
 
     from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trainyard.model import default_model_cache
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     adapter = run_dir / "checkpoints" / f"step-{summary['steps']:08d}" / "adapter"
     assert (adapter / "adapter_model.safetensors").is_file()

@@ -49,10 +49,13 @@ def test_global_batch_that_does_not_divide_exits_2(tmp_path: Path) -> None:
     ("config", "world", "needles"),
     [
         ("mistral7b-lora-ddp.yaml", 8, ["world size       8", "strategy         ddp", "lora             r=16"]),
-        ("glm45air-fsdp-lora.yaml", 16, ["world size       16", "strategy         hsdp", "x 4 accumulation x 16 ranks"]),
-        ("scratch-1.5b.yaml", 16, ["524,288 tokens per step", "fsdp", "off (full fine-tuning)", "parameters       1,"]),
+        ("glm45air-fsdp-lora.yaml", 16,
+         ["world size       16", "strategy         hsdp", "x 4 accumulation x 16 ranks"]),
+        ("scratch-1.5b.yaml", 16,
+         ["524,288 tokens per step", "fsdp", "off (full fine-tuning)", "parameters       1,"]),
         ("tiny.yaml", 2, ["parameters       90,816 total, 90,816 trainable", "strategy         ddp"]),
-        ("tiny-moe.yaml", 2, ["strategy         fsdp", "lora             r=8 alpha=16 on 12 modules, 4 expert parameters"]),
+        ("tiny-moe.yaml", 2,
+         ["strategy         fsdp", "lora             r=8 alpha=16 on 12 modules, 4 expert parameters"]),
     ],
 )
 def test_dry_run_prints_the_plan_without_weights(config: str, world: int, needles: list[str]) -> None:

@@ -14,7 +14,12 @@ import torch
 from trainyard.config import load_config
 from trainyard.dist import DistInfo
 from trainyard.metrics import (
-    LogWindow, MetricsSink, device_peak_flops, matmul_precision, peak_flops, write_json,
+    LogWindow,
+    MetricsSink,
+    device_peak_flops,
+    matmul_precision,
+    peak_flops,
+    write_json,
 )
 from trainyard.parallel import CommTimer
 from trainyard.report import load_run, notable_events
