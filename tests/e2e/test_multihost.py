@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -22,7 +23,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, assert_ok, events, trainyard
+from tests.conftest import TINY, TINY_MOE, assert_ok, events, trainyard
+from tests.dist.checkpoint_helpers import (
+    adapter_tensors,
+    assert_same_tensors,
+    dcp_adapter_tensors,
+    events_after_last_resume,
+    resumed_events,
+)
+from tests.dist.test_moe import assert_written_by_both_ranks, expert_keys
+from trainyard.checkpoint import committed
 
 pytestmark = pytest.mark.e2e
 
@@ -184,6 +194,53 @@ def test_sharded_across_two_hosts_follows_the_one_process_trajectory(
     assert [e["step"] for e in got] == [e["step"] for e in one_process] == list(range(1, 7))
     assert [e["loss"] for e in got] == pytest.approx([e["loss"] for e in one_process], rel=1e-5)
     assert [e["grad_norm"] for e in got] == pytest.approx([e["grad_norm"] for e in one_process], rel=1e-4)
+
+
+# tiny-moe with LoRA, 2 hosts x 2 processes x 4 samples = 16 per step; one full checkpoint, at step 4 of 6.
+MOE_HSDP = [
+    "train.max_steps=6", "train.micro_batch_size=4", "train.global_batch_size=16", "train.precision=bf16-mixed",
+    "lora.enabled=true", "dist.strategy=hsdp", "checkpoint.every_steps=4", "checkpoint.every_minutes=0", *FAST,
+]
+
+
+def test_tiny_moe_lora_under_hsdp_across_two_hosts_saves_every_shard_and_resumes_exactly(
+    hosts: tuple[Host, Host], tmp_path: Path
+) -> None:
+    """Seed 000 in miniature across hosts: HSDP (replicate 2 x shard 2) trains LoRA on attention and the routed
+    experts; the full checkpoint's adapter file equals, element for element, the adapter shards every rank saved
+    into DCP; a relaunch resumes from it and retrains the steps after it with the uninterrupted run's losses."""
+    job = [TINY_MOE, f"output_dir={tmp_path}", *MOE_HSDP]
+    run_dir, checkpoints = tmp_path / "tiny-moe", tmp_path / "tiny-moe" / "checkpoints"
+
+    def launch_both(port: int) -> None:
+        where = ["--nnodes", "2", "--master", f"{HOST_ADDRESSES[0]}:{port}", "--nproc", "2"]
+        nodes = [launch_on(host, tmp_path, *job, *where, "--node-rank", str(rank)) for rank, host in enumerate(hosts)]
+        for code, output in [finish(node, timeout=300) for node in nodes]:
+            assert code == 0, output[-4000:]
+
+    launch_both(29900)
+    log = (run_dir / "logs" / "rank-0.log").read_text()
+    assert "mesh replicate 2 x shard 2" in log, log[-2000:]
+    assert "4 expert parameters (2 layers × mlp.experts." in log, log[-2000:]
+    uninterrupted = events(run_dir, "train")
+    losses = [e["loss"] for e in uninterrupted]
+    assert [e["step"] for e in uninterrupted] == list(range(1, 7))
+    assert all(math.isfinite(loss) for loss in losses) and max(losses[-2:]) < min(losses[:2]), losses
+
+    saved = committed(checkpoints)
+    assert [p.name for p in saved] == ["step-00000004"]
+    adapter = adapter_tensors(saved[0])
+    assert len(expert_keys(adapter)) == 8, sorted(adapter)  # lora_A and lora_B of 2 kinds x 2 MoE layers
+    trained_b = [name for name in expert_keys(adapter) if ".lora_B." in name]
+    assert all(adapter[name].abs().sum() > 0 for name in trained_b), trained_b  # else equality proves little
+    assert_written_by_both_ranks(saved[0], expert_keys(adapter))  # one chunk per shard of the shard group
+    assert_same_tensors(adapter, dcp_adapter_tensors(saved[0]))
+
+    launch_both(29901)
+    assert [e["path"] for e in resumed_events(run_dir)] == [str(saved[0])]
+    resumed = events_after_last_resume(run_dir, "train")
+    assert [e["step"] for e in resumed] == [5, 6]
+    assert [(e["loss"], e["grad_norm"]) for e in resumed] == [(e["loss"], e["grad_norm"]) for e in uninterrupted[4:]]
 
 
 def _wait_for_train_events(run_dir: Path, count: int, timeout: float, nodes: list[subprocess.Popen[str]]) -> None:
