@@ -158,7 +158,7 @@ def test_two_hosts_train_exactly_like_one_host_with_four_processes(hosts: tuple[
 
 # Full fine-tuning, 2 hosts x 2 processes x 2 micro-batches of 4 = 32 samples per step: HSDP holds its
 # shards' all-reduce across hosts back to the window's last micro-batch, FSDP2 reduce-scatters over both.
-SHARDED = ["train.max_steps=6", "train.global_batch_size=32", "lora.enabled=false", *FAST]
+SHARDED = ["train.max_steps=6", "train.global_batch_size=32", "lora.enabled=false", "train.precision=fp32", *FAST]
 
 
 @pytest.fixture(scope="module")
