@@ -27,8 +27,13 @@ RESUME_AT = STEPS // 2
 REPEATABLE = ["model.attn_implementation=eager", "checkpoint.keep_last=100"]
 
 
+# HSDP on 2 ranks: 2 replicas of 1 shard, so the all-reduce between replicas runs; its default on one node,
+# 1 replica of 2 shards, is FSDP's case again.
+HSDP_SHAPE = {"hsdp": ["dist.shard_size=1"]}
+
+
 def job(strategy: str, tuning: str) -> list[str]:
-    return [*COMMON, *TUNINGS[tuning], f"dist.strategy={strategy}", *REPEATABLE]
+    return [*COMMON, *TUNINGS[tuning], f"dist.strategy={strategy}", *HSDP_SHAPE.get(strategy, []), *REPEATABLE]
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +59,8 @@ def test_trains_with_a_falling_loss_on_fp32_master_weights(
     run_dir = reference(strategy, tuning)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["strategy"], summary["world_size"]) == (strategy, device.nproc)  # honoured on one rank too
+    if strategy == "hsdp":
+        assert f"mesh replicate {device.nproc} x shard 1" in (run_dir / "logs" / "rank-0.log").read_text()
     train = events(run_dir, "train")
     losses = [e["loss"] for e in train]
     assert [e["step"] for e in train] == list(range(1, STEPS + 1))
