@@ -1,4 +1,4 @@
-"""Peak RSS per rank, and time, while `trainer.build_and_wrap` loads a ~0.93B Llama from safetensors.
+"""Peak RSS per rank, and time, while `build.build_and_wrap` loads a ~0.93B Llama from safetensors.
 
     python benchmarks/load_memory.py                          # all cases (~4 GB in the temp dir, a few min)
     python benchmarks/load_memory.py --only fsdp-fp32 --folder DIR --out DIR2
@@ -184,13 +184,13 @@ def model_bytes(folder: Path) -> tuple[int, int]:
 
 def worker(case: str, folder: str, out: Path) -> None:
     """One rank under torchrun: dist.init, tokenizer and precision first, then build_and_wrap measured."""
-    from trainyard import dist, precision, trainer
+    from trainyard import build, dist, precision
     from trainyard import model as model_room
     from trainyard.config import load_config
 
     spec = CASES[case]
     if spec.get("skip_fit_check"):
-        trainer.parallel.check_fits = lambda *args, **kwargs: None
+        build.parallel.check_fits = lambda *args, **kwargs: None
     overrides = [
         "model.config=null",
         f"model.path={folder}",
@@ -203,7 +203,7 @@ def worker(case: str, folder: str, out: Path) -> None:
     info = dist.init(cfg.dist)
     tokenizer = model_room.load_tokenizer(cfg.model, folder)
     resolved = precision.resolve(cfg, info.device)
-    (model, strategy, _), figures = measure(lambda: trainer.build_and_wrap(cfg, info, resolved, folder, tokenizer))
+    (model, strategy, _), figures = measure(lambda: build.build_and_wrap(cfg, info, resolved, folder, tokenizer))
     held = sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in model.parameters())
     figures.update(rank=info.rank, strategy=strategy, held_param_bytes=held, precision=resolved.name)
     (out / f"{case}-rank{info.rank}.json").write_text(json.dumps(figures))

@@ -17,12 +17,12 @@ from torch.distributed.fsdp import FSDPModule
 
 from trainyard import dist, precision, weights
 from trainyard import model as model_room
+from trainyard.build import build_and_wrap
 from trainyard.config import JobConfig
 from trainyard.data import prepare_datasets
 from trainyard.errors import DataError
 from trainyard.evaluate import evaluate
 from trainyard.export import adapter_dir, check_model_matches, find_checkpoint, load_full_weights
-from trainyard.trainer import build_and_wrap
 
 
 def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path) -> dict[str, object]:

@@ -18,10 +18,9 @@ from typing import Any, NoReturn
 
 import torch
 import transformers
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from trainyard import checkpoint, dist, health, parallel, weights
+from trainyard import build, checkpoint, dist, health, parallel
 from trainyard import model as model_room
 from trainyard import precision as precision_room
 from trainyard.config import JobConfig, accumulation_steps, dump_config
@@ -357,44 +356,6 @@ def resume(job: Job) -> LoopState:
     return LoopState(**saved["loop"])
 
 
-def build_and_wrap(
-    cfg: JobConfig,
-    info: dist.DistInfo,
-    precision: precision_room.Precision,
-    model_path: str | None,
-    tokenizer: Any,
-    forward_only: bool = False,
-) -> tuple[torch.nn.Module, str, DeviceMesh | None]:
-    """Meta-device model (+ LoRA) → strategy, checked to fit → mesh → wrap → each rank's own weights.
-    Forward only (evaluation), DDP's replicas add nothing: FSDP stays, as it lets a big model fit."""
-    config = model_room.hf_config(cfg.model, model_path, tokenizer)
-    trainable_dtype = precision.trainable_dtype
-    base_dtype = precision.frozen_dtype if cfg.lora.enabled else trainable_dtype
-    model = model_room.build_meta_model(cfg.model, config, base_dtype)
-    if cfg.lora.enabled:
-        with model_room.real_stand_ins(model, trainable_dtype):
-            model = model_room.apply_lora(model, cfg.lora, cfg.train.seed)
-        logging.getLogger("trainyard").info(
-            "lora r=%d alpha=%g on %s", cfg.lora.r, cfg.lora.alpha, model_room.describe_lora_reach(model)
-        )
-    if cfg.model.gradient_checkpointing:
-        model_room.enable_activation_checkpointing(model)
-    strategy = parallel.choose_strategy(cfg.dist.strategy, model, info)
-    if forward_only and strategy == "ddp":
-        strategy = "none"
-    mesh = dist.build_mesh(info, strategy, cfg.dist.shard_size)
-    shards = {"fsdp": info.world_size, "hsdp": mesh.size(-1) if mesh is not None else 1}.get(strategy, 1)
-    parallel.check_fits(strategy, cfg.dist.strategy, shards, model, info, cfg.where("dist.strategy"))
-    if cfg.model.config is not None:
-        source: weights.SafetensorsFolder | weights.InMemory = weights.InMemory(
-            model_room.random_init(cfg.model, config, cfg.train.seed)
-        )
-    else:
-        assert model_path is not None
-        source = weights.SafetensorsFolder.open(model_path)
-    return parallel.apply(model, strategy, info, precision, source, mesh), strategy, mesh
-
-
 def run(cfg: JobConfig) -> dict[str, Any]:
     """The whole job: init, data, model, wrap, fit, summary. Every rank runs it."""
     wall_start = time.monotonic()
@@ -423,7 +384,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output_dir) / ".cache" / "data"
     data = prepare_datasets(cfg.data, tokenizer, cache_root, log=logger.info)
 
-    model, strategy, mesh = build_and_wrap(cfg, info, precision, model_path, tokenizer)
+    model, strategy, mesh = build.build_and_wrap(cfg, info, precision, model_path, tokenizer)
     total_params, trainable_params = model_room.parameter_counts(model)
     accum = accumulation_steps(cfg, info.world_size)
     logger.info(

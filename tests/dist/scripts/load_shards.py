@@ -19,7 +19,7 @@ from peft import get_peft_model
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from trainyard import dist, parallel, precision, trainer, weights
+from trainyard import build, dist, parallel, precision, weights
 from trainyard import model as model_room
 from trainyard.config import load_config
 
@@ -50,7 +50,7 @@ def compare(label: str, overrides: list[str], folder: str, strategy: str, out: P
     cfg = load_config(TINY, [*overrides, f"dist.strategy={strategy}", "train.precision=fp32"])
     info = dist.init(cfg.dist)
     tokenizer = model_room.load_tokenizer(cfg.model, folder or None)
-    model, _, _ = trainer.build_and_wrap(cfg, info, precision.resolve(cfg, info.device), folder or None, tokenizer)
+    model, _, _ = build.build_and_wrap(cfg, info, precision.resolve(cfg, info.device), folder or None, tokenizer)
     wanted = {_key(k): v for k, v in reference(cfg, folder, tokenizer).state_dict().items()}
     net = parallel.unwrap(model)
     mismatched, held, total = [], 0, 0

@@ -1,0 +1,56 @@
+"""The job's model, ready to train: built on the meta device (+ LoRA), a strategy chosen and checked
+to fit before any weight is read, wrapped, then filled with each rank's own weights.
+
+One function shared by training and `trainyard eval`, so both build exactly the same model.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from trainyard import dist, parallel, weights
+from trainyard import model as model_room
+from trainyard.config import JobConfig
+from trainyard.precision import Precision
+
+
+def build_and_wrap(
+    cfg: JobConfig,
+    info: dist.DistInfo,
+    precision: Precision,
+    model_path: str | None,
+    tokenizer: Any,
+    forward_only: bool = False,
+) -> tuple[torch.nn.Module, str, DeviceMesh | None]:
+    """Meta-device model (+ LoRA) → strategy, checked to fit → mesh → wrap → each rank's own weights.
+    Forward only (evaluation), DDP's replicas add nothing: FSDP stays, as it lets a big model fit."""
+    config = model_room.hf_config(cfg.model, model_path, tokenizer)
+    trainable_dtype = precision.trainable_dtype
+    base_dtype = precision.frozen_dtype if cfg.lora.enabled else trainable_dtype
+    model = model_room.build_meta_model(cfg.model, config, base_dtype)
+    if cfg.lora.enabled:
+        with model_room.real_stand_ins(model, trainable_dtype):
+            model = model_room.apply_lora(model, cfg.lora, cfg.train.seed)
+        logging.getLogger("trainyard").info(
+            "lora r=%d alpha=%g on %s", cfg.lora.r, cfg.lora.alpha, model_room.describe_lora_reach(model)
+        )
+    if cfg.model.gradient_checkpointing:
+        model_room.enable_activation_checkpointing(model)
+    strategy = parallel.choose_strategy(cfg.dist.strategy, model, info)
+    if forward_only and strategy == "ddp":
+        strategy = "none"
+    mesh = dist.build_mesh(info, strategy, cfg.dist.shard_size)
+    shards = {"fsdp": info.world_size, "hsdp": mesh.size(-1) if mesh is not None else 1}.get(strategy, 1)
+    parallel.check_fits(strategy, cfg.dist.strategy, shards, model, info, cfg.where("dist.strategy"))
+    if cfg.model.config is not None:
+        source: weights.SafetensorsFolder | weights.InMemory = weights.InMemory(
+            model_room.random_init(cfg.model, config, cfg.train.seed)
+        )
+    else:
+        assert model_path is not None
+        source = weights.SafetensorsFolder.open(model_path)
+    return parallel.apply(model, strategy, info, precision, source, mesh), strategy, mesh
