@@ -286,7 +286,9 @@ def test_killing_one_host_fails_the_other_fast_and_names_it(hosts: tuple[Host, H
     # The diagnosis of a worker of the surviving host, relayed once by its launcher: torchrun and
     # gloo print ranks and the lost address too, so only this sentence shows trainyard named them.
     flat = "".join(output.split())  # the console wraps long lines anywhere
-    found = re.search(r"rank([01])lostitspeersatstep(\d+):ranks2,3didnotarrive", flat)
+    # The killed host's ranks die a moment apart: one of them may reach the collective first, so the
+    # diagnosis names those of ranks 2 and 3 that never arrived (at least one), and never 0 or 1.
+    found = re.search(r"rank([01])lostitspeersatstep(\d+):ranks?([23](?:,[23])?)didnotarrive", flat)
     assert found, output[-4000:]
     assert int(found[2]) > 3, f"the lost step {found[2]} is before the steps already trained"
 
