@@ -311,7 +311,8 @@ def _evaluator(job: Job):
         return None
 
     def run_eval() -> dict[str, float]:
-        return evaluate(
+        started = time.monotonic()
+        figures = evaluate(
             job.model,
             job.data.eval,
             subset_size=cfg.eval.subset_size,
@@ -323,6 +324,7 @@ def _evaluator(job: Job):
             max_new_tokens=cfg.eval.max_new_tokens,
             autocast=job.autocast,
         )
+        return {**figures, "eval_s": round(time.monotonic() - started, 3)}
 
     return run_eval
 
