@@ -37,7 +37,11 @@ class ModelConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """How frozen base weights are stored (LoRA); trainable ones follow train.precision. auto: the compute dtype."""
     gradient_checkpointing: bool = False
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    attn_implementation: Literal[
+        "auto", "varlen", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"
+    ] = "auto"
+    """auto: flash_attention_2 on a GPU with flash-attn installed, else varlen (causal sdpa per document of a
+    padding-free row, no mask). sdpa/eager isolate documents with a dense mask; flex_attention with a block mask."""
     trust_remote_code: bool = False
     cache_dir: str | None = None
     """Where GGUF files are converted to safetensors once. Default: ~/.cache/trainyard/models."""
@@ -88,6 +92,10 @@ class DataConfig(Section):
     format: Literal["auto", "alpaca", "chat", "text"] = "auto"
     max_length: int = Field(512, ge=8)
     packing: bool = False
+    padding_free: bool = True
+    """Each micro-batch is one row of its documents back to back, attention kept per document: no padding is
+    computed. false: rows padded to the longest in the micro-batch (for models whose attention ignores
+    position_ids)."""
     train_on_prompt: bool = False
     on_bad_row: Literal["error", "skip"] = "error"
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)

@@ -13,6 +13,7 @@ still generating (HF's `synced_gpus`), so each sequence still ends at its own en
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -21,10 +22,14 @@ import datasets
 import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
+from transformers import modeling_utils
 
-from trainyard.data import collate
+from trainyard.data import IGNORE_INDEX, collate
 from trainyard.dist import DistInfo, all_reduce_sum
 from trainyard.parallel import unwrap
+
+
+_MASK_KEEP = hasattr(modeling_utils, "slice_logits_to_keep")  # boolean logits_to_keep masks (transformers 5)
 
 
 def evaluation_subset(num_rows: int, subset_size: int, seed: int) -> list[int]:
@@ -34,13 +39,43 @@ def evaluation_subset(num_rows: int, subset_size: int, seed: int) -> list[int]:
     return order[: min(subset_size, num_rows)]
 
 
-def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed cross-entropy over target tokens, and how many there were."""
-    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
-    logits = model(**inputs, use_cache=False).logits[:, :-1].float()
-    labels = batch["labels"][:, 1:]
-    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction="sum")
-    return loss, (labels != -100).sum()
+def token_loss_sum(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy over target tokens, and how many there were; `batch` on the host.
+
+    Logits are computed only where a label follows (transformers' `logits_to_keep`): the vocabulary
+    projection and the fp32 softmax over prompt and padding positions were a quarter of a LoRA step
+    on CPU, and their [tokens, vocab] fp32 logits the largest activation. For a padding-free row the
+    target positions are found on the host, so the device never waits on a mask's count."""
+    inputs = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+    targets = batch["labels"][:, 1:]
+    is_target = targets != IGNORE_INDEX
+    if not _keeps_logits(model):
+        logits = model(**inputs, use_cache=False).logits[:, :-1].float()
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)),
+            targets.reshape(-1).to(device),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+        return loss, is_target.sum().to(device)
+    if is_target.size(0) == 1:  # the logit at t predicts the label at t + 1
+        keep: torch.Tensor = is_target[0].nonzero().squeeze(1)
+    else:
+        keep = F.pad(is_target, (0, 1), value=False)
+    logits = model(**inputs, use_cache=False, logits_to_keep=keep.to(device)).logits.float()
+    wanted = targets[is_target].to(device)
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), wanted, reduction="sum")
+    return loss, is_target.sum().to(device)
+
+
+def _keeps_logits(model: torch.nn.Module) -> bool:
+    """Models whose forward takes `logits_to_keep`, in a transformers that accepts position tensors and
+    boolean masks for it."""
+    net = unwrap(model)
+    net = net.get_base_model() if hasattr(net, "get_base_model") else net  # PEFT's wrapper passes it on
+    return _MASK_KEEP and "logits_to_keep" in inspect.signature(type(net).forward).parameters
 
 
 def _rank_batches(indices: list[int], info: DistInfo, batch_size: int) -> list[list[int]]:
@@ -49,10 +84,6 @@ def _rank_batches(indices: list[int], info: DistInfo, batch_size: int) -> list[l
     per_rank = math.ceil(len(indices) / info.world_size)
     n_batches = math.ceil(per_rank / batch_size)
     return [mine[i * batch_size : (i + 1) * batch_size] for i in range(n_batches)]
-
-
-def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device) for k, v in batch.items()}
 
 
 @torch.no_grad()
@@ -117,6 +148,7 @@ def evaluate(
     generate: bool = False,
     max_new_tokens: int = 32,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    padding_free: bool = True,
 ) -> dict[str, float]:
     """Loss, perplexity and (optionally) exact-match accuracy, reduced once over ranks.
     `autocast` computes in the training's precision (bf16 products over fp32 weights)."""
@@ -131,12 +163,10 @@ def evaluate(
         for batch_indices in _rank_batches(indices, info, batch_size):
             padding_only = not batch_indices
             rows = [eval_data[i] for i in (batch_indices or indices[:1])]
-            batch = _to_device(
-                collate([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows], tokenizer.pad_token_id),
-                info.device,
+            batch = collate(
+                [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows], tokenizer.pad_token_id, padding_free
             )
-            batch.pop("real_tokens", None)
-            loss, count = token_loss_sum(net, batch)
+            loss, count = token_loss_sum(net, batch, info.device)
             if not padding_only:
                 totals[0] += loss.double()
                 totals[1] += count

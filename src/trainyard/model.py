@@ -25,6 +25,7 @@ from peft.tuners.lora import LoraLayer, ParamWrapper
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from trainyard import attention
 from trainyard.config import LoraConfig, ModelConfig
 from trainyard.data.tokenizer import build_byte_tokenizer
 from trainyard.errors import ModelError
@@ -157,7 +158,7 @@ def hf_config(cfg: ModelConfig, model_path: str | None, tokenizer: PreTrainedTok
             raise ModelError(f"model.config: {err}", fix="use keys of the model's HF config.json") from None
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config._attn_implementation = cfg.attn_implementation
+    config._attn_implementation = attention.resolve(cfg.attn_implementation)
     if config.pad_token_id is None:
         config.pad_token_id = tokenizer.pad_token_id
     return config
@@ -201,7 +202,7 @@ def load_model(
             model = AutoModelForCausalLM.from_pretrained(
                 model_path,
                 dtype=dtype,
-                attn_implementation=cfg.attn_implementation,
+                attn_implementation=attention.resolve(cfg.attn_implementation),
                 trust_remote_code=cfg.trust_remote_code,
                 low_cpu_mem_usage=True,
             )

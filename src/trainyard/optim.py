@@ -33,8 +33,16 @@ def build_optimizer(
     model: torch.nn.Module, cfg: JobConfig
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay)
+    optimizer = torch.optim.AdamW(
+        params, lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay, fused=_can_fuse(params)
+    )
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+
+def _can_fuse(params: list[torch.nn.Parameter]) -> bool:
+    """The fused AdamW kernel (FSDP2's DTensors included): on CPU it steps 134M fp32 parameters in 0.07 s,
+    against 0.32 s for torch's default per-tensor loop there and 0.46 s for foreach (benchmarks/RESULTS.md)."""
+    return bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
 
 
 def grad_norm_and_clip(model: torch.nn.Module, max_norm: float) -> torch.Tensor:

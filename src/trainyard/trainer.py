@@ -239,11 +239,10 @@ def _forward_backward(job: Job, window: list[dict[str, torch.Tensor]], targets: 
     scale = info.world_size / max(targets, 1.0)
     step_loss = torch.zeros((), dtype=torch.float64, device=info.device)
     for i, batch in enumerate(window):
-        batch = {k: v.to(info.device) for k, v in batch.items()}
         last = i == len(window) - 1
         with parallel.gradient_sync(model, last=last, defer=job.cfg.dist.defer_grad_sync):
             with job.autocast():
-                loss_sum, _ = token_loss_sum(model, batch)
+                loss_sum, _ = token_loss_sum(model, batch, info.device)
             if health.injected("nan", info, step):
                 loss_sum = loss_sum * float("nan")
             if last:
@@ -323,6 +322,7 @@ def _evaluator(job: Job):
             generate=cfg.eval.generate,
             max_new_tokens=cfg.eval.max_new_tokens,
             autocast=job.autocast,
+            padding_free=cfg.data.padding_free,
         )
         return {**figures, "eval_s": round(time.monotonic() - started, 3)}
 
@@ -429,7 +429,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         write_atomically(run_dir / "config.yaml", dump_config(cfg))
     install_preemption_handlers(cfg.checkpoint.preemption_signals)
     batches = micro_batches(
-        data.train, sampler, cfg.train.micro_batch_size, tokenizer.pad_token_id, sample_record_path(run_dir, info.rank)
+        data.train, sampler, cfg.train.micro_batch_size, tokenizer.pad_token_id, sample_record_path(run_dir, info.rank),
+        padding_free=cfg.data.padding_free,
     )
     try:
         state = fit(job, batches, state)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from trainyard.attention import VARLEN, document_bounds
 from trainyard.data import ResumableSampler, collate, micro_batches
 
 PAD = 0
@@ -14,7 +15,7 @@ PAD = 0
 
 def test_rows_are_right_padded_to_the_longest():
     rows = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8], "labels": [-100]}]
-    batch = collate(rows, pad_id=PAD)
+    batch = collate(rows, pad_id=PAD, padding_free=False)
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, PAD, PAD]]
     assert batch["labels"].tolist() == [[-100, 6, 7], [-100, -100, -100]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
@@ -22,25 +23,27 @@ def test_rows_are_right_padded_to_the_longest():
     assert "position_ids" not in batch
 
 
-def test_packed_rows_get_restarting_positions_and_a_block_causal_mask():
+def test_padding_free_rows_are_one_row_of_documents():
+    rows = [
+        {"input_ids": [1, 2, 3, 4, 5], "labels": [-100, 2, 3, -100, 5], "seq_lens": [3, 2]},
+        {"input_ids": [6, 7], "labels": [-100, 7]},
+    ]
+    batch = collate(rows, pad_id=PAD)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7]]
+    assert batch["labels"].tolist() == [[-100, 2, 3, -100, 5, -100, 7]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1]]
+    assert "attention_mask" not in batch and batch["real_tokens"].item() == 7
+
+
+def test_padded_packed_rows_get_restarting_positions_and_padding_a_block_of_its_own():
     rows = [
         {"input_ids": [1, 2, 3, 4, 5], "labels": [-100, 2, 3, -100, 5], "seq_lens": [3, 2]},
         {"input_ids": [6, 7], "labels": [-100, 7], "seq_lens": [2]},
     ]
-    batch = collate(rows, pad_id=PAD)
+    batch = collate(rows, pad_id=PAD, padding_free=False)
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]
-    mask = batch["attention_mask"]
-    assert mask.shape == (2, 1, 5, 5) and mask.dtype == torch.float32
-    allowed = (mask[0, 0] == 0).int().tolist()
-    assert allowed == [
-        [1, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0],
-        [1, 1, 1, 0, 0],
-        [0, 0, 0, 1, 0],
-        [0, 0, 0, 1, 1],
-    ]
-    assert mask[0, 0, 3, 0] == torch.finfo(torch.float32).min
-    assert batch["real_tokens"].item() == 7
+    assert "attention_mask" not in batch and batch["real_tokens"].item() == 7
+    assert document_bounds(batch["position_ids"]) == [[(0, 3), (3, 5)], [(0, 2), (2, 5)]]
 
 
 def tiny_llama(attention: str) -> LlamaForCausalLM:
@@ -59,8 +62,9 @@ def tiny_llama(attention: str) -> LlamaForCausalLM:
     return model
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_packed_documents_match_separate_runs(attention):
+@pytest.mark.parametrize("padding_free", [True, False], ids=["padding-free", "padded"])
+@pytest.mark.parametrize("attention", [VARLEN, "sdpa", "eager"])
+def test_packed_documents_match_separate_runs(attention, padding_free):
     model = tiny_llama(attention)
     generator = torch.Generator().manual_seed(1)
     docs = [torch.randint(1, 64, (n,), generator=generator).tolist() for n in (5, 9, 7)]
@@ -69,22 +73,18 @@ def test_packed_documents_match_separate_runs(attention):
         {"input_ids": packed_ids, "labels": packed_ids, "seq_lens": [5, 9, 7]},
         {"input_ids": docs[1], "labels": docs[1], "seq_lens": [9]},  # padded: 9 of 21
     ]
-    batch = collate(rows, pad_id=PAD)
+    batch = collate(rows, pad_id=PAD, padding_free=padding_free)
+    inputs = {key: batch[key] for key in ("input_ids", "position_ids")}
     with torch.no_grad():
-        packed = model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=batch["position_ids"],
-        ).logits
+        packed = model(**inputs, use_cache=False).logits
         alone = [model(input_ids=torch.tensor([doc])).logits[0] for doc in docs]
-        first_row = {key: batch[key][:1] for key in ("input_ids", "position_ids")}
-        leaky = model(**first_row).logits
-    start = 0
-    for doc, logits in zip(docs, alone, strict=True):
-        torch.testing.assert_close(packed[0, start : start + len(doc)], logits, atol=1e-5, rtol=0)
-        start += len(doc)
-    torch.testing.assert_close(packed[1, :9], alone[1], atol=1e-5, rtol=0)
-    # the comparison can fail: without the mask the later documents see the earlier ones
+        # the comparison can fail: without restarting positions the later documents see the earlier ones
+        leaky = model(input_ids=batch["input_ids"], use_cache=False).logits
+    if padding_free:
+        torch.testing.assert_close(packed[0], torch.cat(alone + [alone[1]]), atol=1e-5, rtol=0)
+    else:
+        torch.testing.assert_close(packed[0], torch.cat(alone), atol=1e-5, rtol=0)
+        torch.testing.assert_close(packed[1, :9], alone[1], atol=1e-5, rtol=0)
     assert (leaky[0, 5:14] - alone[1]).abs().max() > 1e-3
 
 
@@ -97,7 +97,7 @@ def test_micro_batches_follow_the_sampler_order():
     data = dataset_of(12)
     sampler = ResumableSampler(12, seed=0, rank=0, world_size=1)
     order = ResumableSampler(12, seed=0, rank=0, world_size=1).epoch_order(0)
-    batch = next(micro_batches(data, sampler, micro_batch_size=4, pad_id=PAD))
+    batch = next(micro_batches(data, sampler, micro_batch_size=4, pad_id=PAD, padding_free=False))
     expected = [data[i]["input_ids"] for i in order[:4]]
     assert [row[row != PAD].tolist() for row in batch["input_ids"]] == expected
     assert batch["input_ids"].shape[1] == max(len(ids) for ids in expected)

@@ -1,6 +1,6 @@
 """Data: rows -> masked token ids, a rank-safe tokenized cache, a resumable sampler, batches."""
 
-from trainyard.data.collate import collate, packed_attention
+from trainyard.data.collate import collate
 from trainyard.data.formats import IGNORE_INDEX, alpaca_prompt, detect_format, encode_row, read_rows
 from trainyard.data.loader import micro_batches, sample_record_path
 from trainyard.data.prepare import PreparedData, data_fingerprint, prepare_datasets
@@ -20,7 +20,6 @@ __all__ = [
     "detect_format",
     "encode_row",
     "micro_batches",
-    "packed_attention",
     "prepare_datasets",
     "read_rows",
     "sample_record_path",

@@ -1,4 +1,4 @@
-"""Rows -> a padded micro-batch of tensors, padded only to the longest row in it."""
+"""Rows -> one micro-batch of tensors: padding-free (one row of documents) or padded to the longest row."""
 
 from __future__ import annotations
 
@@ -18,51 +18,37 @@ def _right_padded(sequences: list[list[int]], length: int, value: int) -> torch.
     return batch
 
 
-def _blocks(seq_lens: list[int], length: int) -> list[int]:
-    """Document lengths of a packed row, padding counted as one more block of its own."""
-    padding = length - sum(seq_lens)
-    return list(seq_lens) + ([padding] if padding else [])
+def _documents(row: Row) -> list[int]:
+    """Lengths of the documents in a row: a packed row lists them in seq_lens, any other row is one."""
+    return list(row.get("seq_lens") or [len(row["input_ids"])])
 
 
-def packed_attention(
-    seq_lens_per_row: list[list[int]], length: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(position_ids [B, L], additive mask [B, 1, L, L]) isolating the documents of packed rows.
-
-    Position ids restarting per document are not enough on their own: transformers' sdpa and
-    eager attention still let a token see earlier documents. The mask is block-diagonal causal:
-    0 where a token may attend, torch.finfo(float32).min elsewhere. Padding forms its own block,
-    so no query row is fully masked (that gives NaN in some kernels).
-
-    Backends: sdpa accepts this float mask (or the bool form `mask == 0`); eager needs the float
-    form. Cast to a bf16/fp16 model's dtype, the minimum becomes -inf, which is harmless here
-    because every query keeps at least its own position. On GPU, flash-attention varlen
-    (cu_seqlens from seq_lens) or flex_attention with a document mask do the same without an
-    L x L tensor per row.
-    """
-    positions = torch.zeros(len(seq_lens_per_row), length, dtype=torch.long)
-    document = torch.zeros(len(seq_lens_per_row), length, dtype=torch.long)
-    for i, seq_lens in enumerate(seq_lens_per_row):
-        start = 0
-        for number, size in enumerate(_blocks(seq_lens, length)):
-            positions[i, start : start + size] = torch.arange(size)
-            document[i, start : start + size] = number
-            start += size
-    same_document = document[:, :, None] == document[:, None, :]
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    allowed = same_document & causal
-    mask = torch.zeros(allowed.shape, dtype=torch.float32)
-    mask.masked_fill_(~allowed, torch.finfo(torch.float32).min)
-    return positions, mask[:, None]
+def _restarting_positions(lengths: list[int], total: int) -> list[int]:
+    """0, 1, ... per document; what is left up to `total` (padding) restarts once more, so it is
+    a block of its own and no query is left without a key."""
+    positions = [i for size in lengths for i in range(size)]
+    return positions + list(range(total - len(positions)))
 
 
-def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
-    """input_ids, labels, attention_mask and real_tokens; packed rows add position_ids.
+def padding_free_batch(rows: list[Row]) -> dict[str, torch.Tensor]:
+    """All rows' documents concatenated into one row [1, T] with restarting position_ids and no
+    attention_mask: no padding is computed, and transformers' attention backends (or trainyard's
+    varlen, see attention.py) keep each document to itself. Every document's first label is
+    IGNORE_INDEX, so no token learns to predict across a boundary."""
+    input_ids = [token for row in rows for token in row["input_ids"]]
+    lengths = [size for row in rows for size in _documents(row)]
+    return {
+        "input_ids": torch.tensor([input_ids], dtype=torch.long),
+        "labels": torch.tensor([[label for row in rows for label in row["labels"]]], dtype=torch.long),
+        "position_ids": torch.tensor([_restarting_positions(lengths, len(input_ids))], dtype=torch.long),
+        "real_tokens": torch.tensor(len(input_ids), dtype=torch.long),
+    }
 
-    Unpacked rows get a 2D 0/1 attention_mask. Rows with `seq_lens` (packed) get the 4D
-    block-diagonal mask of `packed_attention` instead. real_tokens counts non-padding tokens,
-    the figure tokens/s should report.
-    """
+
+def padded_batch(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
+    """Rows right-padded to the longest. Plain rows get a 2-D 0/1 attention_mask; packed rows
+    (with seq_lens) get restarting position_ids and no mask, so transformers isolates their
+    documents from the positions."""
     input_ids = [row["input_ids"] for row in rows]
     length = max(len(ids) for ids in input_ids)
     batch = {
@@ -71,9 +57,14 @@ def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
         "real_tokens": torch.tensor(sum(len(ids) for ids in input_ids), dtype=torch.long),
     }
     if "seq_lens" in rows[0]:
-        positions, mask = packed_attention([row["seq_lens"] for row in rows], length)
-        batch["position_ids"] = positions
-        batch["attention_mask"] = mask
+        positions = [_restarting_positions(_documents(row), length) for row in rows]
+        batch["position_ids"] = torch.tensor(positions, dtype=torch.long)
     else:
         batch["attention_mask"] = _right_padded([[1] * len(ids) for ids in input_ids], length, 0)
     return batch
+
+
+def collate(rows: list[Row], pad_id: int, padding_free: bool = True) -> dict[str, torch.Tensor]:
+    """input_ids, labels, real_tokens (non-padding tokens, the figure tokens/s reports), and
+    position_ids or attention_mask as the layout needs."""
+    return padding_free_batch(rows) if padding_free else padded_batch(rows, pad_id)

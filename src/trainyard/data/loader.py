@@ -67,6 +67,7 @@ def micro_batches(
     micro_batch_size: int,
     pad_id: int,
     record: Path | None = None,
+    padding_free: bool = True,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Collated micro-batches, forever; each one's rows appended to `record` when given.
 
@@ -85,7 +86,7 @@ def micro_batches(
                 recorder.micro_batch(positions, picked)
             fetched = rows_of[picked]
             rows = [{name: fetched[name][i] for name in columns} for i in range(len(picked))]
-            yield collate(rows, pad_id)
+            yield collate(rows, pad_id, padding_free)
     finally:
         if recorder is not None:
             recorder.handle.close()
