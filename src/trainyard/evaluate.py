@@ -28,7 +28,6 @@ from trainyard.data import IGNORE_INDEX, collate
 from trainyard.dist import DistInfo, all_reduce_sum
 from trainyard.parallel import unwrap
 
-
 _MASK_KEEP = hasattr(modeling_utils, "slice_logits_to_keep")  # boolean logits_to_keep masks (transformers 5)
 
 
@@ -163,9 +162,8 @@ def evaluate(
         for batch_indices in _rank_batches(indices, info, batch_size):
             padding_only = not batch_indices
             rows = [eval_data[i] for i in (batch_indices or indices[:1])]
-            batch = collate(
-                [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows], tokenizer.pad_token_id, padding_free
-            )
+            examples = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows]
+            batch = collate(examples, tokenizer.pad_token_id, padding_free)
             loss, count = token_loss_sum(net, batch, info.device)
             if not padding_only:
                 totals[0] += loss.double()
