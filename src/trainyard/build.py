@@ -40,6 +40,8 @@ def build_and_wrap(
         )
     if cfg.model.gradient_checkpointing:
         model_room.enable_activation_checkpointing(model)
+    if cfg.train.compile:
+        logging.getLogger("trainyard").info("torch.compile on %d blocks' MLPs", model_room.compile_blocks(model))
     strategy = parallel.choose_strategy(cfg.dist.strategy, model, info)
     if forward_only and strategy == "ddp":
         strategy = "none"

@@ -124,6 +124,9 @@ class TrainConfig(Section):
     """0 turns clipping off."""
     seed: int = 42
     on_nonfinite: Literal["error", "skip"] = "error"
+    compile: bool = False
+    """torch.compile every decoder block's MLP. On CPU it cut a SmolLM2 LoRA step by ~12% once compiled, after
+    ~15 s of compiling at the first step: worth it for long runs, not short ones. Needs a C++ compiler on CPU."""
     precision: Literal["auto", "bf16-mixed", "fp32", "bf16"] = "auto"
     """bf16-mixed: fp32 master weights and AdamW moments, bf16 compute, fp32 gradient reduction.
     bf16: everything in bf16 (least memory; small updates round away). auto: bf16-mixed on GPUs with
