@@ -62,6 +62,7 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path) -> dict[str, object]:
         generate=cfg.eval.generate,
         max_new_tokens=cfg.eval.max_new_tokens,
         autocast=lambda: precision.autocast(used, info.device, enabled=not isinstance(model, FSDPModule)),
+        padding_free=cfg.data.padding_free,
     )
     dist.teardown()
     return {"checkpoint": str(step), **figures}
