@@ -209,6 +209,8 @@ def load_model(
         except (OSError, ValueError, SafetensorError) as err:
             raise ModelError(f"model.path: cannot load {model_path}: {err}", fix="check model.path") from None
     model.to(dtype)  # one dtype to merge adapters into
+    if model.config._attn_implementation == attention.VARLEN:
+        model.set_attn_implementation("sdpa")  # what an exported model runs with in plain transformers
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model
