@@ -39,7 +39,7 @@ def build_and_wrap(
             "lora r=%d alpha=%g on %s", cfg.lora.r, cfg.lora.alpha, model_room.describe_lora_reach(model)
         )
     if cfg.model.gradient_checkpointing:
-        model_room.enable_activation_checkpointing(model)
+        model_room.enable_activation_checkpointing(model, selective=cfg.model.gradient_checkpointing == "selective")
     strategy = parallel.choose_strategy(cfg.dist.strategy, model, info)
     if forward_only and strategy == "ddp":
         strategy = "none"
