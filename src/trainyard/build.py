@@ -39,7 +39,9 @@ def build_and_wrap(
             "lora r=%d alpha=%g on %s", cfg.lora.r, cfg.lora.alpha, model_room.describe_lora_reach(model)
         )
     if cfg.model.gradient_checkpointing:
-        model_room.enable_activation_checkpointing(model)
+        selective = cfg.model.gradient_checkpointing == "selective"
+        model_room.enable_activation_checkpointing(model, selective=selective)
+        logging.getLogger("trainyard").info("activation checkpointing: %s", "selective" if selective else "full")
     if cfg.train.compile:
         logging.getLogger("trainyard").info("torch.compile on %d blocks' MLPs", model_room.compile_blocks(model))
     strategy = parallel.choose_strategy(cfg.dist.strategy, model, info)

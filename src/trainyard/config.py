@@ -15,7 +15,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from trainyard.errors import ConfigError
 
@@ -36,7 +45,9 @@ class ModelConfig(Section):
     """Tokenizer folder or hub id; `builtin:bytes` for the local byte tokenizer. Default: `path`."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """How frozen base weights are stored (LoRA); trainable ones follow train.precision. auto: the compute dtype."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | Literal["selective"] = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them. true: all of them (least
+    memory, the slowest); selective: all but the matmul and attention outputs (most of the saving, less recompute)."""
     attn_implementation: Literal[
         "auto", "varlen", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"
     ] = "auto"
@@ -53,6 +64,15 @@ class ModelConfig(Section):
         if self.config is not None and "model_type" not in self.config:
             raise ValueError("model.config needs a model_type (for example: llama)")
         return self
+
+    @field_validator("gradient_checkpointing", mode="wrap")
+    @classmethod
+    def _checkpointing_mode(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> bool | str:
+        """One message naming the three choices, instead of pydantic's one per member of the union."""
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError("must be false, true (full) or selective") from None
 
     @field_validator("dtype")
     @classmethod

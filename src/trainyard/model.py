@@ -12,8 +12,10 @@ import hashlib
 import importlib.util
 import os
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import init_empty_weights
@@ -23,6 +25,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer, ParamWrapper
 from safetensors import SafetensorError
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from trainyard import attention
@@ -358,13 +361,53 @@ def _unique(names: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def enable_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Non-reentrant, so LoRA + DDP + checkpointing trains (the reentrant kind crashes there)."""
+MATMUL_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default})
+ATTENTION_OPS = frozenset(
+    {
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+        torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    }
+)
+
+
+def enable_activation_checkpointing(model: torch.nn.Module, selective: bool = False) -> None:
+    """Checkpoint every decoder layer through transformers' own hook: it wraps the layer's `forward`, so FSDP2's
+    hooks stay outside the recompute and parameter names stay as they are. Non-reentrant, so LoRA + DDP +
+    checkpointing trains (the reentrant kind crashes there). `selective`: see `selective_policy`."""
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if selective:
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, selective_policy(max_lora_rank(model)))
     if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.config.use_cache = False
+
+
+def selective_policy(low_rank: int) -> Callable[..., CheckpointPolicy]:
+    """torchtitan's op-level policy: keep the outputs of attention and of the matmuls, the ops that cost the most
+    to recompute, and recompute everything between them (norms, activations, rotary, casts, adds).
+
+    Except matmuls through at most `low_rank` (LoRA's B: rank-r products): each output element cost only 2r
+    flops, and keeping them, as large as the base layer's own outputs, would hold more than no checkpointing."""
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in ATTENTION_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        if op in MATMUL_OPS and args[1 if op == torch.ops.aten.addmm.default else 0].shape[-1] > low_rank:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def max_lora_rank(model: torch.nn.Module) -> int:
+    """The widest adapter rank (0 without LoRA), rank patterns included (PEFT doubles it on fused experts)."""
+    if not isinstance(model, PeftModel):
+        return 0
+    return max(max([config.r, *config.rank_pattern.values()]) for config in model.peft_config.values())
 
 
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
