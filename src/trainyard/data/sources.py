@@ -203,16 +203,16 @@ def _saved_dataset(fs: Any, root: str, source: MixtureSource, index: int) -> Ite
     except (FileNotFoundError, ValueError, OSError, KeyError, TypeError) as err:
         raise DataError(
             f"data.mixture[{index}] ({source.path}): the save_to_disk folder cannot be read ({err})",
-            where=url,
+            where=shown(fs, root),
             fix="write it again with Dataset.save_to_disk",
         ) from None
     if isinstance(loaded, datasets.DatasetDict):
         loaded = loaded["train"] if "train" in loaded else loaded[sorted(loaded)[0]]
     if source.text_field not in loaded.column_names:
-        raise _missing_column(url, loaded.column_names, source, index)
+        raise _missing_column(shown(fs, root), loaded.column_names, source, index)
     column = loaded.select_columns([source.text_field])
     batches = (batch[source.text_field] for batch in column.iter(batch_size=BATCH_ROWS))
-    yield from _rows_in_batches(batches, url, source, index)
+    yield from _rows_in_batches(batches, shown(fs, root), source, index)
 
 
 def _streamed_dataset(source: MixtureSource, index: int) -> Iterator[Document]:
