@@ -130,6 +130,8 @@ class MixtureStream:
             count = min(CHUNK_ROWS, target - self._cache.row)
             sources, _, usable = self._plan(self._cache, count)
             self._advance(self._cache, sources, usable, count)
+        if self.exhausted == "stop" and not self._cache.ended:
+            self._cache.ended = self._plan(self._cache, 1)[2] == 0  # the next row's source has run out
         return self._cache.copy()
 
     # ------------------------------------------------------------ reading
