@@ -127,11 +127,11 @@ def prepare(
     """Tokenize the job's data.mixture once into memory-mapped token shards (reused by every later run)."""
     from trainyard import config as config_room
     from trainyard import model as model_room
-    from trainyard.data.shards import mixture_of, prepare
+    from trainyard.data.shards import check_sources, prepare
 
     config_path, overrides = _config_and_overrides(args)
     cfg = config_room.load_config(config_path, overrides)
-    mixture_of(cfg)  # a job without a mixture fails before any tokenizer is loaded
+    check_sources(cfg)  # no mixture, or a path that matches nothing, fails before the tokenizer is loaded
     model_path = model_room.resolve_model_path(cfg.model) if cfg.model.path is not None else None
     tokenizer = model_room.load_tokenizer(cfg.model, model_path)
     prepared = prepare(cfg, tokenizer, log=lambda line: err_console.print(line, markup=False, soft_wrap=True))

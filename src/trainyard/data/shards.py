@@ -106,6 +106,12 @@ def mixture_of(cfg: JobConfig) -> list[MixtureSource]:
     return cfg.data.mixture
 
 
+def check_sources(cfg: JobConfig) -> None:
+    """Fail on a source that matches nothing before the tokenizer (and torch with it) is loaded: in seconds."""
+    for i, source in enumerate(mixture_of(cfg)):
+        identity(source, i)
+
+
 def fingerprint(sources: list[MixtureSource], tokenizer: Any) -> str:
     """Changes whenever the tokens written could change: tokenizer, files, fields, or this code's format."""
     parts = {
