@@ -120,7 +120,8 @@ def test_state_counts_rows_tokens_and_epochs_per_source(shards: PreparedShards) 
     per_source = [sum(origin(r)[0] == s for r in rows) for s in range(3)]
     assert [s["rows"] for s in state["sources"]] == per_source
     assert [s["tokens"] for s in state["sources"]] == [1000 * n for n in per_source]
-    assert [s["epoch"] for s in state["sources"]] == [1000 * n // t for n, t in zip(per_source, [50_000, 70_000, 20_000])]
+    sizes = [50_000, 70_000, 20_000]
+    assert [s["epoch"] for s in state["sources"]] == [1000 * n // size for n, size in zip(per_source, sizes)]
 
 
 def test_repeat_wraps_a_source_without_dropping_tokens(tmp_path: Path) -> None:

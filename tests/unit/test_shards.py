@@ -69,7 +69,8 @@ def tokens_of(source: Any) -> list[int]:
 
 
 def folder_snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
-    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) for p in files}
 
 
 def test_tokens_read_back_equal_the_tokenizer_output_plus_eos(tmp_path: Path) -> None:
@@ -184,7 +185,9 @@ def test_memory_file_parquet_saved_and_streamed_sources(tmp_path: Path) -> None:
     fsspec.filesystem("memory").rm("/trainyard-test", recursive=True)
 
 
-def test_a_streamed_dataset_goes_through_load_dataset_streaming(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_streamed_dataset_goes_through_load_dataset_streaming(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls: list[dict[str, Any]] = []
     real = datasets.load_dataset
 
