@@ -36,7 +36,7 @@ class WideTokenizer:
     def get_vocab(self) -> dict[str, int]:
         return {"<eos>": 69_999}
 
-    def __call__(self, texts: list[str]) -> dict[str, Any]:
+    def __call__(self, texts: list[str], **_: Any) -> dict[str, Any]:
         return {"input_ids": [[66_000 + ord(c) for c in text] for text in texts]}
 
 

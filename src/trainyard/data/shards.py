@@ -227,10 +227,13 @@ def _token_documents(
 
 
 def _encoded(batch: list[tuple[int, str]], tokenizer: Any, eos: int) -> Iterator[tuple[int, list[int]]]:
-    """The same ids as tokenizer(text)["input_ids"] (special tokens as the tokenizer adds them), plus EOS."""
+    """The same ids as tokenizer(text)["input_ids"] (special tokens as the tokenizer adds them), plus EOS.
+
+    verbose=False: documents longer than the model's context are expected here (rows cut them), not worth a warning.
+    """
     if not batch:
         return
-    encoded = tokenizer([text for _, text in batch])["input_ids"]
+    encoded = tokenizer([text for _, text in batch], verbose=False)["input_ids"]
     for (number, _), ids in zip(batch, encoded, strict=True):
         yield number, [*ids, eos]
 
