@@ -18,6 +18,7 @@ from trainyard.config import load_config
 from trainyard.data import shards as shards_room
 from trainyard.data.shards import open_shards, prepare, token_dtype
 from trainyard.data.tokenizer import build_byte_tokenizer
+from trainyard.errors import DataError
 
 TEXTS = [f"document {i}: " + "words and more words " * (i % 7) for i in range(120)]
 
@@ -201,3 +202,18 @@ def test_a_streamed_dataset_goes_through_load_dataset_streaming(
     prepared = prepare(job(tmp_path, f"hf://{tmp_path}/hub"), build_byte_tokenizer(), show_progress=False)
     assert calls and calls[0]["streaming"] is True
     assert prepared.sources[0].documents == 4
+
+
+def test_the_job_stream_reads_the_prepared_documents_back(tmp_path: Path) -> None:
+    from trainyard.data.mixture import mixture_stream
+
+    tokenizer = build_byte_tokenizer()
+    cfg = job(tmp_path, str(write_jsonl(tmp_path / "a.jsonl", TEXTS)))
+    cfg.data.max_length = 64
+    prepared = prepare(cfg, tokenizer, show_progress=False)
+    rows = [row for _, row in zip(range(10), mixture_stream(cfg, prepared, rank=0, world_size=1))]
+    text = tokenizer.decode([t for row in rows for t in row["input_ids"]])
+    assert text.startswith("<|eos|>".join(TEXTS[:5]))
+    cfg.data.mixture = [*cfg.data.mixture, cfg.data.mixture[0].model_copy(update={"path": "other.jsonl"})]
+    with pytest.raises(DataError, match="not this job's data.mixture"):
+        mixture_stream(cfg, prepared)
