@@ -105,6 +105,19 @@ class LoraConfig(Section):
     loads the same way."""
 
 
+class MixtureSource(Section):
+    """One source of a pretraining mixture (`data.mixture`): documents' text, tokenized once by `trainyard prepare`."""
+
+    path: str
+    """A file, a glob (`data/*.jsonl`), a save_to_disk folder, an fsspec URL (`s3://...`, `memory://...`) of JSONL or
+    Parquet, or `hf://NAME` for a dataset read by `datasets.load_dataset(NAME, streaming=True)`."""
+    weight: float = Field(gt=0)
+    """Relative share of the tokens drawn from this source; the weights need not sum to 1."""
+    format: Literal["text"] = "text"
+    """Pretraining text: each row's `text_field` is one document."""
+    text_field: str = Field("text", min_length=1)
+
+
 class DataConfig(Section):
     path: str = "builtin:dates"
     """JSONL/JSON/Parquet file, a `save_to_disk` folder, or a built-in task `builtin:NAME`."""
@@ -125,6 +138,21 @@ class DataConfig(Section):
     synthetic_train_size: int = Field(2000, ge=1)
     synthetic_eval_size: int = Field(200, ge=1)
     prepare_timeout_s: float = Field(3600.0, gt=0)
+    mixture: list[MixtureSource] | None = None
+    """Pretraining: a weighted mixture of text sources, read as fixed-length rows of max_length tokens cut from
+    token shards that `trainyard prepare` writes once. Replaces `path` (set one of them)."""
+    mixture_exhausted: Literal["repeat", "stop"] = "repeat"
+    """repeat: a source that runs out starts its next epoch; stop: the stream ends when the first source runs out."""
+    shards_dir: str | None = None
+    """Where prepared token shards live. Default: <output_dir>/.cache/shards."""
+
+    @model_validator(mode="after")
+    def _path_or_mixture(self) -> "DataConfig":
+        if self.mixture is not None and not self.mixture:
+            raise ValueError("data.mixture needs at least one source ({path, weight}), or remove it")
+        if self.mixture and "path" in self.model_fields_set:
+            raise ValueError("set data.path or data.mixture, not both: data.path is not read when there is a mixture")
+        return self
 
 
 class TrainConfig(Section):
@@ -134,6 +162,8 @@ class TrainConfig(Section):
     """Samples per optimizer step over all ranks; accumulation = this / (micro * world)."""
     global_batch_tokens: int | None = Field(None, ge=1)
     """Tokens per optimizer step over all ranks, counted as micro * max_length per micro-batch."""
+    total_tokens: int | None = Field(None, ge=1)
+    """Train on this many tokens (the steps follow from the batch); instead of max_steps."""
     lr: float = Field(2e-4, gt=0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
@@ -156,6 +186,8 @@ class TrainConfig(Section):
     def _one_batch_rule(self) -> "TrainConfig":
         if self.global_batch_size is not None and self.global_batch_tokens is not None:
             raise ValueError("set train.global_batch_size or train.global_batch_tokens, not both")
+        if self.total_tokens is not None and "max_steps" in self.model_fields_set:
+            raise ValueError("set train.max_steps or train.total_tokens, not both")
         if not all(0.0 <= beta < 1.0 for beta in self.betas):
             raise ValueError(f"train.betas {list(self.betas)} must each be in [0, 1), e.g. [0.9, 0.999]")
         return self
@@ -392,6 +424,14 @@ def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
+def _field_name(loc: tuple[Any, ...]) -> str:
+    """A validation error's location as the user writes it: data.mixture[1].weight, not data.mixture.1.weight."""
+    name = ""
+    for part in loc:
+        name += f"[{part}]" if isinstance(part, int) else f".{part}" if name else str(part)
+    return name
+
+
 def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
     """Read a job: the file (or the quickstart preset when None), then the overrides in order."""
     data, lines, file = _read_yaml(path or "quickstart")
@@ -417,7 +457,7 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
     except ValidationError as err:
         first = err.errors()[0]
         loc = [str(part) for part in first["loc"]]
-        field = ".".join(loc) or "(top level)"
+        field = _field_name(first["loc"]) or "(top level)"
         value = first.get("input")
         shown = "" if isinstance(value, dict) or not loc else f" (got {value!r})"
         message = first["msg"].removeprefix("Value error, ")

@@ -1,4 +1,4 @@
-"""Commands that run a job here: train and eval."""
+"""Commands that run a job here: train, eval, and prepare (a mixture's token shards)."""
 
 from __future__ import annotations
 
@@ -118,3 +118,26 @@ def eval_checkpoint(
     figures = evaluate_checkpoint(cfg, checkpoint)
     if os.environ.get("RANK", "0") == "0":
         print(format_figures(figures), flush=True)
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def prepare(
+    args: Annotated[list[str], typer.Argument(help="CONFIG (YAML file or preset name) then key=value overrides")],
+) -> None:
+    """Tokenize the job's data.mixture once into memory-mapped token shards (reused by every later run)."""
+    from trainyard import config as config_room
+    from trainyard import model as model_room
+    from trainyard.data.shards import check_sources, prepare
+
+    config_path, overrides = _config_and_overrides(args)
+    cfg = config_room.load_config(config_path, overrides)
+    check_sources(cfg)  # no mixture, or a path that matches nothing, fails before the tokenizer is loaded
+    model_path = model_room.resolve_model_path(cfg.model) if cfg.model.path is not None else None
+    tokenizer = model_room.load_tokenizer(cfg.model, model_path)
+    prepared = prepare(cfg, tokenizer, log=lambda line: err_console.print(line, markup=False, soft_wrap=True))
+    print(prepared.folder)
+    for i, source in enumerate(prepared.sources):
+        print(
+            f"data.mixture[{i}] {source.path}: {source.documents:,} documents, {source.tokens:,} tokens, "
+            f"{source.bytes:,} bytes ({prepared.dtype})"
+        )
