@@ -32,6 +32,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 REPO = Path(__file__).resolve().parents[1]
 SMOL = ["model.path=builtin:smollm2-135m-instruct", "data.max_length=256", "train.micro_batch_size=2"]
 TINY = [f"{REPO / 'configs' / 'tiny.yaml'}"]
+# tiny-moe with expert stacks large next to its activations, so LoRA's folded expert weights show
+MOE = [f"{REPO / 'configs' / 'tiny-moe.yaml'}", "model.config.n_routed_experts=32", "model.config.hidden_size=256",
+       "model.config.moe_intermediate_size=512", "train.micro_batch_size=1", "data.max_length=64"]
 ONE_STEP = ["train.global_batch_size=null", "dist.strategy=none"]
 # name, config + overrides, processes
 ROWS: list[tuple[str, list[str], int]] = [
@@ -42,6 +45,8 @@ ROWS: list[tuple[str, list[str], int]] = [
     ("smollm2 full", ["quickstart", *SMOL, *ONE_STEP, "lora.enabled=false"], 1),
     ("smollm2 full, ckpt", ["quickstart", *SMOL, *ONE_STEP, "lora.enabled=false", "model.gradient_checkpointing=true"],
      1),
+    ("tiny-moe lora (big experts)", [*MOE, *ONE_STEP], 1),
+    ("tiny-moe lora (big experts), ckpt", [*MOE, *ONE_STEP, "model.gradient_checkpointing=true"], 1),
     ("tiny full ddp x2", [*TINY, "train.global_batch_size=null", "dist.strategy=ddp"], 2),
     ("tiny full fsdp x2", [*TINY, "train.global_batch_size=null", "dist.strategy=fsdp"], 2),
     ("smollm2 lora fsdp x2", ["quickstart", *SMOL, "train.global_batch_size=null", "dist.strategy=fsdp"], 2),
@@ -161,25 +166,27 @@ def main() -> None:
     parser.add_argument("--rank", type=int)
     parser.add_argument("--world", type=int, default=1)
     parser.add_argument("--out")
+    parser.add_argument("--only", help="rows whose name contains this")
     known, rest = parser.parse_known_args()
     if known.rank is not None:
         measure_rank(known.rank, known.world, rest, known.out)
         return
-    print(f"{'job':28} {'strategy':8} {'precision':10} {'predicted MiB':>14} {'measured MiB':>13} {'error':>7}")
+    print(f"{'job':36} {'strategy':8} {'precision':10} {'predicted MiB':>14} {'measured MiB':>13} {'error':>7}")
     for name, args, world in ROWS:
-        if known.quick and world > 1:
+        if (known.quick and world > 1) or (known.only and known.only not in name):
             continue
         measured = measure(args, world)
         predicted = predict(args, "cpu", world, 1).memory.peak_tensor_bytes
         error = (predicted - measured["peak"]) / measured["peak"]
-        print(f"{name:28} {measured['strategy']:8} {measured['precision']:10} {predicted / 2**20:14.1f} "
+        print(f"{name:36} {measured['strategy']:8} {measured['precision']:10} {predicted / 2**20:14.1f} "
               f"{measured['peak'] / 2**20:13.1f} {error:+7.1%}", flush=True)
     print()
     for name, args, gpu, per_node, nodes in SEED_JOBS:
         result = predict(args, gpu, per_node, nodes)
         verdict = "fits" if result.fits else "does NOT fit"
-        print(f"{name:34} {result.layout.strategy:5} peak {result.memory.peak / 1e9:7.1f} GB of "
-              f"{result.layout.gpu.memory_bytes / 1e9:.1f} GB: {verdict} (margin {result.margin_bytes / 1e9:+.1f} GB)")
+        gib = 2**30
+        print(f"{name:34} {result.layout.strategy:5} peak {result.memory.peak / gib:6.1f} GiB of "
+              f"{result.device_bytes / gib:.1f} GiB: {verdict} (margin {result.margin_bytes / gib:+.1f} GiB)")
 
 
 if __name__ == "__main__":

@@ -71,6 +71,12 @@ class Counts:
     """Sum of in_features over the LoRA-adapted linear layers of one block (dropout copies those inputs)."""
     lora_ranks_per_block: int
     """Sum of ranks over those layers (each saves its A output for B)."""
+    lora_parameters_per_block: int = 0
+    """Elements of the 3-D parameters (fused MoE experts) LoRA adapts in one block: PEFT folds W + BA into a new
+    tensor of that size on every forward, which the experts' matmuls save."""
+    lora_largest_parameter: int = 0
+    """Elements of the largest of those: a whole-stack gradient of one folded weight appears in backward while the
+    block's folded weights are still saved (the largest, not knowing which comes first)."""
     active_expert_share: float = 1.0
     """Share of the parameters a token passes through (MoE: top-k of the routed experts)."""
 
@@ -127,7 +133,7 @@ def meta_model(cfg: JobConfig, config) -> torch.nn.Module:  # type: ignore[no-un
 
 def count(model: torch.nn.Module, shape: Shape) -> Counts:
     """Totals, the largest block, the root, and what LoRA adds to one block's activations."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer, ParamWrapper
 
     total, trainable = model_room.parameter_counts(model)
     blocks = model_room.decoder_blocks(model)
@@ -139,6 +145,7 @@ def count(model: torch.nn.Module, shape: Shape) -> Counts:
     output = model.get_output_embeddings()
     lora_layers = [m for m in (blocks[-1].modules() if blocks else []) if isinstance(m, LoraLayer)]
     linear = [m for m in lora_layers if isinstance(getattr(m, "base_layer", None), torch.nn.Linear)]
+    folded = [m.get_param().numel() for m in lora_layers if isinstance(m, ParamWrapper) and m.get_param().ndim == 3]
     return Counts(
         total=total,
         trainable=trainable,
@@ -150,6 +157,8 @@ def count(model: torch.nn.Module, shape: Shape) -> Counts:
         tied=output is not None and getattr(output, "weight", None) is embedding,
         lora_inputs_per_block=sum(m.base_layer.in_features for m in linear),
         lora_ranks_per_block=sum(sum(m.r.values()) for m in linear),
+        lora_parameters_per_block=sum(folded),
+        lora_largest_parameter=max(folded, default=0),
         active_expert_share=_active_share(model, shape, total),
     )
 

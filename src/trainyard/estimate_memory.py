@@ -117,6 +117,8 @@ class Memory:
     fsdp_buffers: float
     activations: float
     logits: float
+    recomputed_layer: float = 0.0
+    """With activation checkpointing: the one layer's activations rebuilt in backward (part of `activations`)."""
     peak_tensor_bytes: float = 0.0
     allocator_slack: float = 0.0
     cuda_context: float = 0.0
@@ -221,6 +223,7 @@ def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_ro
         mixed_precision_copies=0.0 if sharded or not size.mixed else _autocast_copies(counts, size),
         fsdp_buffers=_fsdp_buffers(counts, size) if sharded else 0.0,
         activations=activation_bytes(cfg, model.shape, counts, size, layout.gpu),
+        recomputed_layer=recomputed_layer_bytes(cfg, model.shape, counts, size, layout.gpu),
         logits=float(tokens_per_micro_batch(cfg) * model.shape.vocab * LOGIT_BYTES),
     )
     _add_peak(parts, cfg, layout)
@@ -249,7 +252,8 @@ def _add_peak(parts: Memory, cfg: JobConfig, layout: Layout) -> None:
     accumulation the gradients of earlier micro-batches stay while the next one's activations build up."""
     static = (parts.weights + parts.lora_adapters + parts.optimizer + parts.ddp_buckets
               + parts.mixed_precision_copies + parts.fsdp_buffers)
-    forward = parts.activations + parts.logits
+    # With checkpointing the logits and their gradients are gone before the last layer is recomputed.
+    forward = parts.activations - parts.recomputed_layer + max(parts.recomputed_layer, parts.logits)
     accumulates = accumulation_steps(cfg, layout.world) > 1
     parts.peak_tensor_bytes = static + (forward + parts.gradients if accumulates else max(forward, parts.gradients))
     if accumulates:
@@ -262,13 +266,27 @@ def activation_bytes(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes,
     """Saved tensors of one micro-batch: every layer's (or, with activation checkpointing, every layer's input
     plus one layer being recomputed), then the final norm and the head's input at target positions."""
     tokens = tokens_per_micro_batch(cfg)
-    per_layer = layer_bytes_per_token(cfg, shape, counts, size, kind)
     head = _norm_bytes(shape.hidden, size, trainable=not cfg.lora.enabled) + shape.hidden * size.residual
+    # The first whole-stack gradient of a folded expert weight, while the layer's folded weights are still saved.
+    folded_gradient = counts.lora_largest_parameter * size.residual
     if cfg.model.gradient_checkpointing:
-        stored = shape.layers * shape.hidden * size.residual + per_layer
-    else:
-        stored = shape.layers * per_layer
-    return tokens * (stored + head)
+        inputs = tokens * shape.layers * shape.hidden * size.residual
+        return inputs + tokens * head + recomputed_layer_bytes(cfg, shape, counts, size, kind) + folded_gradient
+    # The folded expert weights of every MoE layer stay saved until their layer's backward.
+    folded = (shape.layers - shape.dense_layers) * counts.lora_parameters_per_block * size.residual
+    per_token = head + shape.layers * layer_bytes_per_token(cfg, shape, counts, size, kind)
+    return tokens * per_token + folded + folded_gradient
+
+
+def recomputed_layer_bytes(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes, kind: Gpu) -> float:
+    """Under activation checkpointing, the one layer whose activations backward rebuilds at a time; else 0."""
+    return _layer_bytes(cfg, shape, counts, size, kind) if cfg.model.gradient_checkpointing else 0.0
+
+
+def _layer_bytes(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes, kind: Gpu) -> float:
+    """The largest layer's saved tensors for a micro-batch, the folded LoRA expert weights included."""
+    per_token = layer_bytes_per_token(cfg, shape, counts, size, kind)
+    return tokens_per_micro_batch(cfg) * per_token + counts.lora_parameters_per_block * size.residual
 
 
 def layer_bytes_per_token(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes, kind: Gpu) -> float:
