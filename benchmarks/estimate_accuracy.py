@@ -3,7 +3,8 @@
 Each row builds the job as training does (`build.build_and_wrap`: meta model, LoRA, strategy, weights), runs
 two real steps (forward, backward, AdamW) on CPU and measures the peak of live tensor bytes with `LiveBytes`, a
 TorchDispatchMode that adds each new storage an operation returns and subtracts it when the storage is freed
-(as PyTorch's MemTracker does; MemTracker itself hooks every parameter's gradient and refuses frozen LoRA bases).
+and FSDP2 resizes in place (as PyTorch's MemTracker does; MemTracker itself hooks every parameter's gradient and
+refuses frozen LoRA bases).
 Tracking starts before the model is built, so DDP's buckets and FSDP2's shards count; the peak is reset once
 the model and optimizer exist, so it is the training step's. Then it compares it with the estimate's peak tensor bytes for the same job
 on `--gpu cpu` (no allocator slack or CUDA context there). Micro-batches are full: `micro_batch_size`
@@ -90,12 +91,36 @@ class LiveBytes(TorchDispatchMode):
         self.current += storage.nbytes()
         self.peak = max(self.peak, self.current)
 
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """A storage resized in place (FSDP2 frees and re-allocates unsharded parameters so): count its new size."""
+        key = id(storage)
+        old, _ = self.live.pop(key, (0, None))
+        self.current -= old
+        self._add(storage)
+
     def _free(self, key: int) -> None:
         size, _ = self.live.pop(key, (0, None))
         self.current -= size
 
     def reset_peak(self) -> None:
         self.peak = self.current
+
+
+def follow_fsdp_storage_resizes(tracker: LiveBytes) -> None:
+    """FSDP2 frees an unsharded parameter by resizing its storage to 0 (autograd may still hold the tensor) and
+    re-allocates it by resizing back; a storage resize is no dispatched operation, so tell the tracker."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    def following(resize):  # type: ignore[no-untyped-def]
+        def resize_and_count(tensor: torch.Tensor) -> None:
+            resize(tensor)
+            tracker.resized(tensor.untyped_storage())
+
+        return resize_and_count
+
+    _fsdp_param.free_storage = following(_fsdp_param.free_storage)
+    _fsdp_param.alloc_storage = following(_fsdp_param.alloc_storage)
+    _fsdp_param_group.alloc_storage = _fsdp_param.alloc_storage
 
 
 def measure_rank(rank: int, world: int, args: list[str], out: str) -> None:
@@ -118,6 +143,7 @@ def measure_rank(rank: int, world: int, args: list[str], out: str) -> None:
     model_path = model_room.resolve_model_path(cfg.model) if cfg.model.path else None
     tokenizer = model_room.load_tokenizer(cfg.model, model_path)
     tracker = LiveBytes()
+    follow_fsdp_storage_resizes(tracker)
     with tracker:
         model, strategy, _ = build.build_and_wrap(cfg, info, precision, model_path, tokenizer)
         optimizer, _ = build_optimizer(model, cfg)

@@ -149,8 +149,8 @@ def _with(cfg: JobConfig, **changes: Any) -> JobConfig:
 
 
 def _candidates(cfg: JobConfig, hardware: Hardware) -> list[tuple[str, JobConfig, Hardware]]:
-    """Changes in the order they cost least, each keeping the ones before: activation checkpointing, halving
-    the micro-batch down to 1, fsdp instead of ddp, then more nodes. LoRA is never proposed: it changes the job."""
+    """Changes in the order they cost least: activation checkpointing (kept for the rest), then a smaller
+    micro-batch, then fsdp instead of ddp, then more nodes under fsdp. LoRA is never proposed: it changes the job."""
     steps: list[tuple[str, JobConfig, Hardware]] = []
     words: list[str] = []
     if not cfg.model.gradient_checkpointing:
@@ -162,16 +162,11 @@ def _candidates(cfg: JobConfig, hardware: Hardware) -> list[tuple[str, JobConfig
         micro //= 2
         smaller = _with(cfg, **{"train.micro_batch_size": micro})
         steps.append((" ".join([*words, f"train.micro_batch_size={micro}"]), smaller, hardware))
-    if micro != cfg.train.micro_batch_size:
-        cfg = _with(cfg, **{"train.micro_batch_size": micro})
-        words.append(f"train.micro_batch_size={micro}")
-    if cfg.dist.strategy in ("ddp", "none", "auto") and hardware.gpus_per_node * hardware.nodes > 1:
-        cfg = _with(cfg, **{"dist.strategy": "fsdp"})
+    if cfg.dist.strategy not in ("fsdp", "hsdp"):
+        cfg = _with(cfg, **{"dist.strategy": "fsdp", "dist.shard_size": None})
         words.append("dist.strategy=fsdp")
-        steps.append((" ".join(words), cfg, hardware))
-    if cfg.dist.strategy in ("ddp", "none", "auto"):
-        cfg = _with(cfg, **{"dist.strategy": "fsdp"})
-        words.append("dist.strategy=fsdp")
+        if hardware.gpus_per_node * hardware.nodes > 1:
+            steps.append((" ".join(words), cfg, hardware))
     for nodes in range(hardware.nodes + 1, MAX_NODES + 1):
         more = Hardware(hardware.gpu, hardware.gpus_per_node, nodes, hardware.network_gbps)
         steps.append((" ".join([*words, f"--nodes {nodes}"]), cfg, more))
