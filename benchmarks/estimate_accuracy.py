@@ -85,7 +85,7 @@ class LiveBytes(TorchDispatchMode):
 
     def _add(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)
-        if key in self.live or storage.nbytes() == 0:
+        if key in self.live or storage.nbytes() == 0 or not _allocated(storage):
             return
         self.live[key] = (storage.nbytes(), weakref.ref(storage, lambda _: self._free(key)))
         self.current += storage.nbytes()
@@ -104,6 +104,15 @@ class LiveBytes(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self.current
+
+
+def _allocated(storage: torch.UntypedStorage) -> bool:
+    """Memory behind the storage: not a tensor subclass's wrapper (DTensor; its local tensor is counted) nor a
+    storage whose data is not allocated (FSDP2's unsharded parameters before their first all-gather)."""
+    try:
+        return storage.data_ptr() != 0
+    except RuntimeError:
+        return False
 
 
 def follow_fsdp_storage_resizes(tracker: LiveBytes) -> None:
