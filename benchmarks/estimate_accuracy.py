@@ -6,9 +6,9 @@ TorchDispatchMode that adds each new storage an operation returns and subtracts 
 and FSDP2 resizes in place (as PyTorch's MemTracker does; MemTracker itself hooks every parameter's gradient and
 refuses frozen LoRA bases).
 Tracking starts before the model is built, so DDP's buckets and FSDP2's shards count; the peak is reset once
-the model and optimizer exist, so it is the training step's. Then it compares it with the estimate's peak tensor bytes for the same job
-on `--gpu cpu` (no allocator slack or CUDA context there). Micro-batches are full: `micro_batch_size`
-documents of `max_length` tokens each, every token a target, the bound the estimate assumes.
+the model and optimizer exist, so it is the training step's. Then it compares it with the estimate's peak tensor
+bytes for the same job on `--gpu cpu` (no allocator slack or CUDA context there). Micro-batches are full:
+`micro_batch_size` documents of `max_length` tokens each, every token a target, the bound the estimate assumes.
 Then the predictions for the seed jobs, which no CPU can measure.
 
     python benchmarks/estimate_accuracy.py            # every row (a few minutes on 2 cores)

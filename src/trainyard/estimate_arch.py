@@ -11,7 +11,6 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from trainyard import model as model_room
-from trainyard import plan
 from trainyard.config import JobConfig
 from trainyard.errors import ModelError
 
@@ -83,6 +82,8 @@ class Counts:
 
 def hf_config(cfg: JobConfig):  # -> PretrainedConfig
     """The job's architecture: plan's sources (job, local folder, HF cache, GGUF), then the known table."""
+    from trainyard import plan  # plan prints the estimate: imported here, not at the top, to avoid a cycle
+
     config = plan._hf_config(cfg)
     if config is not None:
         return config

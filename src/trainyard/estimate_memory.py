@@ -10,9 +10,8 @@ the allocator's slack and the CUDA context on a GPU.
 
 from __future__ import annotations
 
-import math
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import psutil
 import torch

@@ -7,9 +7,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from trainyard import estimate
+from trainyard import estimate, precision
 from trainyard import model as model_room
-from trainyard import precision
 from trainyard.config import JobConfig, accumulation_steps
 from trainyard.dist import DistInfo
 from trainyard.errors import ModelError
