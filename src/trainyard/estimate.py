@@ -130,17 +130,17 @@ def estimate(cfg: JobConfig, hardware: Hardware, assumptions: Assumptions = Assu
 def fits(cfg: JobConfig, strategy: str, world: int, device_bytes: int) -> bool:
     """Whether the job's peak fits `device_bytes` per rank under `strategy` on `world` ranks (8 per node):
     for parallel.choose_strategy (dist.strategy: auto) to ask instead of its replicated-state rule."""
-    planned = _with(cfg, **{"dist.strategy": strategy, "dist.shard_size": None})
+    planned = _with(cfg, **{"dist.shard_size": None, "dist.strategy": strategy})
     model = mem.load_model(cfg)
     per_node = min(world, 8)
     kind = mem.Gpu("planned", device_bytes, "planned", 0.0)
     layout = mem.resolve_strategy(planned, model, kind, per_node, math.ceil(world / per_node))
-    precision = mem.resolve_precision(cfg, mem.GPUS["h100-80gb"])
+    precision = mem.resolve_precision(cfg, kind)  # as on a GPU: auto is bf16-mixed
     return mem.memory(planned, model, layout, precision).peak <= device_bytes
 
 
 def _with(cfg: JobConfig, **changes: Any) -> JobConfig:
-    """A copy of the job with dotted fields changed (validated as an override would be)."""
+    """A copy of the job with dotted fields changed in order (each validated as an override would be)."""
     changed = cfg.model_copy(deep=True)
     for dotted, value in changes.items():
         section, name = dotted.split(".")
@@ -163,7 +163,7 @@ def _candidates(cfg: JobConfig, hardware: Hardware) -> list[tuple[str, JobConfig
         smaller = _with(cfg, **{"train.micro_batch_size": micro})
         steps.append((" ".join([*words, f"train.micro_batch_size={micro}"]), smaller, hardware))
     if cfg.dist.strategy not in ("fsdp", "hsdp"):
-        cfg = _with(cfg, **{"dist.strategy": "fsdp", "dist.shard_size": None})
+        cfg = _with(cfg, **{"dist.shard_size": None, "dist.strategy": "fsdp"})
         words.append("dist.strategy=fsdp")
         if hardware.gpus_per_node * hardware.nodes > 1:
             steps.append((" ".join(words), cfg, hardware))
@@ -214,21 +214,21 @@ def to_json(result: Estimate) -> dict[str, Any]:
 def render(result: Estimate) -> str:
     """The estimate as a short table for a person."""
     memory, timed, layout = result.memory, result.timing, result.layout
-    gib = mem.GIB
     parts = [("weights", memory.weights), ("lora adapters", memory.lora_adapters), ("gradients", memory.gradients),
              ("optimizer (AdamW)", memory.optimizer), ("ddp buckets", memory.ddp_buckets),
              ("autocast copies", memory.mixed_precision_copies), ("fsdp buffers", memory.fsdp_buffers),
              ("activations", memory.activations), ("logits (loss)", memory.logits),
              ("allocator slack", memory.allocator_slack), ("cuda context", memory.cuda_context)]
     verdict = "fits" if result.fits else "does NOT fit"
+    unit, scale = ("GiB", mem.GIB) if memory.peak >= mem.GIB else ("MiB", mem.MIB)
     lines = [
         f"layout           {layout.nodes} x {layout.gpus_per_node} {layout.gpu.name}, {layout.strategy}"
         + (f" (shard group {layout.shard})" if layout.shard > 1 else "") + f", {result.precision}",
         f"parameters       {result.total_params:,} total, {result.trainable_params:,} trainable",
-        "memory per device (GiB):",
-        *(f"  {name:18} {value / gib:9.2f}" for name, value in parts if value),
-        f"  {'peak':18} {memory.peak / gib:9.2f} of {result.device_bytes / gib:.2f}: {verdict} "
-        f"(margin {result.margin_bytes / gib:+.2f})",
+        f"memory per device ({unit}):",
+        *(f"  {name:18} {value / scale:9.2f}" for name, value in parts if value),
+        f"  {'peak':18} {memory.peak / scale:9.2f} of {result.device_bytes / scale:.2f}: {verdict} "
+        f"(margin {result.margin_bytes / scale:+.2f})",
     ]
     lines += [f"  note: {note}" for note in memory.notes]
     if result.fix:
@@ -262,9 +262,13 @@ def describe(cfg: JobConfig, world_size: int) -> str:
     except (ModelError, ConfigError) as err:
         return f"estimate         unknown: {err.what}"
     verdict = "fits" if result.fits else "does NOT fit"
-    return (f"estimate         peak {result.memory.peak / mem.GIB:.1f} GiB of {result.device_bytes / mem.GIB:.1f} GiB "
+    return (f"estimate         peak {_size(result.memory.peak)} of {_size(result.device_bytes)} "
             f"per {hardware.gpu} ({verdict}); step {result.timing.step_s:.3g} s at MFU {estimate_time.DEFAULT_MFU:g}"
             f" (trainyard estimate for more)")
+
+
+def _size(size: float) -> str:
+    return f"{size / mem.GIB:.1f} GiB" if size >= mem.GIB else f"{size / mem.MIB:.1f} MiB"
 
 
 def _this_gpu() -> str:

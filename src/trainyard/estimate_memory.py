@@ -148,14 +148,9 @@ def load_model(cfg: JobConfig) -> Model:
 def resolve_precision(cfg: JobConfig, kind: Gpu) -> precision_room.Precision:
     """train.precision on that device: auto is bf16-mixed on every GPU listed (all have bf16), this CPU's own
     choice on cpu."""
-    if kind.device_name is None or cfg.train.precision != "auto":
-        return precision_room.resolve(cfg, torch.device("cpu")) if kind.device_name is None else _named(cfg)
-    planned = cfg.model_copy(deep=True)
-    planned.train.precision = "bf16-mixed"
-    return _named(planned)
-
-
-def _named(cfg: JobConfig) -> precision_room.Precision:
+    if kind.device_name is not None and cfg.train.precision == "auto":
+        cfg = cfg.model_copy(deep=True)
+        cfg.train.precision = "bf16-mixed"
     return precision_room.resolve(cfg, torch.device("cpu"))
 
 

@@ -12,6 +12,7 @@ import pytest
 from tests.conftest import REPO, TINY, trainyard
 from trainyard import estimate, estimate_memory, estimate_time
 from trainyard.config import load_config
+from trainyard.errors import OptionError
 
 MISTRAL = str(REPO / "configs" / "mistral7b-lora-ddp.yaml")
 TINY_PARAMS = 90_816  # tiny.yaml's Llama with the byte tokenizer (as `train --dry-run` prints it)
@@ -113,7 +114,6 @@ def test_json_has_the_verdict_and_the_breakdown() -> None:
         (["--gpu", "v100"], ["--gpu v100", "h100-80gb", "a100-40gb", "cpu"]),
         (["--price-per-gpu-hour", "-2"], ["--price-per-gpu-hour -2"]),
         (["--spot-discount", "0.5"], ["--spot-discount needs --price-per-gpu-hour"]),
-        (["--nodes", "0"], ["--nodes 0"]),
     ],
 )
 def test_bad_options_exit_2_naming_them(options: list[str], needles: list[str]) -> None:
@@ -122,6 +122,23 @@ def test_bad_options_exit_2_naming_them(options: list[str], needles: list[str]) 
     assert "Traceback" not in result.stderr
     for needle in needles:
         assert needle in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("hardware", "assumptions", "needle"),
+    [
+        (estimate.Hardware("h200", 8, 0), estimate.Assumptions(), "--nodes 0"),
+        (estimate.Hardware("h200", -1), estimate.Assumptions(), "--gpus-per-node -1"),
+        (estimate.Hardware("h200", network_gbps=0), estimate.Assumptions(), "--network-gbps 0"),
+        (estimate.Hardware("h200"), estimate.Assumptions(mfu=1.5), "--mfu 1.5"),
+        (estimate.Hardware("h200"), estimate.Assumptions(price_per_gpu_hour=2.0, spot_discount=1.0), "--spot-discount"),
+    ],
+)
+def test_numbers_an_estimate_cannot_use_are_option_errors(
+    hardware: estimate.Hardware, assumptions: estimate.Assumptions, needle: str
+) -> None:
+    with pytest.raises(OptionError, match=needle):
+        estimate.check_options(hardware, assumptions)
 
 
 def test_dry_run_prints_the_estimate() -> None:
