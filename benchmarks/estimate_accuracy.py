@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,6 +47,8 @@ ROWS: list[tuple[str, list[str], int]] = [
     ("smollm2 full", ["quickstart", *SMOL, *ONE_STEP, "lora.enabled=false"], 1),
     ("smollm2 full, ckpt", ["quickstart", *SMOL, *ONE_STEP, "lora.enabled=false", "model.gradient_checkpointing=true"],
      1),
+    ("smollm2 lora, fp32", ["quickstart", *SMOL, *ONE_STEP, "train.precision=fp32"], 1),
+    ("smollm2 full, fp32", ["quickstart", *SMOL, *ONE_STEP, "lora.enabled=false", "train.precision=fp32"], 1),
     ("tiny-moe lora (big experts)", [*MOE, *ONE_STEP], 1),
     ("tiny-moe lora (big experts), ckpt", [*MOE, *ONE_STEP, "model.gradient_checkpointing=true"], 1),
     ("tiny full ddp x2", [*TINY, "train.global_batch_size=null", "dist.strategy=ddp"], 2),
@@ -79,6 +82,8 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         for tensor in pytree.tree_leaves(out):
+            if isinstance(tensor, DTensor):  # its local ops run below this mode: count the local tensor here
+                tensor = tensor.to_local()
             if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
                 self._add(tensor.untyped_storage())
         return out
