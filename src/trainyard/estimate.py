@@ -60,7 +60,7 @@ class Estimate:
 
     @property
     def device_bytes(self) -> int:
-        return device_bytes(self.layout)
+        return mem.device_bytes(self.layout.gpu, self.layout.gpus_per_node)
 
     @property
     def margin_bytes(self) -> float:
@@ -69,13 +69,6 @@ class Estimate:
     @property
     def fits(self) -> bool:
         return self.margin_bytes >= 0
-
-
-def device_bytes(layout: mem.Layout) -> int:
-    """One rank's memory: the GPU's, or on CPU the machine's shared by its processes (as parallel.py counts)."""
-    if layout.gpu.device_name is None:
-        return layout.gpu.memory_bytes // layout.gpus_per_node
-    return layout.gpu.memory_bytes
 
 
 def check_options(hardware: Hardware, assumptions: Assumptions) -> None:

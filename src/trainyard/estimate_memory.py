@@ -174,10 +174,15 @@ def resolve_strategy(cfg: JobConfig, model: Model, kind: Gpu, gpus_per_node: int
         strategy = "none"
     elif strategy == "auto":
         state = _replicated_state(cfg, model)
-        budget = DDP_MEMORY_SHARE * kind.memory_bytes
+        budget = DDP_MEMORY_SHARE * device_bytes(kind, gpus_per_node)
         several = nodes > 1 and state / gpus_per_node <= budget
         strategy = "ddp" if state <= budget else "hsdp" if several else "fsdp"
     return Layout(kind, gpus_per_node, nodes, strategy, shard_size(cfg, strategy, world, gpus_per_node))
+
+
+def device_bytes(kind: Gpu, processes_per_node: int) -> int:
+    """One rank's memory: the GPU's, or on CPU the machine's shared by its processes (as parallel.py counts)."""
+    return kind.memory_bytes // processes_per_node if kind.device_name is None else kind.memory_bytes
 
 
 def shard_size(cfg: JobConfig, strategy: str, world: int, gpus_per_node: int) -> int:
