@@ -13,6 +13,7 @@ Then the predictions for the seed jobs, which no CPU can measure.
 
     python benchmarks/estimate_accuracy.py            # every row (a few minutes on 2 cores)
     python benchmarks/estimate_accuracy.py --quick    # single-process rows only
+    python benchmarks/estimate_accuracy.py --only fsdp  # rows whose name contains "fsdp"
 """
 
 from __future__ import annotations
@@ -193,6 +194,7 @@ def measure(args: list[str], world: int) -> dict:
 
 
 def predict(args: list[str], gpu: str, gpus_per_node: int, nodes: int):  # type: ignore[no-untyped-def]
+    """The estimate of a job on a layout, from the same config and overrides as the measurement."""
     from trainyard import config as config_room
     from trainyard import estimate
 
