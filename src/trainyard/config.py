@@ -224,6 +224,9 @@ class CheckpointConfig(Section):
     resume: str = "auto"
     """auto (newest committed checkpoint of this run, or fresh), never, or a checkpoint path."""
     on_error: Literal["stop", "continue"] = "stop"
+    mtbf_hours: float = Field(24.0, gt=0)
+    """Mean time between failures of one node, in hours: `trainyard estimate` divides it by the nodes and derives
+    the checkpoint interval (Young/Daly) and the work a failure is expected to lose."""
     preemption_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"]] = ["SIGTERM", "SIGUSR1"]
 
 

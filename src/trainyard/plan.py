@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from trainyard import estimate, precision
 from trainyard import model as model_room
-from trainyard import precision
 from trainyard.config import JobConfig, accumulation_steps
 from trainyard.dist import DistInfo
 from trainyard.errors import ModelError
@@ -112,4 +112,5 @@ def describe_plan(cfg: JobConfig, world_size: int) -> str:
             f"strategy         {choose_strategy(cfg.dist.strategy, model, info)} (requested {cfg.dist.strategy})"
         )
     lines.append(f"data             {data.path} ({data.format}, max_length {data.max_length}, packing {data.packing})")
+    lines.append(estimate.describe(cfg, world_size))
     return "\n".join(lines)

@@ -1,0 +1,45 @@
+"""`trainyard estimate`: memory per device, step time and cost of a job before launching it."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+
+from trainyard.cli.app import _config_and_overrides, app
+
+_GPU_HELP = "h100-80gb, h100-pcie, h200, a100-80gb, a100-40gb, l4 or cpu"
+
+
+@app.command("estimate")
+def estimate_command(
+    args: Annotated[list[str], typer.Argument(help="CONFIG (YAML file or preset name) then key=value overrides")],
+    gpu: Annotated[str, typer.Option("--gpu", help=_GPU_HELP)] = "h100-80gb",
+    gpus_per_node: Annotated[int, typer.Option("--gpus-per-node", help="processes (GPUs) per node")] = 1,
+    nodes: Annotated[int, typer.Option("--nodes", help="nodes")] = 1,
+    network_gbps: Annotated[float, typer.Option("--network-gbps", help="inter-node link per node, Gb/s")] = 100.0,
+    mfu: Annotated[float, typer.Option("--mfu", help="model FLOPs utilisation assumed for step time")] = 0.4,
+    diloco_h: Annotated[int, typer.Option("--diloco-h", help="cross-node gradient sync every H steps")] = 1,
+    disk_gbytes_s: Annotated[
+        float, typer.Option("--disk-gbytes-s", help="checkpoint write bandwidth, GB/s")
+    ] = 2.0,
+    price_per_gpu_hour: Annotated[
+        Optional[float], typer.Option("--price-per-gpu-hour", help="on-demand price of one GPU for one hour")
+    ] = None,
+    spot_discount: Annotated[
+        float, typer.Option("--spot-discount", help="spot price = on-demand x (1 - this)")
+    ] = 0.0,
+    as_json: Annotated[bool, typer.Option("--json", help="print every figure as JSON")] = False,
+) -> None:
+    """Estimate memory per device (fits or not, and the cheapest fix), step time, job time and cost."""
+    from trainyard import config as config_room
+    from trainyard import estimate
+
+    config_path, overrides = _config_and_overrides(args)
+    hardware = estimate.Hardware(gpu, gpus_per_node, nodes, network_gbps)
+    assumptions = estimate.Assumptions(mfu, diloco_h, disk_gbytes_s, price_per_gpu_hour, spot_discount)
+    estimate.check_options(hardware, assumptions)  # before the model is built: bad options fail at once
+    cfg = config_room.load_config(config_path, overrides)
+    result = estimate.estimate(cfg, hardware, assumptions)
+    print(json.dumps(estimate.to_json(result), indent=2) if as_json else estimate.render(result))

@@ -1,0 +1,272 @@
+"""`trainyard estimate` and the estimate `train --dry-run` prints: will the job fit each device, how long a step
+and the job take, what it costs, and, when it does not fit, the cheapest change that makes it fit.
+
+Nothing is loaded: the model is built on the meta device (estimate_arch), memory follows estimate_memory's
+parts and time estimate_time's FLOP and bandwidth model. Every constant there is stated where it is defined.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from trainyard import estimate_memory as mem
+from trainyard import estimate_time
+from trainyard.config import JobConfig, accumulation_steps
+from trainyard.errors import ConfigError, ModelError, OptionError
+
+# How far "more GPUs" looks for a layout that fits, in nodes.
+MAX_NODES = 64
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Where the job would run."""
+
+    gpu: str
+    gpus_per_node: int = 1
+    nodes: int = 1
+    network_gbps: float = estimate_time.DEFAULT_NETWORK_GBPS
+    """Inter-node bandwidth of one node's link, Gb/s."""
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """The figures an estimate cannot know, each with a stated default."""
+
+    mfu: float = estimate_time.DEFAULT_MFU
+    diloco_h: int = 1
+    """Cross-node gradient sync every H steps (DiLoCo's outer steps); 1: every step."""
+    disk_gbytes_s: float = estimate_time.DEFAULT_DISK_GBYTES_S
+    price_per_gpu_hour: float | None = None
+    spot_discount: float = 0.0
+
+
+@dataclass
+class Estimate:
+    layout: mem.Layout
+    precision: str
+    accumulation: int
+    total_params: int
+    trainable_params: int
+    memory: mem.Memory
+    timing: estimate_time.Timing
+    cost: dict[str, float]
+    fix: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def device_bytes(self) -> int:
+        return mem.device_bytes(self.layout.gpu, self.layout.gpus_per_node)
+
+    @property
+    def margin_bytes(self) -> float:
+        return self.device_bytes - self.memory.peak
+
+    @property
+    def fits(self) -> bool:
+        return self.margin_bytes >= 0
+
+
+def check_options(hardware: Hardware, assumptions: Assumptions) -> None:
+    """Numbers an estimate cannot use fail with exit 2, naming the option."""
+    mem.gpu(hardware.gpu)
+    positive = {"--gpus-per-node": hardware.gpus_per_node, "--nodes": hardware.nodes,
+                "--network-gbps": hardware.network_gbps, "--disk-gbytes-s": assumptions.disk_gbytes_s,
+                "--diloco-h": assumptions.diloco_h}
+    if assumptions.price_per_gpu_hour is not None:
+        positive["--price-per-gpu-hour"] = assumptions.price_per_gpu_hour
+    for option, value in positive.items():
+        if not value > 0:
+            raise OptionError(f"{option} {value:g} must be a positive number", fix=f"pass {option} greater than 0")
+    if not 0 < assumptions.mfu <= 1:
+        raise OptionError(f"--mfu {assumptions.mfu:g} must be a fraction in (0, 1]", fix="for example --mfu 0.4")
+    if not 0 <= assumptions.spot_discount < 1:
+        raise OptionError(f"--spot-discount {assumptions.spot_discount:g} must be a fraction in [0, 1)",
+                          fix="for example --spot-discount 0.6 for spot at 40% of the on-demand price")
+    if assumptions.spot_discount and assumptions.price_per_gpu_hour is None:
+        raise OptionError("--spot-discount needs --price-per-gpu-hour (the on-demand price it discounts)",
+                          fix="add --price-per-gpu-hour, e.g. --price-per-gpu-hour 2.5")
+
+
+def estimate(cfg: JobConfig, hardware: Hardware, assumptions: Assumptions = Assumptions(),
+             model: mem.Model | None = None, suggest: bool = True) -> Estimate:
+    """The whole estimate of a job on `hardware`; `suggest`: also search the cheapest change when it does not fit."""
+    check_options(hardware, assumptions)
+    kind = mem.gpu(hardware.gpu)
+    model = model or mem.load_model(cfg)
+    layout = mem.resolve_strategy(cfg, model, kind, hardware.gpus_per_node, hardware.nodes)
+    precision = mem.resolve_precision(cfg, kind)
+    size = mem.dtypes(cfg, precision, layout.strategy)
+    accum = accumulation_steps(cfg, layout.world)
+    memory = mem.memory(cfg, model, layout, precision)
+    timed = estimate_time.timing(cfg, model, layout, size, accum, assumptions.mfu, hardware.network_gbps,
+                                 assumptions.diloco_h, assumptions.disk_gbytes_s)
+    result = Estimate(
+        layout=layout,
+        precision=precision.name,
+        accumulation=accum,
+        total_params=model.counts.total,
+        trainable_params=model.counts.trainable,
+        memory=memory,
+        timing=timed,
+        cost=estimate_time.cost(timed, layout, assumptions.price_per_gpu_hour, assumptions.spot_discount),
+    )
+    if suggest and not result.fits:
+        result.fix = cheapest_fix(cfg, model, hardware)
+    return result
+
+
+def fits(cfg: JobConfig, strategy: str, world: int, device_bytes: int) -> bool:
+    """Whether the job's peak fits `device_bytes` per rank under `strategy` on `world` ranks (8 per node):
+    for parallel.choose_strategy (dist.strategy: auto) to ask instead of its replicated-state rule."""
+    planned = _with(cfg, **{"dist.shard_size": None, "dist.strategy": strategy})
+    model = mem.load_model(cfg)
+    per_node = min(world, 8)
+    kind = mem.Gpu("planned", device_bytes, "planned", 0.0)
+    layout = mem.resolve_strategy(planned, model, kind, per_node, math.ceil(world / per_node))
+    precision = mem.resolve_precision(cfg, kind)  # as on a GPU: auto is bf16-mixed
+    return mem.memory(planned, model, layout, precision).peak <= device_bytes
+
+
+def _with(cfg: JobConfig, **changes: Any) -> JobConfig:
+    """A copy of the job with dotted fields changed in order (each validated as an override would be)."""
+    changed = cfg.model_copy(deep=True)
+    for dotted, value in changes.items():
+        section, name = dotted.split(".")
+        setattr(getattr(changed, section), name, value)
+    return changed
+
+
+def _candidates(cfg: JobConfig, hardware: Hardware) -> list[tuple[str, JobConfig, Hardware]]:
+    """Changes in the order they cost least: activation checkpointing (kept for the rest), then a smaller
+    micro-batch, then fsdp instead of ddp, then more nodes under fsdp. LoRA is never proposed: it changes the job."""
+    steps: list[tuple[str, JobConfig, Hardware]] = []
+    words: list[str] = []
+    if not cfg.model.gradient_checkpointing:
+        cfg = _with(cfg, **{"model.gradient_checkpointing": True})
+        words.append("model.gradient_checkpointing=true")
+        steps.append((" ".join(words), cfg, hardware))
+    micro = cfg.train.micro_batch_size
+    while micro > 1:
+        micro //= 2
+        smaller = _with(cfg, **{"train.micro_batch_size": micro})
+        steps.append((" ".join([*words, f"train.micro_batch_size={micro}"]), smaller, hardware))
+    if cfg.dist.strategy not in ("fsdp", "hsdp"):
+        cfg = _with(cfg, **{"dist.shard_size": None, "dist.strategy": "fsdp"})
+        words.append("dist.strategy=fsdp")
+        if hardware.gpus_per_node * hardware.nodes > 1:
+            steps.append((" ".join(words), cfg, hardware))
+    for nodes in range(hardware.nodes + 1, MAX_NODES + 1):
+        more = Hardware(hardware.gpu, hardware.gpus_per_node, nodes, hardware.network_gbps)
+        steps.append((" ".join([*words, f"--nodes {nodes}"]), cfg, more))
+    return steps
+
+
+def cheapest_fix(cfg: JobConfig, model: mem.Model, hardware: Hardware) -> str:
+    """The first change (with those before it) whose estimate fits, in words and as overrides."""
+    for words, changed, where in _candidates(cfg, hardware):
+        try:
+            attempt = estimate(changed, where, model=model, suggest=False)
+        except ConfigError:  # e.g. a global batch that a smaller micro-batch no longer divides
+            continue
+        if attempt.fits:
+            return f"{words} (peak {attempt.memory.peak / mem.GIB:.1f} GiB per device)"
+    return f"nothing up to {MAX_NODES} nodes: a smaller model, or LoRA"
+
+
+def to_json(result: Estimate) -> dict[str, Any]:
+    """Every figure, in bytes and seconds; `fits` and `peak_bytes_per_device` first."""
+    layout, memory, timed = result.layout, result.memory, result.timing
+    parts = {k: v for k, v in asdict(memory).items() if k != "notes"}
+    return {
+        "fits": result.fits,
+        "peak_bytes_per_device": memory.peak,
+        "device_bytes": result.device_bytes,
+        "margin_bytes": result.margin_bytes,
+        "fix": result.fix,
+        "gpu": layout.gpu.name,
+        "gpus_per_node": layout.gpus_per_node,
+        "nodes": layout.nodes,
+        "strategy": layout.strategy,
+        "shard_group": layout.shard,
+        "precision": result.precision,
+        "accumulation": result.accumulation,
+        "params": {"total": result.total_params, "trainable": result.trainable_params},
+        "memory_bytes": parts,
+        "assumptions": {"allocator_slack": mem.ALLOCATOR_SLACK, "cuda_context_bytes": mem.CUDA_CONTEXT_BYTES},
+        "notes": memory.notes,
+        "time": {**asdict(timed), "step_s": timed.step_s, "total_s": timed.total_s},
+        "cost": result.cost,
+    }
+
+
+def render(result: Estimate) -> str:
+    """The estimate as a short table for a person."""
+    memory, timed, layout = result.memory, result.timing, result.layout
+    parts = [("weights", memory.weights), ("lora adapters", memory.lora_adapters), ("gradients", memory.gradients),
+             ("optimizer (AdamW)", memory.optimizer), ("ddp buckets", memory.ddp_buckets),
+             ("autocast copies", memory.mixed_precision_copies), ("fsdp buffers", memory.fsdp_buffers),
+             ("activations", memory.activations), ("logits (loss)", memory.logits),
+             ("allocator slack", memory.allocator_slack), ("cuda context", memory.cuda_context)]
+    verdict = "fits" if result.fits else "does NOT fit"
+    unit, scale = ("GiB", mem.GIB) if memory.peak >= mem.GIB else ("MiB", mem.MIB)
+    lines = [
+        f"layout           {layout.nodes} x {layout.gpus_per_node} {layout.gpu.name}, {layout.strategy}"
+        + (f" (shard group {layout.shard})" if layout.shard > 1 else "") + f", {result.precision}",
+        f"parameters       {result.total_params:,} total, {result.trainable_params:,} trainable",
+        f"memory per device ({unit}):",
+        *(f"  {name:18} {value / scale:9.2f}" for name, value in parts if value),
+        f"  {'peak':18} {memory.peak / scale:9.2f} of {result.device_bytes / scale:.2f}: {verdict} "
+        f"(margin {result.margin_bytes / scale:+.2f})",
+    ]
+    lines += [f"  note: {note}" for note in memory.notes]
+    if result.fix:
+        lines.append(f"cheapest fix     {result.fix}")
+    lines += [
+        f"step             {timed.step_s:.3g} s ({timed.compute_s:.3g} s compute, {timed.comm_s:.3g} s communication),"
+        f" {timed.tokens_per_step:,} tokens",
+        f"job              {timed.steps} steps: {timed.train_s / 3600:.3g} h training, "
+        f"{timed.total_s / 3600:.3g} h with checkpoints and expected failures",
+        f"checkpoints      {timed.checkpoint_bytes / 1e9:.3g} GB, {timed.save_s:.3g} s each; Young/Daly interval "
+        f"{timed.interval_s / 60:.3g} min (MTBF {timed.mtbf_s / 3600:.3g} h); "
+        f"expected lost work {timed.lost_work_s / 60:.3g} min",
+        "cost             " + ", ".join(_cost_words(result.cost)),
+    ]
+    return "\n".join(lines)
+
+
+def _cost_words(cost: dict[str, float]) -> list[str]:
+    words = [f"{cost['gpu_hours']:.3g} GPU-hours"]
+    if "on_demand" in cost:
+        words += [f"{cost['on_demand']:,.2f} on demand", f"{cost['spot']:,.2f} on spot"]
+    return words
+
+
+def describe(cfg: JobConfig, world_size: int) -> str:
+    """The estimate lines `train --dry-run` prints, for this machine's device kind (8 ranks per node)."""
+    per_node = min(world_size, 8)
+    hardware = Hardware(_this_gpu(), per_node, math.ceil(world_size / per_node))
+    try:
+        result = estimate(cfg, hardware, suggest=False)
+    except (ModelError, ConfigError) as err:
+        return f"estimate         unknown: {err.what}"
+    verdict = "fits" if result.fits else "does NOT fit"
+    return (f"estimate         peak {_size(result.memory.peak)} of {_size(result.device_bytes)} "
+            f"per {hardware.gpu} ({verdict}); step {result.timing.step_s:.3g} s at MFU {estimate_time.DEFAULT_MFU:g}"
+            f" (trainyard estimate for more)")
+
+
+def _size(size: float) -> str:
+    return f"{size / mem.GIB:.1f} GiB" if size >= mem.GIB else f"{size / mem.MIB:.1f} MiB"
+
+
+def _this_gpu() -> str:
+    """The known kind of this machine's first GPU, or cpu."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        return next((key for key, kind in mem.GPUS.items() if kind.device_name == name), "cpu")
+    return "cpu"

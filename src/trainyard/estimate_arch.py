@@ -1,0 +1,178 @@
+"""What `trainyard estimate` knows of a job's model without loading it: the HF config (from the job, a
+local folder or cache, or a small table of known hub models) and parameter counts of a meta-built model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
+
+from trainyard import model as model_room
+from trainyard.config import JobConfig
+from trainyard.errors import ModelError
+
+# Known architectures, keyed by hub id: their config.json's shape fields, so an estimate needs no download.
+# Values copied from the models' published config.json files (only fields that change parameter counts).
+KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "mistralai/Mistral-7B-v0.1": {
+        "model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "max_position_embeddings": 32768, "tie_word_embeddings": False,
+    },
+    "zai-org/GLM-4.5-Air": {
+        "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944,
+        "moe_intermediate_size": 1408, "num_hidden_layers": 46, "num_attention_heads": 96,
+        "num_key_value_heads": 8, "head_dim": 128, "n_routed_experts": 128, "n_shared_experts": 1,
+        "num_experts_per_tok": 8, "first_k_dense_replace": 1, "partial_rotary_factor": 0.5,
+        "attention_bias": True, "tie_word_embeddings": False, "max_position_embeddings": 131072,
+        "norm_topk_prob": True, "use_qk_norm": False,
+    },
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes the activation and FLOP formulas use (MoE fields 0 for a dense model)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0
+    """Leading layers with a dense MLP on an MoE model (GLM's first_k_dense_replace)."""
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Parameters of the meta-built model (LoRA included), as sharding and FLOPs need them."""
+
+    total: int
+    trainable: int
+    block_total: int
+    """The largest decoder block: what FSDP2 all-gathers at once."""
+    block_trainable: int
+    root_total: int
+    """Outside the blocks (embeddings, final norm, head): FSDP2 keeps the root unsharded from forward to backward."""
+    root_trainable: int
+    embedding: int
+    tied: bool
+    lora_inputs_per_block: int
+    """Sum of in_features over the LoRA-adapted linear layers of one block (dropout copies those inputs)."""
+    lora_ranks_per_block: int
+    """Sum of ranks over those layers (each saves its A output for B)."""
+    lora_parameters_per_block: int = 0
+    """Elements of the 3-D parameters (fused MoE experts) LoRA adapts in one block: PEFT folds W + BA into a new
+    tensor of that size on every forward, which the experts' matmuls save."""
+    lora_largest_parameter: int = 0
+    """Elements of the largest of those: a whole-stack gradient of one folded weight appears in backward while the
+    block's folded weights are still saved (the largest, not knowing which comes first)."""
+    active_expert_share: float = 1.0
+    """Share of the parameters a token passes through (MoE: top-k of the routed experts)."""
+
+
+def hf_config(cfg: JobConfig):  # -> PretrainedConfig
+    """The job's architecture: plan's sources (job, local folder, HF cache, GGUF), then the known table."""
+    from trainyard import plan  # plan prints the estimate: imported here, not at the top, to avoid a cycle
+
+    config = plan._hf_config(cfg)
+    if config is not None:
+        return config
+    known = KNOWN_ARCHITECTURES.get(cfg.model.path or "")
+    if known is None:
+        raise ModelError(
+            f"model.path {cfg.model.path}: its config is not available offline and not in the known architectures "
+            f"({', '.join(KNOWN_ARCHITECTURES)})",
+            fix="download the model once (its config.json is enough), or describe it with model.config",
+        )
+    settings = dict(known)
+    return AutoConfig.for_model(settings.pop("model_type"), **settings)
+
+
+def shape_of(config) -> Shape:  # type: ignore[no-untyped-def]
+    """Sizes from an HF config, with the usual defaults where a model omits a field."""
+    heads = config.num_attention_heads
+    experts = next((getattr(config, f) for f in ("n_routed_experts", "num_local_experts", "num_experts")
+                    if getattr(config, f, None)), 0)
+    return Shape(
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        layers=config.num_hidden_layers,
+        heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        vocab=config.vocab_size,
+        experts=experts,
+        experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
+        moe_intermediate=getattr(config, "moe_intermediate_size", None) or config.intermediate_size,
+        shared_experts=getattr(config, "n_shared_experts", None) or 0 if experts else 0,
+        dense_layers=getattr(config, "first_k_dense_replace", 0) if experts else 0,
+    )
+
+
+def meta_model(cfg: JobConfig, config) -> torch.nn.Module:  # type: ignore[no-untyped-def]
+    """The model with LoRA on the meta device: counts and shapes, no memory (adapters on meta too, so a
+    108B MoE's 1.8B adapter parameters are not drawn)."""
+    hf_logging.set_verbosity_error()
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+        if cfg.lora.enabled:
+            model = model_room.apply_lora(model, cfg.lora, cfg.train.seed)
+    return model
+
+
+def count(model: torch.nn.Module, shape: Shape) -> Counts:
+    """Totals, the largest block, the root, and what LoRA adds to one block's activations."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
+    total, trainable = model_room.parameter_counts(model)
+    blocks = model_room.decoder_blocks(model)
+    sizes = [_sizes(block) for block in blocks] or [(0, 0)]
+    block_total, block_trainable = max(sizes)
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    root = [p for p in model.parameters() if id(p) not in in_blocks]
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    lora_layers = [m for m in (blocks[-1].modules() if blocks else []) if isinstance(m, LoraLayer)]
+    linear = [m for m in lora_layers if isinstance(getattr(m, "base_layer", None), torch.nn.Linear)]
+    folded = [m.get_param().numel() for m in lora_layers if isinstance(m, ParamWrapper) and m.get_param().ndim == 3]
+    return Counts(
+        total=total,
+        trainable=trainable,
+        block_total=block_total,
+        block_trainable=block_trainable,
+        root_total=sum(p.numel() for p in root),
+        root_trainable=sum(p.numel() for p in root if p.requires_grad),
+        embedding=embedding.numel(),
+        tied=output is not None and getattr(output, "weight", None) is embedding,
+        lora_inputs_per_block=sum(m.base_layer.in_features for m in linear),
+        lora_ranks_per_block=sum(sum(m.r.values()) for m in linear),
+        lora_parameters_per_block=sum(folded),
+        lora_largest_parameter=max(folded, default=0),
+        active_expert_share=_active_share(model, shape, total),
+    )
+
+
+def _sizes(block: torch.nn.Module) -> tuple[int, int]:
+    params = list(block.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+def _active_share(model: torch.nn.Module, shape: Shape, total: int) -> float:
+    """Parameters a token uses / all: routed experts count top-k of `experts` (3-D fused expert weights)."""
+    if not shape.experts:
+        return 1.0
+    experts = sum(p.numel() for name, p in model.named_parameters() if p.ndim == 3 and "experts" in name)
+    unused = experts * (1 - shape.experts_per_token / shape.experts)
+    return (total - unused) / total

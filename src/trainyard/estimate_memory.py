@@ -1,0 +1,336 @@
+"""`trainyard estimate`, memory: per-device memory of a job before launch, from its config alone (no weights read),
+and whether it fits; step time and cost are in estimate_time.py.
+
+Memory is the sum of named parts, each a count times the bytes its dtype takes (precision.py's dtypes):
+weights, gradients and AdamW's two moments (divided by the shard group under FSDP2/HSDP), DDP's gradient
+buckets, autocast's bf16 copies of fp32 weights, FSDP2's unsharded buffers, activations (a per-layer formula
+of the tensors autograd saves, with or without activation checkpointing) and the loss's logits. The peak adds
+the allocator's slack and the CUDA context on a GPU.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from trainyard import estimate_arch, metrics
+from trainyard import precision as precision_room
+from trainyard.config import JobConfig, accumulation_steps
+from trainyard.errors import OptionError
+from trainyard.estimate_arch import Counts, Shape
+
+MIB = 2**20
+GIB = 2**30
+# The CUDA caching allocator's fragmentation and rounding, as a share of live tensor bytes (stated, not measured).
+ALLOCATOR_SLACK = 0.10
+# CUDA context, cuBLAS/NCCL workspaces: device memory no tensor accounts for.
+CUDA_CONTEXT_BYTES = 1 * GIB
+# Nominal dense peak of a CPU node in bf16/fp32 (no table can know it): only for step-time orders of magnitude.
+CPU_PEAK_FLOPS = 1e12
+# Replicated state may use at most this share of a device under dist.strategy auto (as parallel.choose_strategy).
+DDP_MEMORY_SHARE = 0.5
+# Logits at target positions, bytes per element at the loss's backward: log_softmax's saved fp32 output, the
+# fp32 gradient arriving from the loss, and log_softmax's fp32 input gradient, alive at once.
+LOGIT_BYTES = 12
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One device kind: memory as nvidia-smi reports it, its entry in metrics' peak table, and the
+    intra-node bandwidth one direction of its links gives a ring collective (GB/s)."""
+
+    name: str
+    memory_bytes: int
+    device_name: str | None
+    intra_node_gbytes_s: float
+
+
+GPUS: dict[str, Gpu] = {
+    "h100-80gb": Gpu("h100-80gb", 81559 * MIB, "NVIDIA H100 80GB HBM3", 450.0),  # NVLink 4: 900 GB/s both ways
+    "h100-pcie": Gpu("h100-pcie", 81559 * MIB, "NVIDIA H100 PCIe", 64.0),  # PCIe 5 x16
+    "h200": Gpu("h200", 143771 * MIB, "NVIDIA H200", 450.0),
+    "a100-80gb": Gpu("a100-80gb", 81920 * MIB, "NVIDIA A100-SXM4-80GB", 300.0),  # NVLink 3
+    "a100-40gb": Gpu("a100-40gb", 40960 * MIB, "NVIDIA A100-SXM4-40GB", 300.0),
+    "l4": Gpu("l4", 23034 * MIB, "NVIDIA L4", 32.0),  # PCIe 4 x16
+    "cpu": Gpu("cpu", psutil.virtual_memory().total, None, 10.0),  # shared-memory gloo, order of magnitude
+}
+
+
+def gpu(name: str) -> Gpu:
+    """The device kind by name; an unknown one lists the known."""
+    if name not in GPUS:
+        raise OptionError(f"--gpu {name} is not a known device", fix=f"use one of: {', '.join(GPUS)}")
+    return GPUS[name]
+
+
+def peak_flops(kind: Gpu, dtype: torch.dtype) -> float:
+    """Dense matmul peak of one device in the compute dtype (metrics' table; fp32 matmuls as TF32)."""
+    if kind.device_name is None:
+        return CPU_PEAK_FLOPS
+    precision = "tf32" if dtype == torch.float32 else metrics.matmul_precision(dtype)
+    return metrics.peak_flops(kind.device_name, precision or "bf16") or CPU_PEAK_FLOPS
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the job runs: device kind, processes per node and nodes, the strategy and its shard group."""
+
+    gpu: Gpu
+    gpus_per_node: int
+    nodes: int
+    strategy: str
+    shard: int
+    """Ranks the training state is divided over: 1 (none, ddp), the world (fsdp), the shard group (hsdp)."""
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Bytes per element: trainable masters (and AdamW moments), frozen base, compute, and the residual
+    stream (fp32 under autocast over fp32 weights, since embeddings and additions are not autocast)."""
+
+    master: int
+    frozen: int
+    compute: int
+    residual: int
+    mixed: bool
+    compute_dtype: torch.dtype
+
+
+@dataclass
+class Memory:
+    """Bytes per device, by part. Activations and logits are for one micro-batch."""
+
+    weights: float
+    lora_adapters: float
+    gradients: float
+    optimizer: float
+    ddp_buckets: float
+    mixed_precision_copies: float
+    fsdp_buffers: float
+    activations: float
+    logits: float
+    recomputed_layer: float = 0.0
+    """With activation checkpointing: the one layer's activations rebuilt in backward (part of `activations`)."""
+    peak_tensor_bytes: float = 0.0
+    allocator_slack: float = 0.0
+    cuda_context: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> float:
+        return self.peak_tensor_bytes + self.allocator_slack + self.cuda_context
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the formulas need of a job's model."""
+
+    shape: Shape
+    counts: Counts
+
+
+def load_model(cfg: JobConfig) -> Model:
+    """The job's model, meta-built: shapes and parameter counts, nothing read."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        config = estimate_arch.hf_config(cfg)
+        shape = estimate_arch.shape_of(config)
+        return Model(shape, estimate_arch.count(estimate_arch.meta_model(cfg, config), shape))
+
+
+def resolve_precision(cfg: JobConfig, kind: Gpu) -> precision_room.Precision:
+    """train.precision on that device: auto is bf16-mixed on every GPU listed (all have bf16), this CPU's own
+    choice on cpu."""
+    if kind.device_name is not None and cfg.train.precision == "auto":
+        cfg = cfg.model_copy(deep=True)
+        cfg.train.precision = "bf16-mixed"
+    return precision_room.resolve(cfg, torch.device("cpu"))
+
+
+def dtypes(cfg: JobConfig, precision: precision_room.Precision, strategy: str) -> Dtypes:
+    """Bytes per element of each kind of tensor the job holds, for this precision and strategy."""
+    size = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+    master, frozen, compute = (size[precision.trainable_dtype], size[precision.frozen_dtype],
+                               size[precision.compute_dtype])
+    base = frozen if cfg.lora.enabled else master
+    sharded = strategy in ("fsdp", "hsdp")
+    residual = compute if (precision.mixed and sharded) else base
+    return Dtypes(master, frozen, compute, residual, precision.mixed, precision.compute_dtype)
+
+
+def resolve_strategy(cfg: JobConfig, model: Model, kind: Gpu, gpus_per_node: int, nodes: int) -> Layout:
+    """dist.strategy for this layout; auto as parallel.choose_strategy decides it (ddp while replicated
+    state fits half a device, hsdp across nodes when a node's shard fits, else fsdp)."""
+    world = gpus_per_node * nodes
+    strategy = cfg.dist.strategy
+    if world == 1:
+        strategy = "none"
+    elif strategy == "auto":
+        state = _replicated_state(cfg, model)
+        budget = DDP_MEMORY_SHARE * device_bytes(kind, gpus_per_node)
+        several = nodes > 1 and state / gpus_per_node <= budget
+        strategy = "ddp" if state <= budget else "hsdp" if several else "fsdp"
+    return Layout(kind, gpus_per_node, nodes, strategy, shard_size(cfg, strategy, world, gpus_per_node))
+
+
+def device_bytes(kind: Gpu, processes_per_node: int) -> int:
+    """One rank's memory: the GPU's, or on CPU the machine's shared by its processes (as parallel.py counts)."""
+    return kind.memory_bytes // processes_per_node if kind.device_name is None else kind.memory_bytes
+
+
+def shard_size(cfg: JobConfig, strategy: str, world: int, gpus_per_node: int) -> int:
+    """How many ranks hold one copy of the state between them."""
+    if strategy == "fsdp":
+        return world
+    if strategy == "hsdp":
+        return min(cfg.dist.shard_size or gpus_per_node, world)
+    return 1
+
+
+def _replicated_state(cfg: JobConfig, model: Model) -> float:
+    """Weights + gradients + AdamW as a DDP rank holds them (parallel.replicated_state_bytes' rule)."""
+    counts = model.counts
+    frozen_bytes = 2 if cfg.lora.enabled and cfg.model.dtype != "float32" else 4
+    return (counts.total - counts.trainable) * frozen_bytes + counts.trainable * (4 + 4 + 8)
+
+
+def tokens_per_micro_batch(cfg: JobConfig) -> int:
+    """An upper bound: a padding-free or packed micro-batch holds at most micro_batch_size x max_length tokens."""
+    return cfg.train.micro_batch_size * cfg.data.max_length
+
+
+def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_room.Precision) -> Memory:
+    """Every part of one device's memory at the step's peak, and the peak itself."""
+    size = dtypes(cfg, precision, layout.strategy)
+    counts, shard = model.counts, layout.shard
+    frozen = counts.total - counts.trainable
+    trainable = counts.trainable * size.master / shard
+    sharded = layout.strategy in ("fsdp", "hsdp")
+    parts = Memory(
+        weights=frozen * size.frozen / shard + (0.0 if cfg.lora.enabled else trainable),
+        lora_adapters=trainable if cfg.lora.enabled else 0.0,
+        gradients=trainable,
+        optimizer=2 * trainable,
+        ddp_buckets=counts.trainable * size.master if layout.strategy == "ddp" else 0.0,
+        mixed_precision_copies=0.0 if sharded or not size.mixed else _autocast_copies(counts, size),
+        fsdp_buffers=_fsdp_buffers(counts, size) if sharded else 0.0,
+        activations=activation_bytes(cfg, model.shape, counts, size, layout.gpu),
+        recomputed_layer=recomputed_layer_bytes(cfg, model.shape, counts, size, layout.gpu),
+        logits=float(tokens_per_micro_batch(cfg) * model.shape.vocab * LOGIT_BYTES),
+    )
+    _add_peak(parts, cfg, layout)
+    return parts
+
+
+def _autocast_copies(counts: Counts, size: Dtypes) -> float:
+    """autocast casts each fp32 weight a matmul uses to bf16 once per forward and autograd saves the copy:
+    trainable weights but an untied input embedding (embedding lookups are not autocast)."""
+    untied_embedding = counts.embedding if not counts.tied and counts.root_trainable else 0
+    return (counts.trainable - untied_embedding) * size.compute
+
+
+def _fsdp_buffers(counts: Counts, size: Dtypes) -> float:
+    """FSDP2's unsharded tensors: the root (embeddings, head) stays gathered from forward to backward; the
+    largest block gathered twice at once (the current one and the prefetched next), in compute dtype under
+    bf16-mixed; and that block's unsharded gradient plus its fp32 copy for the reduce-scatter."""
+    gather = size.compute if size.mixed else size.master
+    block_gradient = counts.block_trainable * (size.compute + 4)
+    return (counts.root_total + 2 * counts.block_total) * gather + block_gradient
+
+
+def _add_peak(parts: Memory, cfg: JobConfig, layout: Layout) -> None:
+    """Static state, then the larger of the forward's saved tensors and the full gradients: gradients are freed
+    after each step (set_to_none) and fill in as activations are freed, so both peak at different times. With
+    accumulation the gradients of earlier micro-batches stay while the next one's activations build up."""
+    static = (parts.weights + parts.lora_adapters + parts.optimizer + parts.ddp_buckets
+              + parts.mixed_precision_copies + parts.fsdp_buffers)
+    # With checkpointing the logits and their gradients are gone before the last layer is recomputed.
+    forward = parts.activations - parts.recomputed_layer + max(parts.recomputed_layer, parts.logits)
+    accumulates = accumulation_steps(cfg, layout.world) > 1
+    parts.peak_tensor_bytes = static + (forward + parts.gradients if accumulates else max(forward, parts.gradients))
+    if accumulates:
+        parts.notes.append("accumulation: gradients held while the next micro-batch's activations build up")
+    parts.allocator_slack = ALLOCATOR_SLACK * parts.peak_tensor_bytes if layout.gpu.device_name else 0.0
+    parts.cuda_context = CUDA_CONTEXT_BYTES if layout.gpu.device_name else 0.0
+
+
+def activation_bytes(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes, kind: Gpu) -> float:
+    """Saved tensors of one micro-batch: every layer's (or, with activation checkpointing, every layer's input
+    plus one layer being recomputed), then the final norm and the head's input at target positions."""
+    tokens = tokens_per_micro_batch(cfg)
+    head = _norm_bytes(shape.hidden, size, trainable=not cfg.lora.enabled) + shape.hidden * size.residual
+    # The first whole-stack gradient of a folded expert weight, while the layer's folded weights are still saved.
+    folded_gradient = counts.lora_largest_parameter * size.residual
+    if cfg.model.gradient_checkpointing:
+        inputs = tokens * shape.layers * shape.hidden * size.residual
+        return inputs + tokens * head + recomputed_layer_bytes(cfg, shape, counts, size, kind) + folded_gradient
+    # The folded expert weights of every MoE layer stay saved until their layer's backward.
+    folded = (shape.layers - shape.dense_layers) * counts.lora_parameters_per_block * size.residual
+    per_token = head + shape.layers * layer_bytes_per_token(cfg, shape, counts, size, kind)
+    return tokens * per_token + folded + folded_gradient
+
+
+def recomputed_layer_bytes(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes, kind: Gpu) -> float:
+    """Under activation checkpointing, the one layer whose activations backward rebuilds at a time; else 0."""
+    return _layer_bytes(cfg, shape, counts, size, kind) if cfg.model.gradient_checkpointing else 0.0
+
+
+def _layer_bytes(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes, kind: Gpu) -> float:
+    """The largest layer's saved tensors for a micro-batch, the folded LoRA expert weights included."""
+    per_token = layer_bytes_per_token(cfg, shape, counts, size, kind)
+    return tokens_per_micro_batch(cfg) * per_token + counts.lora_parameters_per_block * size.residual
+
+
+def layer_bytes_per_token(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes, kind: Gpu) -> float:
+    """What autograd saves in one decoder block, per token: two RMSNorms, the linear layers' inputs (one bf16 copy
+    per layer under autocast over fp32 activations), rotated q/k and v, attention's own, the MLP's
+    intermediates, and LoRA's rank-r outputs (plus dropout's copies and masks)."""
+    h, a = shape.hidden, size.compute
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    casts = size.residual != a  # each consumer of an fp32 activation saves its own bf16 copy
+    full = not cfg.lora.enabled
+    norms = 2 * _norm_bytes(h, size, trainable=full)
+    inputs = (3 + 2) * h * a if casts else 2 * h * size.residual
+    attention = _attention_bytes(shape, size, kind, cfg.data.max_length) + q * a  # + o_proj's input
+    total = norms + inputs + attention + (q + 2 * kv) * a + _mlp_bytes(shape, size)
+    if cfg.lora.enabled:
+        total += counts.lora_ranks_per_block * a
+        if cfg.lora.dropout > 0:
+            total += counts.lora_inputs_per_block * (a + 1)
+    return total
+
+
+def _norm_bytes(hidden: int, size: Dtypes, trainable: bool) -> float:
+    """RMSNorm in fp32: its fp32 input (for the square and the scaling) and, for a trainable weight, the
+    normalised input the weight's gradient needs."""
+    return hidden * (4 + (size.residual if trainable else 0))
+
+
+def _attention_bytes(shape: Shape, size: Dtypes, kind: Gpu, document: int) -> float:
+    """Per token. On a GPU flash/sdpa saves its output and log-sum-exp, no scores. On CPU trainyard's short-document
+    path saves the fp32 softmax (heads x document length per token), its cast, and k/v repeated to all heads."""
+    a, q = size.compute, shape.heads * shape.head_dim
+    if kind.device_name is not None:
+        return q * a + shape.heads * 4
+    scores = shape.heads * document * (4 + (a if a != 4 else 0))
+    repeated = 2 * q * a if shape.heads != shape.kv_heads else 0
+    return scores + repeated
+
+
+def _mlp_bytes(shape: Shape, size: Dtypes) -> float:
+    """Gated MLP (gate, up, SiLU(gate), product): four intermediates. MoE layers: top-k experts each with their
+    gathered input and weighted output, shared experts, and the fp32 router logits; averaged over the layers."""
+    a = size.compute
+    dense = 4 * shape.intermediate * a
+    if not shape.experts:
+        return dense
+    routed = shape.experts_per_token * (4 * shape.moe_intermediate + 2 * shape.hidden) * a
+    moe = routed + 4 * shape.moe_intermediate * shape.shared_experts * a + shape.experts * 4
+    return (shape.dense_layers * dense + (shape.layers - shape.dense_layers) * moe) / shape.layers

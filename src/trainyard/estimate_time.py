@@ -1,0 +1,151 @@
+"""`trainyard estimate`, time and cost: step time from FLOPs at a stated MFU plus collectives from a bandwidth
+model, the job's total time, the Young/Daly checkpoint interval with the work expected to be lost, and cost.
+
+Collectives are ring algorithms: an all-reduce moves 2(n-1)/n of the bytes through each link, an all-gather or
+reduce-scatter (n-1)/n. A ring that spans nodes is as fast as its slowest link (min of NVLink and the network);
+HSDP keeps gathers and reduce-scatters inside a node and sends only the gradient all-reduce across nodes, which
+DiLoCo (`--diloco-h H`) makes once every H steps. Communication is not assumed to overlap compute: the step
+time is an upper bound.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainyard import metrics
+from trainyard.config import JobConfig
+from trainyard.estimate_memory import Dtypes, Layout, Model, peak_flops
+
+DEFAULT_MFU = 0.4
+DEFAULT_NETWORK_GBPS = 100.0
+# Sustained write bandwidth of the checkpoint store for the whole job (stated, not measured).
+DEFAULT_DISK_GBYTES_S = 2.0
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per optimizer step and for the job, with the failure model's figures."""
+
+    flops_per_token: float
+    tokens_per_step: int
+    compute_s: float
+    comm_s: float
+    checkpoint_bytes: float
+    save_s: float
+    mtbf_s: float
+    interval_s: float
+    """Young/Daly: sqrt(2 x save time x MTBF of the job)."""
+    steps: int
+    train_s: float
+    expected_failures: float
+    lost_work_s: float
+    """Per failure half an interval is recomputed on average."""
+    checkpoint_overhead_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    @property
+    def total_s(self) -> float:
+        return self.train_s + self.lost_work_s + self.checkpoint_overhead_s
+
+
+def flops_per_token(cfg: JobConfig, model: Model) -> float:
+    """metrics.flops_per_token (6N, LoRA-aware: 4N + 2 x trainable) over the parameters a token passes through
+    (MoE: top-k experts), plus the forward recomputed under activation checkpointing."""
+    shape, counts = model.shape, model.counts
+    active, trainable = counts.total * counts.active_expert_share, counts.trainable * counts.active_expert_share
+    seq = cfg.data.max_length
+    flops = metrics.flops_per_token(int(active), int(trainable), shape.layers, shape.hidden, seq)
+    if cfg.model.gradient_checkpointing:
+        flops += 2 * active + 4 * shape.layers * shape.hidden * seq
+    return flops
+
+
+def ring_all_reduce_s(size: float, ranks: int, bytes_per_s: float) -> float:
+    return 2 * (ranks - 1) / ranks * size / bytes_per_s if ranks > 1 else 0.0
+
+
+def all_gather_s(size: float, ranks: int, bytes_per_s: float) -> float:
+    """Also a reduce-scatter's: (n-1)/n of the unsharded size through each link."""
+    return (ranks - 1) / ranks * size / bytes_per_s if ranks > 1 else 0.0
+
+
+def comm_s(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: int, network_gbps: float,
+           diloco_h: int) -> float:
+    """Seconds of collectives per optimizer step. Gradients are reduced in fp32 (bf16-mixed) or the master dtype."""
+    counts = model.counts
+    intra = layout.gpu.intra_node_gbytes_s * 1e9
+    inter = network_gbps * 1e9 / 8
+    ring = intra if layout.nodes == 1 else min(intra, inter)
+    gradients = counts.trainable * (4 if size.mixed else size.master)
+    frozen = counts.total - counts.trainable
+    gathered = counts.total * size.compute if size.mixed else frozen * size.frozen + counts.trainable * size.master
+    if layout.strategy == "ddp":
+        if layout.nodes > 1 and diloco_h > 1:  # inner steps sync a node; outer steps every H cross nodes
+            return (ring_all_reduce_s(gradients, layout.gpus_per_node, intra)
+                    + ring_all_reduce_s(gradients, layout.nodes, inter) / diloco_h)
+        return ring_all_reduce_s(gradients, layout.world, ring)
+    if layout.strategy not in ("fsdp", "hsdp"):
+        return 0.0
+    shard_ring = ring if layout.strategy == "fsdp" else intra
+    reduces = 1 if cfg.dist.defer_grad_sync else accum
+    seconds = accum * 2 * all_gather_s(gathered, layout.shard, shard_ring)  # forward, and again for backward
+    seconds += reduces * all_gather_s(gradients, layout.shard, shard_ring)
+    replicas = layout.world // layout.shard
+    if replicas > 1:  # a node's shards share its network link: the whole gradient crosses it
+        seconds += ring_all_reduce_s(gradients, replicas, inter) / diloco_h
+    return seconds
+
+
+def checkpoint_bytes(cfg: JobConfig, model: Model, size: Dtypes) -> float:
+    """A full checkpoint: trainable weights and AdamW's moments (frozen weights only with save_frozen)."""
+    counts = model.counts
+    frozen = (counts.total - counts.trainable) * size.frozen if cfg.checkpoint.save_frozen else 0.0
+    return counts.trainable * size.master * 3 + frozen
+
+
+def young_daly_interval_s(save_s: float, mtbf_s: float) -> float:
+    """The checkpoint interval that minimises save time plus expected rework: sqrt(2 C M)."""
+    return math.sqrt(2 * save_s * mtbf_s)
+
+
+def timing(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: int, mfu: float,
+           network_gbps: float, diloco_h: int, disk_gbytes_s: float) -> Timing:
+    """Step time, the job's time, and what failures cost it with checkpoints every Young/Daly interval."""
+    tokens = cfg.train.micro_batch_size * cfg.data.max_length * accum * layout.world
+    per_token = flops_per_token(cfg, model)
+    compute = per_token * tokens / (layout.world * peak_flops(layout.gpu, size.compute_dtype) * mfu)
+    comm = comm_s(cfg, model, layout, size, accum, network_gbps, diloco_h)
+    ckpt = checkpoint_bytes(cfg, model, size)
+    save = ckpt / (disk_gbytes_s * 1e9)
+    mtbf = cfg.checkpoint.mtbf_hours * 3600 / layout.nodes
+    interval = young_daly_interval_s(save, mtbf)
+    train = cfg.train.max_steps * (compute + comm)
+    failures = train / mtbf
+    return Timing(
+        flops_per_token=per_token,
+        tokens_per_step=tokens,
+        compute_s=compute,
+        comm_s=comm,
+        checkpoint_bytes=ckpt,
+        save_s=save,
+        mtbf_s=mtbf,
+        interval_s=interval,
+        steps=cfg.train.max_steps,
+        train_s=train,
+        expected_failures=failures,
+        lost_work_s=failures * min(interval, train) / 2,
+        checkpoint_overhead_s=(train / interval) * save if interval > 0 else 0.0,
+    )
+
+
+def cost(timed: Timing, layout: Layout, price_per_gpu_hour: float | None, spot_discount: float) -> dict[str, float]:
+    """GPU-hours, and their price on demand and on spot (spot preemptions beyond the MTBF are not modelled)."""
+    gpu_hours = timed.total_s / 3600 * layout.world
+    if price_per_gpu_hour is None:
+        return {"gpu_hours": gpu_hours}
+    on_demand = gpu_hours * price_per_gpu_hour
+    return {"gpu_hours": gpu_hours, "on_demand": on_demand, "spot": on_demand * (1 - spot_discount)}

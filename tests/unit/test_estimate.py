@@ -1,0 +1,158 @@
+"""`trainyard estimate`: the memory breakdown adds up to the meta model's parameters, sharding divides the
+state, checkpointing lowers activations, the bandwidth and Young/Daly formulas, the JSON, the seed jobs'
+verdicts, and bad options through the real CLI. Nothing here downloads: hub models come from the known table."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.conftest import REPO, TINY, trainyard
+from trainyard import estimate, estimate_memory, estimate_time
+from trainyard.config import load_config
+from trainyard.errors import OptionError
+
+MISTRAL = str(REPO / "configs" / "mistral7b-lora-ddp.yaml")
+TINY_PARAMS = 90_816  # tiny.yaml's Llama with the byte tokenizer (as `train --dry-run` prints it)
+
+
+def run(overrides: list[str], gpu: str = "h100-80gb", per_node: int = 1, nodes: int = 1) -> estimate.Estimate:
+    return estimate.estimate(load_config(TINY, overrides), estimate.Hardware(gpu, per_node, nodes))
+
+
+def test_full_fine_tune_weights_are_every_parameter_in_the_master_dtype() -> None:
+    result = run(["train.precision=fp32"])
+    memory = result.memory
+    assert result.total_params == result.trainable_params == TINY_PARAMS
+    assert memory.weights == TINY_PARAMS * 4 and memory.lora_adapters == 0
+    assert memory.gradients == TINY_PARAMS * 4
+    assert memory.optimizer == TINY_PARAMS * 8  # AdamW: two fp32 moments
+    assert memory.mixed_precision_copies == 0  # fp32 computes in fp32: no autocast copies
+
+
+def test_lora_splits_frozen_bf16_base_from_fp32_adapters() -> None:
+    result = run(["lora.enabled=true", "train.precision=bf16-mixed", "model.dtype=bfloat16"])
+    memory = result.memory
+    frozen = result.total_params - result.trainable_params
+    assert 0 < result.trainable_params < result.total_params
+    assert result.total_params > TINY_PARAMS  # the adapters are counted too
+    assert memory.weights == frozen * 2 and memory.lora_adapters == result.trainable_params * 4
+    assert memory.gradients == result.trainable_params * 4 and memory.optimizer == result.trainable_params * 8
+    assert memory.mixed_precision_copies == result.trainable_params * 2  # autocast's bf16 copies of adapters
+
+
+def test_fsdp_divides_the_state_by_the_world_and_hsdp_by_its_shard_group() -> None:
+    ddp = run(["dist.strategy=ddp"], per_node=4).memory
+    fsdp = run(["dist.strategy=fsdp"], per_node=4).memory
+    hsdp = run(["dist.strategy=hsdp"], per_node=4, nodes=2)
+    assert ddp.ddp_buckets == ddp.gradients and fsdp.ddp_buckets == 0
+    for part in ("weights", "gradients", "optimizer"):
+        assert getattr(fsdp, part) == pytest.approx(getattr(ddp, part) / 4)
+    assert hsdp.layout.shard == 4 and hsdp.memory.weights == pytest.approx(fsdp.weights)
+    assert fsdp.fsdp_buffers > 0 and ddp.fsdp_buffers == 0
+    assert fsdp.activations == hsdp.memory.activations  # sharding leaves each rank's micro-batch alone
+
+
+def test_activation_checkpointing_keeps_only_block_inputs_and_one_block() -> None:
+    plain = run(["model.gradient_checkpointing=false"]).memory
+    ckpt = run(["model.gradient_checkpointing=true"]).memory
+    assert ckpt.activations < plain.activations
+    assert ckpt.recomputed_layer > 0 and plain.recomputed_layer == 0
+    cfg = load_config(TINY)
+    tokens, layers, hidden = cfg.train.micro_batch_size * cfg.data.max_length, 2, 64
+    residual = 4  # bf16-mixed over fp32 weights: the residual stream stays fp32
+    # Without checkpointing every layer saves what the recomputed one does; with it, only each layer's input.
+    assert plain.activations - ckpt.activations == pytest.approx(
+        (layers - 1) * ckpt.recomputed_layer - layers * tokens * hidden * residual
+    )
+
+
+def test_ring_collectives_and_young_daly() -> None:
+    assert estimate_time.ring_all_reduce_s(8e9, 8, 1e9) == pytest.approx(2 * 7 / 8 * 8)
+    assert estimate_time.all_gather_s(8e9, 8, 1e9) == pytest.approx(7 / 8 * 8)
+    assert estimate_time.ring_all_reduce_s(8e9, 1, 1e9) == 0
+    assert estimate_time.young_daly_interval_s(60, 86400) == pytest.approx(math.sqrt(2 * 60 * 86400))
+    one, four = run(["checkpoint.mtbf_hours=12"], nodes=1).timing, run(["checkpoint.mtbf_hours=12"], nodes=4).timing
+    assert one.mtbf_s == 12 * 3600 and four.mtbf_s == 3 * 3600  # a job of N nodes fails N times as often
+    assert four.interval_s == pytest.approx(math.sqrt(2 * four.save_s * four.mtbf_s))
+    # each expected failure loses half an interval of work (the whole job is shorter than one here)
+    assert four.lost_work_s == pytest.approx(four.train_s / four.mtbf_s * min(four.interval_s, four.train_s) / 2)
+
+
+def test_mistral_full_fine_tune_does_not_fit_8_h100_with_ddp_but_its_lora_does() -> None:
+    hardware = estimate.Hardware("h100-80gb", 8, 1)
+    full = estimate.estimate(load_config(MISTRAL, ["lora.enabled=false"]), hardware)
+    lora = estimate.estimate(load_config(MISTRAL), hardware)
+    assert full.layout.strategy == lora.layout.strategy == "ddp"
+    assert 7.2e9 < full.total_params < 7.3e9
+    assert not full.fits and full.memory.optimizer > 50 * 2**30
+    assert full.fix is not None and "dist.strategy=fsdp" in full.fix
+    assert lora.fits and lora.margin_bytes > 40 * 2**30
+    assert estimate.fits(load_config(MISTRAL), "ddp", 8, 80 * 2**30)
+    assert not estimate.fits(load_config(MISTRAL, ["lora.enabled=false"]), "ddp", 8, 80 * 2**30)
+
+
+def test_json_has_the_verdict_and_the_breakdown() -> None:
+    result = trainyard("estimate", TINY, "--gpu", "l4", "--gpus-per-node", "2", "--price-per-gpu-hour", "1.5",
+                       "--spot-discount", "0.5", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["fits"] is True and data["strategy"] == "ddp" and data["gpu"] == "l4"
+    parts = data["memory_bytes"]
+    assert data["peak_bytes_per_device"] == pytest.approx(
+        parts["peak_tensor_bytes"] + parts["allocator_slack"] + parts["cuda_context"])
+    assert parts["weights"] == TINY_PARAMS * 4
+    assert data["cost"]["spot"] == pytest.approx(data["cost"]["on_demand"] * 0.5)
+    assert data["cost"]["on_demand"] == pytest.approx(data["cost"]["gpu_hours"] * 1.5)
+
+
+@pytest.mark.parametrize(
+    ("options", "needles"),
+    [
+        (["--gpu", "v100"], ["--gpu v100", "h100-80gb", "a100-40gb", "cpu"]),
+        (["--price-per-gpu-hour", "-2"], ["--price-per-gpu-hour -2"]),
+        (["--spot-discount", "0.5"], ["--spot-discount needs --price-per-gpu-hour"]),
+    ],
+)
+def test_bad_options_exit_2_naming_them(options: list[str], needles: list[str]) -> None:
+    result = trainyard("estimate", TINY, *options, env={"COLUMNS": "1000"})
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("hardware", "assumptions", "needle"),
+    [
+        (estimate.Hardware("h200", 8, 0), estimate.Assumptions(), "--nodes 0"),
+        (estimate.Hardware("h200", -1), estimate.Assumptions(), "--gpus-per-node -1"),
+        (estimate.Hardware("h200", network_gbps=0), estimate.Assumptions(), "--network-gbps 0"),
+        (estimate.Hardware("h200"), estimate.Assumptions(mfu=1.5), "--mfu 1.5"),
+        (estimate.Hardware("h200"), estimate.Assumptions(price_per_gpu_hour=2.0, spot_discount=1.0), "--spot-discount"),
+    ],
+)
+def test_numbers_an_estimate_cannot_use_are_option_errors(
+    hardware: estimate.Hardware, assumptions: estimate.Assumptions, needle: str
+) -> None:
+    with pytest.raises(OptionError, match=needle):
+        estimate.check_options(hardware, assumptions)
+
+
+def test_dry_run_prints_the_estimate() -> None:
+    from typer.testing import CliRunner
+
+    from trainyard.cli import app
+
+    result = CliRunner().invoke(app, ["train", TINY, "--dry-run", "--world-size", "2"])
+    assert result.exit_code == 0, result.output
+    assert "estimate         peak" in result.output
+
+
+def test_unknown_hub_model_is_a_model_error_naming_the_known_ones() -> None:
+    cfg = load_config(TINY, ["model.config=null", "model.path=nobody/unknown-model-xyz"])
+    line = estimate.describe(cfg, 1)
+    assert line.startswith("estimate         unknown") and "mistralai/Mistral-7B-v0.1" in line
+    assert estimate_memory.GPUS["h200"].memory_bytes > estimate_memory.GPUS["h100-80gb"].memory_bytes
