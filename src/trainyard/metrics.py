@@ -23,9 +23,10 @@ import torch
 import transformers
 from rich.console import Console
 
-from trainyard.config import JobConfig, redact, redact_text
+from trainyard.config import JobConfig
 from trainyard.dist import DistInfo, all_gather_rows, host_summary
 from trainyard.files import write_atomically
+from trainyard.redaction import redact, redact_text
 
 if TYPE_CHECKING:
     from trainyard.parallel import CommTimer

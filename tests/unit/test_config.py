@@ -7,16 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainyard.config import (
-    REDACTED,
-    JobConfig,
-    accumulation_steps,
-    dump_config,
-    is_secret_name,
-    load_config,
-    redact,
-)
+from trainyard.config import JobConfig, accumulation_steps, dump_config, load_config
 from trainyard.errors import ConfigError
+from trainyard.redaction import REDACTED, is_secret_name, redact
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from tests.conftest import trainyard
-from trainyard.config import REDACTED
 from trainyard.doctor import DoctorOptions, run_doctor
 from trainyard.doctor.checks import check_environment, gpu_links
 from trainyard.doctor.network import check_master, check_nic, check_port_free, matching_interfaces
 from trainyard.errors import OptionError
+from trainyard.redaction import REDACTED
 
 
 def doctor_json(*args: str, cwd: Path, env: dict[str, str] | None = None) -> tuple[int, dict[str, dict[str, Any]]]:

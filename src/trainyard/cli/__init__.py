@@ -8,8 +8,8 @@ import typer
 
 from trainyard.cli import cluster, estimate, jobs, runs  # noqa: F401, I001  (each registers its commands; train first in --help)
 from trainyard.cli.app import _notice, app, err_console
-from trainyard.config import redact_text
 from trainyard.errors import TrainyardError
+from trainyard.redaction import redact_text
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from trainyard.config import redact_text
+from trainyard.redaction import redact_text
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="One YAML-described LLM training job, from a CPU to many nodes."

@@ -16,6 +16,7 @@ from trainyard.cli.app import (
     app,
     err_console,
 )
+from trainyard.redaction import redact_text
 
 
 @app.command()
@@ -105,7 +106,7 @@ def launch(
     added, network_lines = tr.network_settings(cfg.dist, os.environ)
     argv = tr.torchrun_argv(plan, config_path, overrides)
     summary = "\n".join([tr.describe_plan(plan), *network_lines, f"running: {tr.format_command(argv)}"])
-    err_console.print(config_room.redact_text(summary), highlight=False, markup=False, soft_wrap=True)
+    err_console.print(redact_text(summary), highlight=False, markup=False, soft_wrap=True)
     code, message = tr.run_torchrun(argv, {**os.environ, **added}, preempt_exit_code)
     if code:
         fallback = f"torchrun exited with {code}; each rank's log is under {cfg.run_dir}/logs/"

@@ -14,7 +14,7 @@ from trainyard.cli.app import (
     app,
     err_console,
 )
-from trainyard.config import redact_text
+from trainyard.redaction import redact_text
 
 
 @app.command(context_settings={"allow_extra_args": False})

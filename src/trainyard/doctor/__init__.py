@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from trainyard.config import load_config, redact_text
+from trainyard.config import load_config
 from trainyard.doctor.checks import (
     Check,
     check_cuda,
@@ -32,6 +32,7 @@ from trainyard.doctor.checks import (
 )
 from trainyard.doctor.network import check_master, check_nic, parse_master
 from trainyard.errors import OptionError
+from trainyard.redaction import redact_text
 
 DEFAULT_OUTPUT_DIR = "runs"
 _STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}

@@ -15,10 +15,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainyard.config import JobConfig, is_secret_name, redact_text
+from trainyard.config import JobConfig
 from trainyard.dist import network_env
 from trainyard.errors import ConfigError
 from trainyard.launch.torchrun import PREEMPTED_EXIT_CODE
+from trainyard.redaction import is_secret_name, redact_text
 
 SIGNAL_LEAD_S = 90
 """Slurm sends SIGUSR1 this long before the time limit; workers save and exit 75."""
