@@ -25,7 +25,7 @@ from trainyard import model as model_room
 from trainyard import precision as precision_room
 from trainyard.config import JobConfig, accumulation_steps, dump_config
 from trainyard.data import PreparedData, ResumableSampler, micro_batches, prepare_datasets, sample_record_path
-from trainyard.errors import CheckpointError, TrainyardError
+from trainyard.errors import CheckpointError, ConfigError, TrainyardError
 from trainyard.evaluate import evaluate, token_loss_sum
 from trainyard.files import write_atomically
 from trainyard.metrics import (
@@ -361,6 +361,12 @@ def resume(job: Job) -> LoopState:
 def run(cfg: JobConfig) -> dict[str, Any]:
     """The whole job: init, data, model, wrap, fit, summary. Every rank runs it."""
     wall_start = time.monotonic()
+    if cfg.data.mixture:
+        raise ConfigError(
+            "data.mixture: `trainyard train` does not read pretraining mixtures yet (`trainyard prepare` builds "
+            "their token shards)" + (f" ({cfg.where('data.mixture')})" if cfg.where("data.mixture") else ""),
+            fix="train on data.path for now",
+        )
     transformers.utils.logging.disable_progress_bar()  # our own progress line is the only one
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
     info = dist.init(cfg.dist, run_dir=cfg.run_dir, nic_where=cfg.where("dist.nic"))

@@ -41,6 +41,8 @@ def make_inputs(root: Path) -> dict[str, tuple[list[str], list[str]]]:
     (root / "many.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(30)))
     good = str(root / "good.jsonl")
     return {
+        "train-refuses-a-mixture": (["train", write_job(root, "t.yaml", mixture(good))],
+                                    ["data.mixture", "t.yaml", "trainyard prepare"]),
         "nothing-matches": ([write_job(root, "a.yaml", mixture(good, str(root / "none" / "*.jsonl")))],
                             ["data.mixture[1].path", "none/*.jsonl", "matches no"]),
         "text-field-missing-in-a-row": ([write_job(root, "b.yaml", mixture(str(root / "no_field.jsonl")))],
@@ -65,12 +67,14 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("prepare-cli")
     cases = make_inputs(root)
     with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {name: pool.submit(trainyard, "prepare", *argv, env=WIDE, timeout=300)
+        futures = {name: pool.submit(trainyard, *(argv if argv[0] == "train" else ["prepare", *argv]), env=WIDE,
+                                     timeout=300)
                    for name, (argv, _) in cases.items()}
         return {name: (future.result(), cases[name][1]) for name, future in futures.items()}
 
 
 CASES = [
+    "train-refuses-a-mixture",
     "nothing-matches",
     "text-field-missing-in-a-row",
     "text-field-missing-in-parquet",
