@@ -11,9 +11,10 @@ gate/up/down), same rows tokenized exactly as trainyard's alpaca format (prompt 
   seeds  as seed 002 wrote it: padding="max_length", batch 1 per device, labels = a copy of input_ids
          (padding and prompt included), default_data_collator; accumulation makes up the samples per step.
   best   dynamic padding (DataCollatorForSeq2Seq), labels masked to the response, batch 4 per device;
-         evaluate() computes only the loss (by default it also gathers every logit: GBs, seconds);
          --bf16 and --sampling group_by_length are what bench.py tries to find HF's best on the machine.
 
+Both evaluate only the loss (prediction_loss_only: by default evaluate() also gathers every logit,
+6 GB for 64 rows padded to 512, which made the seeds row's eval take minutes and risk the memory).
 Figures (hf_common.finish): real tokens/s, eval time, lite/full save stall, peak memory; rank 0 writes JSON.
 No assertions: a measurement, never part of the test suite.
 """
@@ -116,7 +117,7 @@ def main() -> None:
             output_dir=output_dir,
             per_device_train_batch_size=batch,
             per_device_eval_batch_size=8,
-            prediction_loss_only=not seeds,  # by default evaluate() also gathers every logit (GBs)
+            prediction_loss_only=True,  # else evaluate() also gathers every logit: 64 x 512 x 49152 floats
             gradient_accumulation_steps=accumulation,
             max_steps=args.steps,
             learning_rate=args.lr,
@@ -131,6 +132,8 @@ def main() -> None:
             disable_tqdm=True,
             use_cpu=not cuda,
             ddp_backend=None if cuda else "gloo",
+            # A PeftModel makes Trainer search for unused parameters every backward; LoRA has none.
+            ddp_find_unused_parameters=None if seeds else False,
             dataloader_num_workers=0,
             seed=args.seed,
         )

@@ -61,9 +61,8 @@ def parse_args() -> argparse.Namespace:
 
 def prompt_completion(path: str, eos: str) -> Dataset:
     rows = read_rows(path)
-    return Dataset.from_list(
-        [{"prompt": alpaca_prompt(r["instruction"], r.get("input") or ""), "completion": r["output"] + eos} for r in rows]
-    )
+    prompts = [alpaca_prompt(r["instruction"], r.get("input") or "") for r in rows]
+    return Dataset.from_list([{"prompt": p, "completion": r["output"] + eos} for p, r in zip(prompts, rows)])
 
 
 def padding_free_check(model: Any, dataset: Dataset, pad_id: int, batch: int) -> dict[str, Any]:
@@ -124,6 +123,7 @@ def main() -> None:
             disable_tqdm=True,
             use_cpu=not cuda,
             ddp_backend=None if cuda else "gloo",
+            ddp_find_unused_parameters=False,  # else searched every backward for a PeftModel; LoRA has none
             dataloader_num_workers=0,
             seed=args.seed,
         )
