@@ -9,7 +9,8 @@ the same generated alpaca rows (alpaca_data.py; steps x 8 rows, each trained on 
 optimizer step (2 processes x 4, or 2 x 1 x accumulation 4 for hf-seeds), same lr and schedule, with
 cores / processes threads each. Rows (see README.md): trainyard (its defaults), hf-seeds, hf-best, trl.
 hf-best and trl try their variants (bf16 or fp32, group_by_length, padding-free) in round 1 and keep
-the fastest; later rounds run the kept one. Figures are medians over rounds (odd rounds reversed);
+the fastest; later rounds run the kept one. Figures are medians over rounds (every second round runs
+the rows in reverse order);
 MFU is against this machine's measured matmul peak (roofline.py). The table and every miss against
 the targets are printed and appended to RESULTS.md (bench_report.py).
 """
@@ -246,7 +247,9 @@ def run_row(row: str, round_: int, ctx: dict[str, Any], env: dict[str, str], cho
         base = best.variant if best else {}
         for candidate in stage:
             variant = {**base, **candidate}
-            if any(r.variant == variant or r.variant == {**variant, "padding_free": "on"} for r in runs):
+            tried = [r.variant for r in runs]  # a checked padding-free run is named "on" or "off" once run
+            checked = variant.get("padding_free") == "check" and {**variant, "padding_free": "on"} in tried
+            if variant in tried or checked:
                 continue
             run = execute(Run(row, variant, round_), ctx, env)
             runs.append(run)
