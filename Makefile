@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU build on a CPU machine; set TORCH_SPEC="torch" (or a CUDA index) on GPU machines.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test test-unit test-dist test-e2e test-gpu clean
+.PHONY: install demo test test-unit test-dist test-e2e test-gpu bench clean
 
 install: $(STAMP)
 
@@ -36,6 +36,11 @@ test-e2e: $(STAMP)
 # Needs a CUDA build of torch (TORCH_SPEC, above); without a GPU every test skips, saying why.
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -rs tests/gpu
+
+# trainyard vs HF Trainer + PEFT vs TRL, back to back (~25 min on 2 cores); appends to benchmarks/RESULTS.md.
+bench: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[bench]"
+	$(PY) benchmarks/bench.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
