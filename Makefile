@@ -37,7 +37,7 @@ test-e2e: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -rs tests/gpu
 
-# trainyard vs HF Trainer + PEFT vs TRL, back to back (~25 min on 2 cores); appends to benchmarks/RESULTS.md.
+# trainyard vs HF Trainer + PEFT vs TRL, back to back (~45 min on 2 cores); appends to benchmarks/RESULTS.md.
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	$(PY) benchmarks/bench.py

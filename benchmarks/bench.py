@@ -1,6 +1,6 @@
 """`make bench`: trainyard vs HF Trainer + PEFT vs TRL SFTTrainer, back to back, one table of ratios.
 
-    python benchmarks/bench.py                                 # 3 rounds of 12 steps, recorded (~25 min, 2 cores)
+    python benchmarks/bench.py                                 # 3 rounds of 12 steps, recorded (~45 min, 2 cores)
     python benchmarks/bench.py --steps 3 --rounds 1 --no-record   # a quick try
     python benchmarks/bench.py --only trainyard hf-best
 
