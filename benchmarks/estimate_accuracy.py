@@ -143,7 +143,7 @@ def measure_rank(rank: int, world: int, args: list[str], out: str) -> None:
     import torch.distributed as torch_dist
 
     from trainyard import build, dist
-    from trainyard import config as config_room
+    from trainyard import config_file as config_room
     from trainyard import model as model_room
     from trainyard import precision as precision_room
     from trainyard.evaluate import token_loss_sum
@@ -195,7 +195,7 @@ def measure(args: list[str], world: int) -> dict:
 
 def predict(args: list[str], gpu: str, gpus_per_node: int, nodes: int):  # type: ignore[no-untyped-def]
     """The estimate of a job on a layout, from the same config and overrides as the measurement."""
-    from trainyard import config as config_room
+    from trainyard import config_file as config_room
     from trainyard import estimate
 
     cfg = config_room.load_config(args[0], args[1:])

@@ -41,6 +41,30 @@ def encode_alpaca(row: dict[str, str], tokenizer: Any, max_length: int) -> tuple
     return ids, labels
 
 
+def shared_training_args(args: Any, accumulation: int, cuda: bool) -> dict[str, Any]:
+    """What HF Trainer's and TRL's runs are told alike: the job's steps and schedule, nothing saved or reported
+    in the loop, loss-only evaluation (else evaluate() also gathers every logit: 64 x 512 x 49152 floats)."""
+    return {
+        "per_device_eval_batch_size": 8,
+        "prediction_loss_only": True,
+        "gradient_accumulation_steps": accumulation,
+        "max_steps": args.steps,
+        "learning_rate": args.lr,
+        "lr_scheduler_type": "cosine",
+        "warmup_steps": args.warmup_steps,
+        "bf16": args.bf16,
+        "eval_strategy": "no",
+        "save_strategy": "no",
+        "report_to": "none",
+        "logging_steps": args.steps,
+        "disable_tqdm": True,
+        "use_cpu": not cuda,
+        "ddp_backend": None if cuda else "gloo",
+        "dataloader_num_workers": 0,
+        "seed": args.seed,
+    }
+
+
 def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 

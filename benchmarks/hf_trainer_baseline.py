@@ -28,7 +28,7 @@ import time
 import torch
 import transformers
 from datasets import Dataset
-from hf_common import LORA_TARGETS, CountingCollator, StepTimer, encode_alpaca, finish, read_rows
+from hf_common import LORA_TARGETS, CountingCollator, StepTimer, encode_alpaca, finish, read_rows, shared_training_args
 from peft import LoraConfig, get_peft_model
 from transformers import (
     AutoModelForCausalLM,
@@ -116,26 +116,10 @@ def main() -> None:
         training_args = TrainingArguments(
             output_dir=output_dir,
             per_device_train_batch_size=batch,
-            per_device_eval_batch_size=8,
-            prediction_loss_only=True,  # else evaluate() also gathers every logit: 64 x 512 x 49152 floats
-            gradient_accumulation_steps=accumulation,
-            max_steps=args.steps,
-            learning_rate=args.lr,
-            lr_scheduler_type="cosine",
-            warmup_steps=args.warmup_steps,
-            bf16=args.bf16,
             train_sampling_strategy=args.sampling,
-            eval_strategy="no",
-            save_strategy="no",
-            report_to="none",
-            logging_steps=args.steps,
-            disable_tqdm=True,
-            use_cpu=not cuda,
-            ddp_backend=None if cuda else "gloo",
             # A PeftModel makes Trainer search for unused parameters every backward; LoRA has none.
             ddp_find_unused_parameters=None if seeds else False,
-            dataloader_num_workers=0,
-            seed=args.seed,
+            **shared_training_args(args, accumulation, cuda),
         )
         trainer = Trainer(
             model=model, args=training_args, train_dataset=train, data_collator=collator, callbacks=[timer]

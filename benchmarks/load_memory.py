@@ -186,7 +186,7 @@ def worker(case: str, folder: str, out: Path) -> None:
     """One rank under torchrun: dist.init, tokenizer and precision first, then build_and_wrap measured."""
     from trainyard import build, dist, precision
     from trainyard import model as model_room
-    from trainyard.config import load_config
+    from trainyard.config_file import load_config
 
     spec = CASES[case]
     if spec.get("skip_fit_check"):

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import transformers
 from datasets import Dataset
-from hf_common import LORA_TARGETS, CountingCollator, StepTimer, finish, read_rows
+from hf_common import LORA_TARGETS, CountingCollator, StepTimer, finish, read_rows, shared_training_args
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
@@ -104,28 +104,12 @@ def main() -> None:
         config = SFTConfig(
             output_dir=output_dir,
             per_device_train_batch_size=args.batch,
-            per_device_eval_batch_size=8,
-            prediction_loss_only=True,
-            gradient_accumulation_steps=accumulation,
-            max_steps=args.steps,
-            learning_rate=args.lr,
-            lr_scheduler_type="cosine",
-            warmup_steps=args.warmup_steps,
-            bf16=args.bf16,
             padding_free=padding_free,
             # padding-free without packing refuses max_length; every generated row is shorter than it
             max_length=None if padding_free else args.max_length,
             completion_only_loss=True,
-            eval_strategy="no",
-            save_strategy="no",
-            report_to="none",
-            logging_steps=args.steps,
-            disable_tqdm=True,
-            use_cpu=not cuda,
-            ddp_backend=None if cuda else "gloo",
             ddp_find_unused_parameters=False,  # else searched every backward for a PeftModel; LoRA has none
-            dataloader_num_workers=0,
-            seed=args.seed,
+            **shared_training_args(args, accumulation, cuda),
         )
         return SFTTrainer(
             model=model,

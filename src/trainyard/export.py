@@ -23,7 +23,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from trainyard import model as model_room
 from trainyard.checkpoint import MARKER, STEP_DIR, committed_kind, latest_full, model_signature, read_trainer_state
-from trainyard.config import JobConfig, load_config
+from trainyard.config import JobConfig
+from trainyard.config_file import load_config
 from trainyard.errors import CheckpointError, OptionError
 from trainyard.files import publish_folder, temp_sibling
 

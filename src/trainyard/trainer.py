@@ -23,7 +23,8 @@ from torch.distributed.fsdp import FSDPModule
 from trainyard import build, checkpoint, dist, health, parallel
 from trainyard import model as model_room
 from trainyard import precision as precision_room
-from trainyard.config import JobConfig, accumulation_steps, dump_config
+from trainyard.config import JobConfig, accumulation_steps
+from trainyard.config_file import dump_config
 from trainyard.data import PreparedData, ResumableSampler, micro_batches, prepare_datasets, sample_record_path
 from trainyard.errors import CheckpointError, ConfigError, TrainyardError
 from trainyard.evaluate import evaluate, token_loss_sum

@@ -14,7 +14,7 @@ from tests.conftest import assert_ok, events, trainyard
 from tests.dist.checkpoint_helpers import COMMON, FULL_FSDP, LORA_DDP, STEPS, model_tensors
 from trainyard import model as model_room
 from trainyard.checkpoint import step_dir
-from trainyard.config import load_config
+from trainyard.config_file import load_config
 from trainyard.export import export
 
 pytestmark = pytest.mark.dist

@@ -12,7 +12,7 @@ from tests.conftest import TINY, assert_ok, events, trainyard
 from tests.dist.checkpoint_helpers import model_tensors
 from trainyard import model as model_room
 from trainyard import precision
-from trainyard.config import load_config
+from trainyard.config_file import load_config
 
 QUIET = ["log.every_steps=1", "log.progress=false", "log.tensorboard=false", "eval.every_steps=0",
          "eval.at_end=false", "dist.desync_check_steps=0"]

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 from tests.conftest import TINY, trainyard
 from trainyard import model as model_room
-from trainyard.config import load_config
+from trainyard.config_file import load_config
 
 MODES: dict[str, bool | str] = {"none": False, "full": True, "selective": "selective"}
 

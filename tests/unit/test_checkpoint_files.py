@@ -19,7 +19,7 @@ from trainyard.checkpoint import (
     rotate,
     step_dir,
 )
-from trainyard.config import dump_config, load_config
+from trainyard.config_file import dump_config, load_config
 from trainyard.errors import CheckpointError, OptionError
 from trainyard.export import export, find_checkpoint
 

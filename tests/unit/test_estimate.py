@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import REPO, TINY, trainyard
 from trainyard import estimate, estimate_memory, estimate_time
-from trainyard.config import load_config
+from trainyard.config_file import load_config
 from trainyard.errors import OptionError
 
 MISTRAL = str(REPO / "configs" / "mistral7b-lora-ddp.yaml")

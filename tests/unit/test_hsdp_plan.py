@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import trainyard.parallel as parallel
-from trainyard.config import load_config
+from trainyard.config_file import load_config
 from trainyard.dist import DistInfo, hsdp_shape
 from trainyard.errors import ConfigError
 from trainyard.parallel import choose_strategy, replicated_state_bytes

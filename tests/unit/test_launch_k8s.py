@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tests.conftest import TINY
-from trainyard.config import load_config
+from trainyard.config_file import load_config
 from trainyard.dist import network_env
 from trainyard.errors import ConfigError
 from trainyard.launch.k8s import (

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY, trainyard
-from trainyard.config import load_config
+from trainyard.config_file import load_config
 from trainyard.dist import network_env
 from trainyard.errors import ConfigError
 from trainyard.launch.slurm import SlurmJob, render_sbatch

@@ -7,7 +7,7 @@ import torch
 
 from tests.conftest import REPO
 from trainyard import model as model_room
-from trainyard.config import PRESETS, load_config, preset_path
+from trainyard.config_file import PRESETS, load_config, preset_path
 from trainyard.plan import describe_plan
 
 EXPERTS = "4 expert parameters (2 layers × mlp.experts.down_proj, mlp.experts.gate_up_proj)"

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from trainyard.config import load_config
+from trainyard.config_file import load_config
 from trainyard.dist import DistInfo
 from trainyard.metrics import (
     LogWindow,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainyard import precision
-from trainyard.config import load_config
+from trainyard.config_file import load_config
 from trainyard.errors import ConfigError
 
 CPU = torch.device("cpu")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trainyard.config import load_config
+from trainyard.config_file import load_config
 from trainyard.dist import DistInfo
 from trainyard.optim import lr_lambda
 from trainyard.parallel import choose_strategy, replicated_state_bytes

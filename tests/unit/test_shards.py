@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trainyard.config import load_config
+from trainyard.config_file import load_config
 from trainyard.data import shards as shards_room
 from trainyard.data.shards import open_shards, prepare, token_dtype
 from trainyard.data.tokenizer import build_byte_tokenizer

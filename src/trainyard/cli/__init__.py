@@ -6,7 +6,8 @@ import sys
 
 import typer
 
-from trainyard.cli import cluster, estimate, jobs, runs  # noqa: F401, I001  (each registers its commands; train first in --help)
+# Imported for what they do: each module registers its commands on `app`.
+from trainyard.cli import cluster, estimate, jobs, runs  # noqa: F401
 from trainyard.cli.app import _notice, app, err_console
 from trainyard.errors import TrainyardError
 from trainyard.redaction import redact_text

@@ -56,7 +56,7 @@ def _check_out(out: Path, force: bool, config_path: str | None) -> None:
     """`--out FILE` never replaces a file without --force, and never the job config being read."""
     import os
 
-    from trainyard.config import PRESETS, preset_path
+    from trainyard.config_file import PRESETS, preset_path
     from trainyard.errors import OptionError
 
     config_file = Path(config_path) if config_path else None

@@ -82,7 +82,7 @@ def launch(
     """Run this node's share of a multi-node job under torchrun (one command on every node)."""
     import os
 
-    from trainyard import config as config_room
+    from trainyard import config_file as config_room
     from trainyard.launch import torchrun as tr
     from trainyard.preflight import check_job_inputs
 
@@ -141,7 +141,7 @@ def slurm(
     submit: Annotated[bool, typer.Option("--submit", help="run sbatch on the script and print the job id")] = False,
 ) -> None:
     """Write an sbatch script: one `trainyard launch` per node, requeued when preempted."""
-    from trainyard import config as config_room
+    from trainyard import config_file as config_room
     from trainyard.launch import slurm as slurm_room
 
     config_path, overrides = _config_and_overrides(args)
@@ -208,7 +208,7 @@ def k8s(
     force: Annotated[bool, typer.Option("--force", help="replace the file at --out if it exists")] = False,
 ) -> None:
     """Write Kubernetes manifests: the job, its ConfigMap, a shared volume, secret references."""
-    from trainyard import config as config_room
+    from trainyard import config_file as config_room
     from trainyard.launch import k8s as k8s_room
 
     config_path, overrides = _config_and_overrides(args)

@@ -33,7 +33,7 @@ def estimate_command(
     as_json: Annotated[bool, typer.Option("--json", help="print every figure as JSON")] = False,
 ) -> None:
     """Estimate memory per device (fits or not, and the cheapest fix), step time, job time and cost."""
-    from trainyard import config as config_room
+    from trainyard import config_file as config_room
     from trainyard import estimate
 
     config_path, overrides = _config_and_overrides(args)

@@ -37,7 +37,7 @@ def train(
     ] = None,
 ) -> None:
     """Train. No CONFIG runs the built-in quickstart."""
-    from trainyard import config as config_room
+    from trainyard import config_file as config_room
     from trainyard.preflight import check_job_inputs
 
     config_path, overrides = _split_config_and_overrides(list(args or []))
@@ -95,7 +95,7 @@ def eval_checkpoint(
     """Evaluate a checkpoint on the job's eval set: loss, perplexity, exact match (eval.generate)."""
     import os
 
-    from trainyard import config as config_room
+    from trainyard import config_file as config_room
     from trainyard.preflight import check_job_inputs
 
     config_path, overrides = _config_and_overrides(args)
@@ -125,7 +125,7 @@ def prepare(
     args: Annotated[list[str], typer.Argument(help="CONFIG (YAML file or preset name) then key=value overrides")],
 ) -> None:
     """Tokenize the job's data.mixture once into memory-mapped token shards (reused by every later run)."""
-    from trainyard import config as config_room
+    from trainyard import config_file as config_room
     from trainyard import model as model_room
     from trainyard.data.shards import check_sources, prepare
 

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from trainyard.config import load_config
+from trainyard.config_file import load_config
 from trainyard.doctor.checks import (
     Check,
     check_cuda,

@@ -16,7 +16,8 @@ from typing import Any
 
 import yaml
 
-from trainyard.config import JobConfig, dump_config
+from trainyard.config import JobConfig
+from trainyard.config_file import dump_config
 from trainyard.dist import network_env
 from trainyard.errors import ConfigError
 from trainyard.launch.torchrun import PREEMPTED_EXIT_CODE

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from trainyard import health, parallel, trainer
-from trainyard.config import load_config
+from trainyard.config_file import load_config
 from trainyard.dist import exit_process
 
 FSDP_COLLECTIVES = "torch.distributed.fsdp._fully_shard._fsdp_collectives"

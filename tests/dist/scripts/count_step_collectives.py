@@ -12,7 +12,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from trainyard import health, trainer
-from trainyard.config import load_config
+from trainyard.config_file import load_config
 from trainyard.dist import exit_process
 
 COLLECTIVES = ["all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from trainyard import evaluate as eval_room
 from trainyard import parallel
-from trainyard.config import load_config
+from trainyard.config_file import load_config
 from trainyard.data import prepare_datasets
 from trainyard.dist import exit_process, init, teardown
 from trainyard.model import load_model, load_tokenizer

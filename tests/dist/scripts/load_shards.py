@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from trainyard import build, dist, parallel, precision, weights
 from trainyard import model as model_room
-from trainyard.config import load_config
+from trainyard.config_file import load_config
 
 TINY = str(Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainyard import trainer
-from trainyard.config import load_config
+from trainyard.config_file import load_config
 
 
 def main() -> None:

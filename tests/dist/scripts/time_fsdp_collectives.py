@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from trainyard import parallel
-from trainyard.config import load_config
+from trainyard.config_file import load_config
 from trainyard.dist import exit_process, init, teardown
 from trainyard.model import load_model, load_tokenizer
 from wrapping import wrap_in_memory  # beside this script

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from trainyard import dist, parallel, precision, weights
-from trainyard.config import load_config
+from trainyard.config_file import load_config
 
 
 def wrap_in_memory(model: torch.nn.Module, strategy: str, info: dist.DistInfo) -> torch.nn.Module:

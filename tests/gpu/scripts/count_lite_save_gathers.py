@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from trainyard import checkpoint, trainer
-from trainyard.config import load_config
+from trainyard.config_file import load_config
 from trainyard.dist import exit_process
 
 JOB = ["lora.enabled=true", "train.max_steps=6", "checkpoint.lite_every_steps=2", "checkpoint.every_steps=0",
