@@ -104,14 +104,30 @@ def record_progress(info: DistInfo, step: int, phase: float) -> None:
         store.set(f"trainyard/progress/{info.rank}", f"{step + phase:.1f}")
 
 
-def missing_ranks(info: DistInfo) -> str:
-    """Ranks that never reached the step the others are stuck in, read from the store."""
+def _ranks_that_failed_too(store, ranks: list[int], wait_s: float) -> set[int]:
+    """Of `ranks`, those that reached the failure path themselves within `wait_s`: alive, so not the lost ones."""
+    deadline = time.monotonic() + wait_s
+    failed: set[int] = set()
+    while True:
+        failed |= {rank for rank in ranks if store.check([f"trainyard/failed/{rank}"])}
+        if failed == set(ranks) or time.monotonic() >= deadline:
+            return failed
+        time.sleep(0.1)
+
+
+def missing_ranks(info: DistInfo, wait_s: float = 3.0) -> str:
+    """Ranks that never reached the step the others are stuck in, read from the store.
+
+    A live rank can be behind too: when a peer dies after its part of a collective, the ranks that
+    finished it move on while the others fail inside it. Each failing rank marks itself in the
+    store, and the ranks that mark themselves within `wait_s` are not named."""
     store = _store()
     if store is None:
         return "the rendezvous store is gone too (the launcher or rank 0's node died?)"
     store.set_timeout(timedelta(seconds=5))  # a cut-off node must not hang here too
     try:
-        store.get(f"trainyard/progress/{info.rank}")
+        mine = store.get(f"trainyard/progress/{info.rank}")
+        store.set(f"trainyard/failed/{info.rank}", mine)
     except RuntimeError:
         return "this node cannot reach the rendezvous store either: it is the one cut off (or the store's host died)"
     reached = {}
@@ -121,11 +137,16 @@ def missing_ranks(info: DistInfo) -> str:
         except (RuntimeError, ValueError):  # unreachable store or a rank that never wrote
             reached[rank] = -1
     front = max(reached.values())
-    behind = sorted(rank for rank, step in reached.items() if step < front)
-    if behind:
-        shown = ", ".join(f"rank {r} last seen at step {reached[r]:g}" for r in behind)
-        return f"ranks {','.join(map(str, behind))} did not arrive ({shown}; the others waited at {front:g})"
-    return f"every rank reached the same point ({front:g}); the fault is inside that collective"
+    behind = [rank for rank, step in reached.items() if step < front and rank != info.rank]
+    try:
+        alive = _ranks_that_failed_too(store, behind, wait_s) if behind else set()
+    except RuntimeError:
+        alive = set()
+    lost = [rank for rank in behind if rank not in alive]
+    if lost:
+        shown = ", ".join(f"rank {r} last seen at step {reached[r]:g}" for r in lost)
+        return f"ranks {','.join(map(str, lost))} did not arrive ({shown}; the others waited at {front:g})"
+    return f"every live rank reached the same point ({front:g}); the fault is inside that collective"
 
 
 def dump_flight_record(run_dir: Path, info: DistInfo) -> list[Path]:
