@@ -103,7 +103,9 @@ class MixtureSource(Section):
 
     path: str
     """A file, a glob (`data/*.jsonl`), a save_to_disk folder, an fsspec URL (`s3://...`, `memory://...`) of JSONL or
-    Parquet, or `hf://NAME` for a dataset read by `datasets.load_dataset(NAME, streaming=True)`."""
+    Parquet, `hf://NAME` for a dataset read by `datasets.load_dataset(NAME, streaming=True)`, or real text every
+    Python has: `builtin:python-stdlib` (the standard library's modules) and `builtin:pydoc-topics` (its English
+    help topics)."""
     weight: float = Field(gt=0)
     """Relative share of the tokens drawn from this source; the weights need not sum to 1."""
     format: Literal["text"] = "text"
@@ -145,6 +147,8 @@ class DataConfig(Section):
             raise ValueError("data.mixture needs at least one source ({path, weight}), or remove it")
         if self.mixture and "path" in self.model_fields_set:
             raise ValueError("set data.path or data.mixture, not both: data.path is not read when there is a mixture")
+        if self.mixture and self.eval_fraction:
+            raise ValueError("data.eval_fraction holds out rows of data.path; a mixture is evaluated on data.eval_path")
         return self
 
 
@@ -156,7 +160,8 @@ class TrainConfig(Section):
     global_batch_tokens: int | None = Field(None, ge=1)
     """Tokens per optimizer step over all ranks, counted as micro * max_length per micro-batch."""
     total_tokens: int | None = Field(None, ge=1)
-    """Train on this many tokens (the steps follow from the batch); instead of max_steps."""
+    """Train on this many tokens instead of max_steps: max_steps = ceil(total_tokens / tokens per global batch),
+    which needs global_batch_tokens (or global_batch_size, x data.max_length) so it holds on any world size."""
     lr: float = Field(2e-4, gt=0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
@@ -179,8 +184,6 @@ class TrainConfig(Section):
     def _one_batch_rule(self) -> "TrainConfig":
         if self.global_batch_size is not None and self.global_batch_tokens is not None:
             raise ValueError("set train.global_batch_size or train.global_batch_tokens, not both")
-        if self.total_tokens is not None and "max_steps" in self.model_fields_set:
-            raise ValueError("set train.max_steps or train.total_tokens, not both")
         if not all(0.0 <= beta < 1.0 for beta in self.betas):
             raise ValueError(f"train.betas {list(self.betas)} must each be in [0, 1), e.g. [0.9, 0.999]")
         return self
@@ -290,6 +293,32 @@ class JobConfig(Section):
     def _run_name_is_a_folder_name(self) -> "JobConfig":
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.run_name):
             raise ValueError("run_name must be letters, digits, '.', '_' or '-'")
+        return self
+
+    @model_validator(mode="after")
+    def _steps_from_token_budget(self) -> "JobConfig":
+        """train.total_tokens sets max_steps here, once, so every reader of max_steps (schedule, ETA, status,
+        estimate) sees the same number; a run's written config holds both, and they agree."""
+        train = self.train
+        if train.total_tokens is None:
+            return self
+        if train.global_batch_tokens is not None:
+            per_step, rule = train.global_batch_tokens, f"train.global_batch_tokens {train.global_batch_tokens}"
+        elif train.global_batch_size is not None:
+            per_step = train.global_batch_size * self.data.max_length
+            rule = f"train.global_batch_size x data.max_length = {train.global_batch_size} x {self.data.max_length}"
+        else:
+            raise ValueError(
+                "train.total_tokens needs the global batch in tokens: set train.global_batch_tokens (or "
+                "train.global_batch_size), so the number of steps does not depend on the world size"
+            )
+        steps = math.ceil(train.total_tokens / per_step)
+        if "max_steps" in train.model_fields_set and train.max_steps != steps:
+            raise ValueError(
+                f"set train.max_steps or train.total_tokens, not both: total_tokens {train.total_tokens} over "
+                f"{rule} tokens per step is {steps} steps, max_steps says {train.max_steps}"
+            )
+        train.max_steps = steps
         return self
 
     @property

@@ -13,6 +13,7 @@ import signal
 import time
 import warnings
 from dataclasses import asdict, astuple, dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -26,7 +27,10 @@ from trainyard import precision as precision_room
 from trainyard.config import JobConfig, accumulation_steps
 from trainyard.config_file import dump_config
 from trainyard.data import PreparedData, ResumableSampler, micro_batches, prepare_datasets, sample_record_path
-from trainyard.errors import CheckpointError, ConfigError, TrainyardError
+from trainyard.data.loader import stream_batches
+from trainyard.data.mixture import MixtureStream, mixture_stream
+from trainyard.data.pretraining import prepare_pretraining
+from trainyard.errors import CheckpointError, TrainyardError
 from trainyard.evaluate import evaluate, token_loss_sum
 from trainyard.files import write_atomically
 from trainyard.metrics import (
@@ -85,7 +89,8 @@ class Job:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    sampler: ResumableSampler
+    sampler: ResumableSampler | MixtureStream
+    """Where the data stands: rows of a map-style dataset, or a pretraining mixture's stream."""
     data: PreparedData
     tokenizer: Any
     sink: MetricsSink
@@ -117,6 +122,7 @@ class StepVotes:
     save_failed: float = 0.0  # this rank's part of it failed
     preempted: float = 0.0  # this rank caught a preemption signal
     timed_save: float = 0.0  # rank 0: checkpoint.every_minutes passed since the last full save
+    data_ended: float = 0.0  # this rank's pretraining stream ended before a full window (mixture_exhausted: stop)
 
     def summed(self, device: torch.device) -> StepVotes:
         """Every field summed over all ranks, in one all-reduce."""
@@ -163,7 +169,7 @@ def _train_steps(
     for step in range(state.step + 1, cfg.train.max_steps + 1):
         step_start = time.monotonic()
         position = job.sampler.state_dict()  # where this step's data starts: a preemption save resumes here
-        window = [next(batches) for _ in range(job.accum)]
+        window = list(islice(batches, job.accum))
         data_wait = time.monotonic() - step_start
         health.record_progress(info, step, health.CONTROL)
         votes = StepVotes(
@@ -173,13 +179,18 @@ def _train_steps(
             save_failed=float(job.saves.failed_here()),
             preempted=float(bool(_SIGNALLED)),
             timed_save=float(info.is_main and _timed_save_due(cfg, last_full)),
+            data_ended=float(len(window) < job.accum),
         ).summed(info.device)
         job.saves.settle(
             written_everywhere=votes.save_written == info.world_size, failed_somewhere=votes.save_failed > 0
         )
-        if votes.preempted:
+        if votes.preempted or votes.data_ended:
             job.sampler.load_state_dict(position)  # the window drawn above is never trained on
+        if votes.preempted:
             _stop_for_preemption(job, state)
+        if votes.data_ended:
+            job.sink.emit("system", step=state.step, event="data_exhausted", tokens_per_source=_per_source(job))
+            return
         step_loss = _forward_backward(job, window, votes.targets, step)
         health.record_progress(info, step, health.REPORT)  # clipping and logging gather next
         grad_norm = grad_norm_and_clip(model, cfg.train.max_grad_norm)
@@ -302,7 +313,13 @@ def _log_interval(state: LoopState, job: Job, interval: LogWindow, lr: float, gr
     job.sink.emit(
         "train", step=state.step, lr=lr, grad_norm=float(grad_norm), **figures,
         peak_memory_bytes=peak_memory_bytes(job.info.device), tokens=state.tokens,
+        **({"tokens_per_source": _per_source(job)} if isinstance(job.sampler, MixtureStream) else {}),
     )
+
+
+def _per_source(job: Job) -> dict[str, int] | None:
+    """Tokens each mixture source gave all ranks so far (a map-style dataset has one source: None)."""
+    return job.sampler.tokens_per_source() if isinstance(job.sampler, MixtureStream) else None
 
 
 def _evaluator(job: Job):
@@ -351,7 +368,10 @@ def resume(job: Job) -> LoopState:
     job.scheduler.load_state_dict(saved["scheduler"])
     if saved["world_size"] == world:  # per-rank streams (dropout) only fit the same ranks
         checkpoint.set_rng_state(rank_state["rng"])
-    job.sampler.load_state_dict(rank_state["sampler"], saved_world_size=saved["world_size"])  # global: fits any world
+    if isinstance(job.sampler, MixtureStream):
+        job.sampler.load_state_dict(rank_state["sampler"])  # a global row: fits any world size
+    else:
+        job.sampler.load_state_dict(rank_state["sampler"], saved_world_size=saved["world_size"])  # global too
     job.saves.resumed_from = path  # never rotated away
     logger.info("resumed from %s at step %d (world %d, accumulation %d)", path, saved["step"], world, job.accum)
     job.sink.emit("system", step=saved["step"], event="resumed", path=str(path), saved_world_size=saved["world_size"],
@@ -362,12 +382,6 @@ def resume(job: Job) -> LoopState:
 def run(cfg: JobConfig) -> dict[str, Any]:
     """The whole job: init, data, model, wrap, fit, summary. Every rank runs it."""
     wall_start = time.monotonic()
-    if cfg.data.mixture:
-        raise ConfigError(
-            "data.mixture: `trainyard train` does not read pretraining mixtures yet (`trainyard prepare` builds "
-            "their token shards)" + (f" ({cfg.where('data.mixture')})" if cfg.where("data.mixture") else ""),
-            fix="train on data.path for now",
-        )
     transformers.utils.logging.disable_progress_bar()  # our own progress line is the only one
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
     info = dist.init(cfg.dist, run_dir=cfg.run_dir, nic_where=cfg.where("dist.nic"))
@@ -391,7 +405,12 @@ def run(cfg: JobConfig) -> dict[str, Any]:
             model_path = model_room.resolve_model_path(cfg.model)
         tokenizer = model_room.load_tokenizer(cfg.model, model_path)
     cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output_dir) / ".cache" / "data"
-    data = prepare_datasets(cfg.data, tokenizer, cache_root, log=logger.info)
+    if cfg.data.mixture:
+        data, shards = prepare_pretraining(cfg, tokenizer, cache_root, logger.info, show_progress=info.is_main)
+        sampler: ResumableSampler | MixtureStream = mixture_stream(cfg, shards, info.rank, info.world_size)
+    else:
+        data = prepare_datasets(cfg.data, tokenizer, cache_root, log=logger.info)
+        sampler = ResumableSampler(len(data.train), seed=cfg.train.seed, rank=info.rank, world_size=info.world_size)
 
     model, strategy, mesh = build.build_and_wrap(cfg, info, precision, model_path, tokenizer)
     total_params, trainable_params = model_room.parameter_counts(model)
@@ -403,7 +422,6 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     )
 
     torch.manual_seed(cfg.train.seed + info.rank)  # dropout differs per rank, data order does not
-    sampler = ResumableSampler(len(data.train), seed=cfg.train.seed, rank=info.rank, world_size=info.world_size)
     optimizer, scheduler = build_optimizer(model, cfg)
     hf_config = parallel.unwrap(model).config
     sink = MetricsSink(cfg, info, logger)
@@ -435,10 +453,16 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     if info.is_main:  # after resume's checks: a rejected job never replaces the run's config
         write_atomically(run_dir / "config.yaml", dump_config(cfg))
     install_preemption_handlers(cfg.checkpoint.preemption_signals)
-    batches = micro_batches(
-        data.train, sampler, cfg.train.micro_batch_size, tokenizer.pad_token_id, sample_record_path(run_dir, info.rank),
-        padding_free=cfg.data.padding_free,
-    )
+    record = sample_record_path(run_dir, info.rank)
+    if isinstance(sampler, MixtureStream):
+        batches = stream_batches(
+            sampler, cfg.train.micro_batch_size, tokenizer.pad_token_id, record, padding_free=cfg.data.padding_free
+        )
+    else:
+        batches = micro_batches(
+            data.train, sampler, cfg.train.micro_batch_size, tokenizer.pad_token_id, record,
+            padding_free=cfg.data.padding_free,
+        )
     try:
         state = fit(job, batches, state)
     finally:
@@ -457,9 +481,10 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         "device": environment["cuda_devices"][0] if environment["cuda_devices"] else "cpu",
         "torch": torch.__version__,
         "model": cfg.model.path or f"config:{cfg.model.config.get('model_type') if cfg.model.config else None}",
-        "dataset": cfg.data.path,
+        "dataset": [source.path for source in cfg.data.mixture] if cfg.data.mixture else cfg.data.path,
         "data_fingerprint": data.fingerprint,
         "data_stats": data.stats,
+        **({"tokens_per_source": _per_source(job)} if isinstance(sampler, MixtureStream) else {}),
         "params": total_params,
         "trainable_params": trainable_params,
         "first_train_loss": state.first_loss,

@@ -41,8 +41,14 @@ def make_inputs(root: Path) -> dict[str, tuple[list[str], list[str]]]:
     (root / "many.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(30)))
     good = str(root / "good.jsonl")
     return {
-        "train-refuses-a-mixture": (["train", write_job(root, "t.yaml", mixture(good))],
-                                    ["data.mixture", "t.yaml", "trainyard prepare"]),
+        "train-token-budget-without-global-batch": (
+            ["train", write_job(root, "t.yaml", mixture(good)), "train.total_tokens=1000"],
+            ["train.total_tokens", "train.global_batch_tokens"],
+        ),
+        "train-a-source-that-matches-nothing": (
+            ["train", write_job(root, "u.yaml", mixture(good, str(root / "none" / "*.jsonl")))],
+            ["data.mixture[1].path", "none/*.jsonl", "matches no"],
+        ),
         "nothing-matches": ([write_job(root, "a.yaml", mixture(good, str(root / "none" / "*.jsonl")))],
                             ["data.mixture[1].path", "none/*.jsonl", "matches no"]),
         "text-field-missing-in-a-row": ([write_job(root, "b.yaml", mixture(str(root / "no_field.jsonl")))],
@@ -74,7 +80,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 CASES = [
-    "train-refuses-a-mixture",
+    "train-token-budget-without-global-batch",
+    "train-a-source-that-matches-nothing",
     "nothing-matches",
     "text-field-missing-in-a-row",
     "text-field-missing-in-parquet",

@@ -127,6 +127,7 @@ def prepare(
     """Tokenize the job's data.mixture once into memory-mapped token shards (reused by every later run)."""
     from trainyard import config_file as config_room
     from trainyard import model as model_room
+    from trainyard.data.mixture import unigram_entropy
     from trainyard.data.shards import check_sources, prepare
 
     config_path, overrides = _config_and_overrides(args)
@@ -141,3 +142,6 @@ def prepare(
             f"data.mixture[{i}] {source.path}: {source.documents:,} documents, {source.tokens:,} tokens, "
             f"{source.bytes:,} bytes ({prepared.dtype})"
         )
+    weights = [source.weight for source in cfg.data.mixture or []]
+    print(f"unigram entropy of the mixture: {unigram_entropy(prepared, weights):.4f} nats/token (the loss of a model "
+          "that knows only how often each token occurs)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from trainyard.data.collate import collate
+from trainyard.data.mixture import MixtureStream
 from trainyard.data.sampler import ResumableSampler
 
 COLUMNS = ("input_ids", "labels", "seq_lens")
@@ -30,15 +32,14 @@ def sample_record_path(run_dir: Path, rank: int) -> Path | None:
 
 
 class SampleRecord:
-    """Appends one JSON line per micro-batch: [epoch, position in epoch, dataset index] per row.
+    """Appends one JSON line per micro-batch: what each of its rows is.
 
-    Each start of the job first appends a `start` line (global position, world size, rank), so
-    a reader can tell the attempts apart. Rows drawn for a step that never finished (killed, or
-    rewound by a preemption save) are recorded too: the next `start` line says where training
-    went on from.
+    Each start of the job first appends a `start` line (where the data stream stands, world size, rank), so a
+    reader can tell the attempts apart. Rows drawn for a step that never finished (killed, or rewound by a
+    preemption save) are recorded too: the next `start` line says where training went on from.
     """
 
-    def __init__(self, path: Path, sampler: ResumableSampler) -> None:
+    def __init__(self, path: Path, start: dict[str, Any]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.handle = open(path, "a+b")
         self.handle.seek(0, os.SEEK_END)
@@ -46,19 +47,11 @@ class SampleRecord:
             self.handle.seek(-1, os.SEEK_END)
             if self.handle.read(1) != b"\n":
                 self.handle.write(b"\n")
-        self.sampler = sampler
-        self._write({
-            "start": sampler.state_dict(), "world_size": sampler.world_size, "rank": sampler.rank,
-            "samples_per_epoch": sampler.num_samples,
-        })
+        self.write(start)
 
-    def _write(self, record: dict[str, Any]) -> None:
+    def write(self, record: dict[str, Any]) -> None:
         self.handle.write((json.dumps(record) + "\n").encode())  # one write per line
         self.handle.flush()
-
-    def micro_batch(self, positions: list[int], indices: list[int]) -> None:
-        rows = [[*divmod(p, self.sampler.num_samples), i] for p, i in zip(positions, indices, strict=True)]
-        self._write({"rows": rows})
 
 
 def micro_batches(
@@ -69,24 +62,63 @@ def micro_batches(
     record: Path | None = None,
     padding_free: bool = True,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Collated micro-batches, forever; each one's rows appended to `record` when given.
+    """Collated micro-batches, forever; each one's rows ([epoch, position in epoch, dataset index]) appended to
+    `record` when given.
 
     Nothing is read ahead: after a micro-batch is yielded, `sampler.state_dict()` is exactly the
     point to resume from, so a checkpoint taken between steps replays no row and skips none.
     """
     columns = [name for name in COLUMNS if name in dataset.column_names]
     rows_of = dataset.select_columns(columns)
-    recorder = SampleRecord(record, sampler) if record is not None else None
+    recorder = None
+    if record is not None:
+        start = {"start": sampler.state_dict(), "world_size": sampler.world_size, "rank": sampler.rank}
+        recorder = SampleRecord(record, {**start, "samples_per_epoch": sampler.num_samples})
     indices = iter(sampler)
     try:
         while True:
             positions = sampler.next_positions(micro_batch_size)
             picked = list(islice(indices, micro_batch_size))
             if recorder is not None:
-                recorder.micro_batch(positions, picked)
+                epochs = [divmod(p, sampler.num_samples) for p in positions]
+                recorder.write({"rows": [[*at, i] for at, i in zip(epochs, picked, strict=True)]})
             fetched = rows_of[picked]
             rows = [{name: fetched[name][i] for name in columns} for i in range(len(picked))]
             yield collate(rows, pad_id, padding_free)
     finally:
         if recorder is not None:
             recorder.handle.close()
+
+
+def stream_batches(
+    stream: MixtureStream,
+    micro_batch_size: int,
+    pad_id: int,
+    record: Path | None = None,
+    padding_free: bool = True,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Collated micro-batches of a pretraining stream's fixed-length rows, until the stream ends (under
+    data.mixture_exhausted: stop). With `record`, each row's [global row, source, digest of its token ids] is
+    appended, so two runs can be compared by the exact tokens they fed the model.
+
+    Like micro_batches, nothing is read ahead: `stream.state_dict()` after a yield is the point to resume from.
+    """
+    recorder = None
+    if record is not None:
+        start = {"start": stream.state_dict(), "world_size": stream.world_size, "rank": stream.rank}
+        recorder = SampleRecord(record, start)
+    rows = iter(stream)
+    try:
+        while batch := list(islice(rows, micro_batch_size)):
+            if len(batch) < micro_batch_size:
+                return  # the stream ended inside this micro-batch: it is not trained on
+            if recorder is not None:
+                recorder.write({"rows": [[row["row"], row["source"], _digest(row["input_ids"])] for row in batch]})
+            yield collate(batch, pad_id, padding_free)
+    finally:
+        if recorder is not None:
+            recorder.handle.close()
+
+
+def _digest(token_ids: list[int]) -> str:
+    return hashlib.blake2b(json.dumps(token_ids).encode(), digest_size=8).hexdigest()

@@ -145,8 +145,9 @@ class MixtureStream:
             length, position = length - take, 0
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
-    def __iter__(self) -> Iterator[Row]:
-        """This rank's rows from the current state on; ends only under `stop`."""
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """This rank's rows from the current state on, each with its global `row` and `source` index (for the
+        record of what was trained); ends only under `stop`."""
         cursor = self._position()
         first_own = (self.rank - cursor.row) % self.world_size
         while not cursor.ended:
@@ -154,7 +155,7 @@ class MixtureStream:
             for i in range(first_own, usable, self.world_size):
                 tokens = self._read(self.shards.sources[sources[i]], int(starts[i]))
                 self._drawn += 1
-                yield to_row(tokens, self.shards.eos_id)
+                yield {**to_row(tokens, self.shards.eos_id), "row": cursor.row + i, "source": int(sources[i])}
             first_own = (first_own - CHUNK_ROWS) % self.world_size
             self._advance(cursor, sources, usable, CHUNK_ROWS)
 
@@ -235,3 +236,17 @@ def mixture_stream(cfg: JobConfig, shards: PreparedShards, rank: int = 0, world_
         rank=rank,
         world_size=world_size,
     )
+
+
+def unigram_entropy(shards: PreparedShards, weights: Sequence[float]) -> float:
+    """Entropy in nats of the mixture's token frequencies: the loss of a model that knows only how often each token
+    occurs, the bar a trained model's loss must fall well below."""
+    shares = np.asarray(weights, dtype=np.float64) / float(sum(weights))
+    mixed: np.ndarray | None = None
+    for share, source in zip(shares, shards.sources, strict=True):
+        counts = sum(np.bincount(shard, minlength=1).astype(np.float64) for shard in source.shards)
+        width = max(len(counts), 0 if mixed is None else len(mixed))
+        part = share * np.pad(counts, (0, width - len(counts))) / counts.sum()
+        mixed = part if mixed is None else np.pad(mixed, (0, width - len(mixed))) + part
+    probabilities = mixed[mixed > 0]
+    return float(-(probabilities * np.log(probabilities)).sum())

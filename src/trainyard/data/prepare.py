@@ -56,7 +56,8 @@ class PreparedData:
     (packed rows when packing), eval_rows, tokens and target_tokens (of the train split).
     """
 
-    train: datasets.Dataset
+    train: datasets.Dataset | None
+    """None for a pretraining mixture, which is read from token shards (data/pretraining.py)."""
     eval: datasets.Dataset | None
     fingerprint: str
     cache_dir: Path

@@ -268,7 +268,7 @@ def _source_entry(source: MixtureSource, index: dict[str, Any], folder: str) -> 
 
 
 def _build(work: Path, target: Path, sources: list[MixtureSource], tokenizer: Any, shard_tokens: int,
-           show_progress: bool) -> None:
+           show_progress: bool, mixture_fingerprint: str) -> None:
     """Fill `work` source by source (keeping what an earlier, killed run finished), then move it to `target`."""
     from tqdm import tqdm
 
@@ -280,7 +280,7 @@ def _build(work: Path, target: Path, sources: list[MixtureSource], tokenizer: An
             entries.append(_source_entry(source, index, f"source-{i:03d}"))
     manifest = {
         "format_version": FORMAT_VERSION,
-        "fingerprint": target.name.removeprefix("mixture-"),
+        "fingerprint": mixture_fingerprint,  # not target's name: build_once hands _build a temporary folder
         "tokenizer": getattr(tokenizer, "name_or_path", ""),
         "vocab_size": len(tokenizer),
         "eos_id": eos_id(tokenizer),
@@ -302,12 +302,13 @@ def prepare(
     """The job's prepared shards, tokenized here if no process did it before. Safe to call on every rank."""
     sources = mixture_of(cfg)
     eos_id(tokenizer)
-    target = shards_root(cfg) / f"mixture-{fingerprint(sources, tokenizer)}"
+    stamp = fingerprint(sources, tokenizer)
+    target = shards_root(cfg) / f"mixture-{stamp}"
     target.parent.mkdir(parents=True, exist_ok=True)
     work = target.with_name(target.name + ".work")
     built = build_once(
         target,
-        lambda folder: _build(work, folder, sources, tokenizer, shard_tokens, show_progress),
+        lambda folder: _build(work, folder, sources, tokenizer, shard_tokens, show_progress, stamp),
         timeout_s=cfg.data.prepare_timeout_s,
     )
     log(f"{'prepared' if built else 'reusing prepared'} token shards {target}")

@@ -2,15 +2,21 @@
 
 A source is read through fsspec (local paths, globs, `file://`, `memory://`, `s3://`, ... all take the same code
 path), through `datasets.load_from_disk` for a save_to_disk folder, or through `datasets.load_dataset(NAME,
-streaming=True)` for `hf://NAME`. Files are read in sorted order so every process and every rerun sees the same
-documents in the same order. Every problem is a DataError that names `data.mixture[i].path`, the file and the line
+streaming=True)` for `hf://NAME`. Two built-in sources hold real text every Python has, for from-scratch runs
+with no download: `builtin:python-stdlib` (the standard library's top-level modules, one document per file) and
+`builtin:pydoc-topics` (pydoc's English help topics, one document per topic). Files are read in sorted order
+so every process and every rerun sees the same documents in the same order. Every problem is a DataError that names `data.mixture[i].path`, the file and the line
 (or row) where known, and a fix.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import sys
+import sysconfig
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -24,6 +30,7 @@ PARQUET_SUFFIXES = (".parquet",)
 COMPRESSION_SUFFIXES = ("", ".gz", ".bz2", ".xz", ".zst")
 SAVED_MARKERS = ("state.json", "dataset_dict.json")
 BATCH_ROWS = 1024
+STDLIB, PYDOC_TOPICS = "builtin:python-stdlib", "builtin:pydoc-topics"
 Document = tuple[str, str]
 """(where: "file:line" or "file:row N", the document's text)."""
 
@@ -84,12 +91,45 @@ def shown(fs: Any, name: str) -> str:
     return name if "file" in protocols else fs.unstrip_protocol(name)
 
 
+def _stdlib_files() -> list[Path]:
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+
+
+def _pydoc_topics() -> dict[str, str]:
+    from pydoc_data.topics import topics
+
+    return topics
+
+
+def _builtin_identity(source: MixtureSource, index: int) -> list[Any]:
+    if source.path == STDLIB:
+        return [STDLIB, sys.version, *_stamps(fsspec.filesystem("file"), [str(p) for p in _stdlib_files()])]
+    if source.path == PYDOC_TOPICS:
+        text = json.dumps(_pydoc_topics(), sort_keys=True).encode()
+        return [PYDOC_TOPICS, sys.version, hashlib.sha256(text).hexdigest()]
+    raise DataError(
+        f"{field_of(index)} {source.path} is not a built-in text source",
+        fix=f"use {STDLIB} or {PYDOC_TOPICS}, or a file, glob, folder or hf://NAME",
+    )
+
+
+def _builtin_documents(source: MixtureSource) -> Iterator[Document]:
+    if source.path == STDLIB:
+        for path in _stdlib_files():
+            yield str(path), path.read_text(encoding="utf-8", errors="replace")
+    else:
+        for name, text in sorted(_pydoc_topics().items()):
+            yield f"{PYDOC_TOPICS}:{name}", text
+
+
 def identity(source: MixtureSource, index: int) -> list[Any]:
     """What the prepared tokens depend on besides the tokenizer: every file's name, size and modification time.
 
     A streamed hub dataset (`hf://owner/name`) is known by its name only: its files are not listed without
     downloading. A local dataset folder streamed through `hf://` is stamped like any folder.
     """
+    if source.path.startswith("builtin:"):
+        return _builtin_identity(source, index)
     if source.path.startswith(HF_PREFIX):
         local = fsspec.filesystem("file")
         folder = source.path.removeprefix(HF_PREFIX)
@@ -109,6 +149,9 @@ def _stamps(fs: Any, files: list[str]) -> list[Any]:
 
 def documents(source: MixtureSource, index: int) -> Iterator[Document]:
     """Every document's text, in order; the reader follows the kind of source."""
+    if source.path.startswith("builtin:"):
+        yield from _builtin_documents(source)
+        return
     if source.path.startswith(HF_PREFIX):
         yield from _streamed_dataset(source, index)
         return
