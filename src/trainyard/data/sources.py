@@ -5,8 +5,8 @@ path), through `datasets.load_from_disk` for a save_to_disk folder, or through `
 streaming=True)` for `hf://NAME`. Two built-in sources hold real text every Python has, for from-scratch runs
 with no download: `builtin:python-stdlib` (the standard library's top-level modules, one document per file) and
 `builtin:pydoc-topics` (pydoc's English help topics, one document per topic). Files are read in sorted order
-so every process and every rerun sees the same documents in the same order. Every problem is a DataError that names `data.mixture[i].path`, the file and the line
-(or row) where known, and a fix.
+so every process and every rerun sees the same documents in the same order. Every problem is a DataError that
+names `data.mixture[i].path`, the file and the line (or row) where known, and a fix.
 """
 
 from __future__ import annotations
