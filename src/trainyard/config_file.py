@@ -190,5 +190,7 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
 
 
 def dump_config(cfg: JobConfig) -> str:
-    """The resolved job as YAML, secrets redacted: what goes into the run dir."""
-    return yaml.safe_dump(redact(cfg.model_dump(mode="json", by_alias=True)), sort_keys=False)
+    """The resolved job as YAML, secrets redacted: what goes into the run dir. It loads back as the same job: a
+    mixture's unused data.path is left out (the two are exclusive)."""
+    unused = {"data": {"path"}} if cfg.data.mixture else None
+    return yaml.safe_dump(redact(cfg.model_dump(mode="json", by_alias=True, exclude=unused)), sort_keys=False)

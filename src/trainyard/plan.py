@@ -111,6 +111,16 @@ def describe_plan(cfg: JobConfig, world_size: int) -> str:
         lines.append(
             f"strategy         {choose_strategy(cfg.dist.strategy, model, info)} (requested {cfg.dist.strategy})"
         )
-    lines.append(f"data             {data.path} ({data.format}, max_length {data.max_length}, packing {data.packing})")
+    if data.mixture:
+        total = sum(source.weight for source in data.mixture)
+        shares = ", ".join(f"{source.path} {source.weight / total:.0%}" for source in data.mixture)
+        lines.append(f"data             mixture of {shares}; rows of {data.max_length} tokens, {data.mixture_exhausted} "
+                     "when a source runs out")
+        if cfg.train.total_tokens:
+            lines.append(f"token budget     {cfg.train.total_tokens:,} tokens")
+    else:
+        lines.append(
+            f"data             {data.path} ({data.format}, max_length {data.max_length}, packing {data.packing})"
+        )
     lines.append(estimate.describe(cfg, world_size))
     return "\n".join(lines)

@@ -127,6 +127,25 @@ def test_accumulation_from_global_tokens() -> None:
         accumulation_steps(cfg, 3)
 
 
+def test_a_token_budget_sets_max_steps_on_any_world_and_the_written_config_reloads(tmp_path: Path) -> None:
+    cfg = load_config("configs/scratch-stdlib.yaml", ["train.total_tokens=10000"])
+    assert cfg.train.max_steps == 3  # ceil(10000 / 4096)
+    written = tmp_path / "config.yaml"
+    written.write_text(dump_config(cfg))
+    assert load_config(str(written)).train.max_steps == 3
+    by_samples = load_config("configs/scratch-stdlib.yaml",
+                             ["train.global_batch_tokens=null", "train.global_batch_size=4", "train.total_tokens=10000"])
+    assert by_samples.train.max_steps == 10  # ceil(10000 / (4 x 256))
+    for overrides, needles in [
+        (["train.global_batch_tokens=null"], ["train.total_tokens needs", "train.global_batch_tokens"]),
+        (["train.max_steps=7"], ["not both", "300 steps", "max_steps says 7"]),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            load_config("configs/scratch-stdlib.yaml", overrides)
+        for needle in needles:
+            assert needle in err.value.render(), err.value.render()
+
+
 def test_both_batch_rules_is_an_error() -> None:
     with pytest.raises(ConfigError) as err:
         load_config("tiny", ["train.global_batch_size=8", "train.global_batch_tokens=1024"])
@@ -160,7 +179,7 @@ def test_redact_hides_secret_keys_in_nested_data() -> None:
 @pytest.mark.parametrize(
     "name",
     ["tiny.yaml", "quickstart.yaml", "mistral7b-lora-ddp.yaml", "glm45air-fsdp-lora.yaml", "scratch-1.5b.yaml",
-     "llama-1b.yaml"],
+     "llama-1b.yaml", "scratch-stdlib.yaml"],
 )
 def test_shipped_configs_load(name: str) -> None:
     load_config(str(REPO / "configs" / name))
