@@ -183,6 +183,14 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+def _eta_s(step: int, max_steps: int, tokens: int | None, tokens_per_s: float | None) -> float | None:
+    """Seconds left at the measured throughput: steps left x tokens per step / tokens per second. Unlike elapsed
+    time over steps it holds after a resume (steps done before it took no time in this process)."""
+    if not tokens or not tokens_per_s:
+        return None
+    return (max_steps - step) * (tokens / step) / tokens_per_s
+
+
 class MetricsSink:
     """Fans one event out to metrics.jsonl, TensorBoard and the console (rank 0 only)."""
 
@@ -193,7 +201,6 @@ class MetricsSink:
         self.console = Console(stderr=True)
         self.show_progress = cfg.log.progress and info.is_main
         self.max_steps = cfg.train.max_steps
-        self.started = time.monotonic()
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a") if info.is_main else None
         self._tb = None
         if info.is_main and cfg.log.tensorboard:
@@ -224,14 +231,13 @@ class MetricsSink:
 
     def _print_train(self, fields: dict[str, Any]) -> None:
         step = fields["step"]
-        elapsed = time.monotonic() - self.started
-        eta = elapsed / step * (self.max_steps - step)
+        eta = _eta_s(step, self.max_steps, fields.get("tokens"), fields.get("tokens_per_s"))
         done = int(24 * step / self.max_steps)
         bar = "█" * done + "·" * (24 - done)
         self.console.print(
             f"[{bar}] step {step}/{self.max_steps}  loss {_shown(fields['loss'], '.4f')}  "
             f"lr {_shown(fields['lr'], '.2e')}  grad {_shown(fields['grad_norm'], '.3f')}  "
-            f"{_shown(fields['tokens_per_s'], '.0f')} tok/s  ETA {eta:.0f}s",
+            f"{_shown(fields['tokens_per_s'], '.0f')} tok/s  ETA {_shown(eta, '.0f')}s",
             highlight=False,
             soft_wrap=True,
         )

@@ -95,6 +95,20 @@ def test_non_finite_numbers_are_written_as_null(tmp_path: Path) -> None:
     assert summary == {"final_train_loss": None, "steps": 3}
 
 
+def test_the_eta_after_a_resume_comes_from_the_measured_throughput(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Resumed at step 1000 of 2000 a few seconds ago: elapsed time over steps would promise seconds."""
+    cfg = load_config("tiny", [f"output_dir={tmp_path}", "log.tensorboard=false", "log.progress=true",
+                               "train.max_steps=2000"])
+    cfg.run_dir.mkdir(parents=True)
+    sink = MetricsSink(cfg, DistInfo(0, 1, 0, 1, torch.device("cpu"), None), logging.getLogger("test-metrics"))
+    sink.emit("train", step=1010, loss=2.0, lr=1e-3, grad_norm=1.0, tokens_per_s=2048.0, tokens=1010 * 4096)
+    sink.close()
+    line = capsys.readouterr().err
+    assert "step 1010/2000" in line and "ETA 1980s" in line, line  # 990 steps x 4096 tokens at 2048 tok/s
+
+
 def test_a_skipped_step_stays_out_of_the_window() -> None:
     timer = CommTimer(cuda=False)
     window = LogWindow(torch.device("cpu"), timer, peak=None)
