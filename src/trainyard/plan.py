@@ -114,8 +114,10 @@ def describe_plan(cfg: JobConfig, world_size: int) -> str:
     if data.mixture:
         total = sum(source.weight for source in data.mixture)
         shares = ", ".join(f"{source.path} {source.weight / total:.0%}" for source in data.mixture)
-        lines.append(f"data             mixture of {shares}; rows of {data.max_length} tokens, {data.mixture_exhausted} "
-                     "when a source runs out")
+        lines.append(
+            f"data             mixture of {shares}; rows of {data.max_length} tokens, {data.mixture_exhausted} "
+            "when a source runs out"
+        )
         if cfg.train.total_tokens:
             lines.append(f"token budget     {cfg.train.total_tokens:,} tokens")
     else:

@@ -133,8 +133,10 @@ def test_a_token_budget_sets_max_steps_on_any_world_and_the_written_config_reloa
     written = tmp_path / "config.yaml"
     written.write_text(dump_config(cfg))
     assert load_config(str(written)).train.max_steps == 3
-    by_samples = load_config("configs/scratch-stdlib.yaml",
-                             ["train.global_batch_tokens=null", "train.global_batch_size=4", "train.total_tokens=10000"])
+    by_samples = load_config(
+        "configs/scratch-stdlib.yaml",
+        ["train.global_batch_tokens=null", "train.global_batch_size=4", "train.total_tokens=10000"],
+    )
     assert by_samples.train.max_steps == 10  # ceil(10000 / (4 x 256))
     for overrides, needles in [
         (["train.global_batch_tokens=null"], ["train.total_tokens needs", "train.global_batch_tokens"]),

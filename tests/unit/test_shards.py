@@ -217,3 +217,35 @@ def test_the_job_stream_reads_the_prepared_documents_back(tmp_path: Path) -> Non
     cfg.data.mixture = [*cfg.data.mixture, cfg.data.mixture[0].model_copy(update={"path": "other.jsonl"})]
     with pytest.raises(DataError, match="not this job's data.mixture"):
         mixture_stream(cfg, prepared)
+
+
+@pytest.mark.parametrize(
+    ("damage", "needles"),
+    [
+        ("truncated-shard", ["data.mixture[1]", "source-001/shard-00000.bin", "the index says"]),
+        ("missing-shard", ["data.mixture[1]", "source-001/shard-00000.bin", "missing"]),
+        ("broken-index", ["data.mixture[0]", "source-000/index.json", "JSONDecodeError"]),
+        ("broken-manifest", ["its manifest", "manifest.json", "JSONDecodeError"]),
+    ],
+)
+def test_damaged_shards_stop_naming_the_source_and_file_and_are_kept(
+    tmp_path: Path, damage: str, needles: list[str]
+) -> None:
+    small, large = write_jsonl(tmp_path / "a.jsonl", TEXTS[:10]), write_jsonl(tmp_path / "b.jsonl", TEXTS)
+    cfg = job(tmp_path, str(small), str(large))
+    folder = prepare(cfg, build_byte_tokenizer(), show_progress=False).folder
+    shard = folder / "source-001" / "shard-00000.bin"
+    if damage == "truncated-shard":
+        shard.write_bytes(shard.read_bytes()[:-2])
+    elif damage == "missing-shard":
+        shard.unlink()
+    elif damage == "broken-index":
+        (folder / "source-000" / "index.json").write_text('{"shards": [')
+    else:
+        (folder / "manifest.json").write_text("{")
+    with pytest.raises(DataError) as err:
+        prepare(cfg, build_byte_tokenizer(), show_progress=False)
+    shown = err.value.render()
+    for needle in [*needles, "trainyard prepare"]:
+        assert needle in shown, shown
+    assert folder.is_dir(), "a damaged folder is the user's to remove"

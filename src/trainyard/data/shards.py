@@ -320,30 +320,63 @@ def prepare(
 # ---------------------------------------------------------------- reading
 
 
-def _open_source(folder: Path, entry: dict[str, Any]) -> SourceTokens:
-    index = json.loads((folder / entry["folder"] / "index.json").read_text())
+def _corrupt(folder: Path, what: str, where: Path, detail: str) -> DataError:
+    return DataError(
+        f"the prepared shards {folder} are damaged: {what}: {detail}",
+        where=str(where),
+        fix=f"move {folder} aside (trainyard never deletes it) and run `trainyard prepare CONFIG` again",
+    )
+
+
+def _read_json(folder: Path, path: Path, what: str) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise _corrupt(folder, what, path, f"{type(err).__name__}: {err}") from None
+
+
+def _open_source(folder: Path, entry: dict[str, Any], number: int) -> SourceTokens:
+    what = f"data.mixture[{number}] ({entry['path']})"
+    index_path = folder / entry["folder"] / "index.json"
+    index = _read_json(folder, index_path, what)
     shards, starts, start = [], [], 0
-    for shard in index["shards"]:
-        path = folder / entry["folder"] / shard["file"]
-        shards.append(np.memmap(path, dtype=index["dtype"], mode="r", shape=(shard["tokens"],)))
-        starts.append(start)
-        start += shard["tokens"]
-    return SourceTokens(entry["path"], index["documents"], index["tokens"], entry["bytes"], shards, starts)
+    try:
+        itemsize = np.dtype(index["dtype"]).itemsize
+        for shard in index["shards"]:
+            path = folder / entry["folder"] / shard["file"]
+            size = path.stat().st_size if path.exists() else None
+            if size != shard["tokens"] * itemsize:
+                found = "missing" if size is None else f"{size:,} bytes"
+                raise _corrupt(folder, what, path, f"{found}, the index says {shard['tokens'] * itemsize:,}")
+            shards.append(np.memmap(path, dtype=index["dtype"], mode="r", shape=(shard["tokens"],)))
+            starts.append(start)
+            start += shard["tokens"]
+        source = SourceTokens(entry["path"], index["documents"], index["tokens"], entry["bytes"], shards, starts)
+    except (KeyError, TypeError, ValueError) as err:
+        raise _corrupt(folder, what, index_path, f"{type(err).__name__}: {err}") from None
+    if start != source.tokens:
+        raise _corrupt(folder, what, index_path, f"its shards hold {start:,} tokens, the index says {source.tokens:,}")
+    return source
 
 
 def open_shards(folder: Path) -> PreparedShards:
-    """A prepared folder, memory-mapped: nothing is tokenized or read into memory here."""
-    manifest_path = Path(folder) / "manifest.json"
+    """A prepared folder, memory-mapped: nothing is tokenized or read into memory here. Damage that a size check
+    can see (a truncated or missing shard, a broken index) stops with exit 2 naming the source and the file."""
+    folder = Path(folder)
+    manifest_path = folder / "manifest.json"
     if not manifest_path.is_file():
         raise DataError(
             f"{folder} is not a prepared shards folder (no manifest.json)",
             fix="run `trainyard prepare CONFIG` for this job, or point data.shards_dir at where it wrote the shards",
         )
-    manifest = json.loads(manifest_path.read_text())
-    return PreparedShards(
-        folder=Path(folder),
-        fingerprint=manifest["fingerprint"],
-        eos_id=manifest["eos_id"],
-        dtype=manifest["dtype"],
-        sources=[_open_source(Path(folder), entry) for entry in manifest["sources"]],
-    )
+    manifest = _read_json(folder, manifest_path, "its manifest")
+    try:
+        return PreparedShards(
+            folder=folder,
+            fingerprint=manifest["fingerprint"],
+            eos_id=manifest["eos_id"],
+            dtype=manifest["dtype"],
+            sources=[_open_source(folder, entry, i) for i, entry in enumerate(manifest["sources"])],
+        )
+    except (KeyError, TypeError) as err:
+        raise _corrupt(folder, "its manifest", manifest_path, f"{type(err).__name__}: {err}") from None
