@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainyard import dist, parallel, weights
+from trainyard import diloco, dist, parallel, weights
 from trainyard import model as model_room
 from trainyard.config import JobConfig
 from trainyard.precision import Precision
@@ -45,9 +45,10 @@ def build_and_wrap(
     if cfg.train.compile:
         logging.getLogger("trainyard").info("torch.compile on %d blocks' MLPs", model_room.compile_blocks(model))
     strategy = parallel.choose_strategy(cfg.dist.strategy, model, info)
-    if forward_only and strategy == "ddp":
+    if forward_only and strategy in ("ddp", "diloco"):
         strategy = "none"
-    mesh = dist.build_mesh(info, strategy, cfg.dist.shard_size)
+    sites = diloco.site_count(cfg, info) if strategy == "diloco" else None
+    mesh = dist.build_mesh(info, strategy, cfg.dist.shard_size, sites)
     shards = {"fsdp": info.world_size, "hsdp": mesh.size(-1) if mesh is not None else 1}.get(strategy, 1)
     parallel.check_fits(strategy, cfg.dist.strategy, shards, model, info, cfg.where("dist.strategy"))
     if cfg.model.config is not None:

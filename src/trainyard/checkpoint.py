@@ -165,6 +165,15 @@ class PendingSave:
         return self.future is not None and self.future.done() and self.future.exception() is not None
 
 
+Arrange = Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]
+"""(model state, optimizer state) -> what DCP writes and reads. The default is {"model": ..., "optim": ...};
+DiLoCo (diloco.py) nests each site's own weights and optimizer under the site, beside the shared weights."""
+
+
+def default_arrangement(model_state: dict[str, Any], optim_state: dict[str, Any]) -> dict[str, Any]:
+    return {"model": model_state, "optim": optim_state}
+
+
 def start_full_save(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -176,11 +185,11 @@ def start_full_save(
     async_save: bool,
     save_frozen: bool,
     process_group: Any = None,
+    arrange: Arrange = default_arrangement,
 ) -> PendingSave:
     """Write every rank's shard (in parallel); return before the write ends when async."""
     _write_own_files(model, path, trainer_state, rank_state, info)
-    model_state, optim_state = _state_dicts(model, optimizer, save_frozen)
-    state = {"model": model_state, "optim": optim_state}
+    state = arrange(*_state_dicts(model, optimizer, save_frozen))
     if async_save:
         future = dcp.async_save(state, checkpoint_id=str(path), process_group=process_group)
         return PendingSave(path, trainer_state["step"], future)
@@ -248,6 +257,7 @@ class Checkpointer:
         self.resumed_from: Path | None = None
         # Its own gloo group: the background writer's collectives never interleave with training's.
         self.group = torch_dist.new_group(backend="gloo") if info.distributed and cfg.async_save else None
+        self.arrange: Arrange = default_arrangement
 
     def written_here(self) -> bool:
         """This rank's part of the save in flight is on disk (a vote for the step's all-reduce)."""
@@ -309,6 +319,7 @@ class Checkpointer:
                 async_save=async_save,
                 save_frozen=self.cfg.save_frozen,
                 process_group=self.group,
+                arrange=self.arrange,
             )
         except (OSError, RuntimeError) as err:
             self._failed(step, CheckpointError(f"saving checkpoint {path} failed: {err}", fix=DISK_FIX))
@@ -370,17 +381,22 @@ class Checkpointer:
 
 
 def load_full(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path, info: DistInfo, save_frozen: bool
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    path: Path,
+    info: DistInfo,
+    save_frozen: bool,
+    arrange: Arrange = default_arrangement,
 ) -> dict[str, Any]:
-    """Load weights and optimizer (resharded by DCP to this world), return this rank's state."""
+    """Load weights and optimizer (resharded by DCP to this world), return this rank's state. DCP fills the
+    arranged state in place, so the model and optimizer dicts nested in it hold what was loaded."""
     model_state, optim_state = _state_dicts(model, optimizer, save_frozen)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(arrange(model_state, optim_state), checkpoint_id=str(path))
     set_state_dict(
         model,
         optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optim"],
+        model_state_dict=model_state,
+        optim_state_dict=optim_state,
         options=StateDictOptions(strict=False),
     )
     saved_world = read_trainer_state(path)["world_size"]

@@ -119,9 +119,9 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path)
     it), and every saved rank must hold the same global data position, the one resumed from.
     """
     differences = [
-        f"{key}: checkpoint has {saved.get(key)!r}, this job has {current[key]!r}"
-        for key in ("model_signature", "lora", "data_fingerprint", "global_batch_samples")
-        if saved.get(key) != current[key]
+        f"{key}: checkpoint has {saved.get(key)!r}, this job has {current.get(key)!r}"
+        for key in ("model_signature", "lora", "data_fingerprint", "global_batch_samples", "diloco_sites")
+        if saved.get(key) != current.get(key)
     ]
     differences += _sampler_disagreements(path, int(saved.get("world_size", 1)))
     if differences:

@@ -172,6 +172,8 @@ class TrainConfig(Section):
     """0 turns clipping off."""
     seed: int = 42
     on_nonfinite: Literal["error", "skip"] = "error"
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """adamw (betas, weight_decay), or plain SGD without momentum (a linear update: DiLoCo's algebra tests)."""
     compile: bool = False
     """torch.compile every decoder block's MLP. On CPU it cut a SmolLM2 LoRA step by ~12% once compiled, after
     ~15 s of compiling at the first step: worth it for long runs, not short ones. Needs a C++ compiler on CPU."""
@@ -226,11 +228,29 @@ class CheckpointConfig(Section):
     preemption_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"]] = ["SIGTERM", "SIGUSR1"]
 
 
+class DilocoConfig(Section):
+    """DiLoCo (Douillard et al. 2023): each site takes sync_every inner steps on its own, then the sites average
+    their pseudo-gradients (round-start weights minus current weights) and take one outer Nesterov step."""
+
+    sync_every: int = Field(50, ge=1)
+    """H: inner steps per round; the outer all-reduce of the trainable weights' size happens once per round."""
+    outer_lr: float = Field(0.7, gt=0)
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    """Nesterov momentum of the outer SGD step; 0 turns momentum off."""
+    groups: Literal["node"] | int = "node"
+    """How the world splits into sites: node (one site per node), or a number of equal sites of consecutive ranks."""
+    inner: Literal["ddp"] = "ddp"
+    """The strategy inside a site."""
+    pseudo_grad_dtype: Literal["fp32", "bf16"] = "fp32"
+    """What the outer all-reduce sends: bf16 halves the bytes between sites."""
+
+
 class DistConfig(Section):
-    strategy: Literal["auto", "none", "ddp", "fsdp", "hsdp"] = "auto"
+    strategy: Literal["auto", "none", "ddp", "fsdp", "hsdp", "diloco"] = "auto"
     """auto: none alone, ddp while replicated state fits, else hsdp across nodes or fsdp within one.
     hsdp shards within a node and replicates across nodes: only a gradient all-reduce crosses the
-    slow link, instead of every block's all-gather and reduce-scatter."""
+    slow link, instead of every block's all-gather and reduce-scatter. diloco (the `diloco` section): sites
+    train on their own for sync_every steps, then average once; for sites joined by a WAN."""
     shard_size: int | None = Field(None, ge=1)
     """hsdp: ranks per shard group (default: the processes per node); must divide the world size."""
     defer_grad_sync: bool = False
@@ -242,6 +262,8 @@ class DistConfig(Section):
     timeout_s: float = Field(600.0, gt=0)
     """Collective timeout: a lost rank fails the job after this, not after 30 minutes."""
     network: Literal["default", "socket", "infiniband", "wan"] = "default"
+    """wan: sites joined by the internet or a slow link. With more than a few MB of gradients per step, pick
+    dist.strategy: diloco there, which crosses the link once per diloco.sync_every steps instead of every step."""
     nic: str | None = None
     desync_check_steps: int = Field(100, ge=0)
     """Every N steps DDP replicas compare weight norms (one all-gather); 0 turns it off."""
@@ -276,6 +298,7 @@ class JobConfig(Section):
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     dist: DistConfig = DistConfig()
+    diloco: DilocoConfig = DilocoConfig()
     log: LogConfig = LogConfig()
     _where: dict[str, str] = PrivateAttr(default_factory=dict)
     """Where each field was set ("file:line" or "override 'k=v'"), for errors found after loading."""

@@ -121,10 +121,17 @@ def hsdp_shape(info: DistInfo, shard_size: int | None) -> tuple[int, int]:
     return info.world_size // shard, shard
 
 
-def build_mesh(info: DistInfo, strategy: str, shard_size: int | None) -> DeviceMesh | None:
-    """The device mesh a sharding strategy works on: 1-D ("shard",) for fsdp, 2-D ("replicate",
-    "shard") for hsdp, none for ddp or a single process. torchrun numbers a node's ranks
-    consecutively, so the inner (shard) dimension stays within a node. Every rank must call it."""
+def build_mesh(
+    info: DistInfo, strategy: str, shard_size: int | None, sites: int | None = None
+) -> DeviceMesh | None:
+    """The device mesh a strategy works on: 1-D ("shard",) for fsdp, 2-D ("replicate", "shard") for hsdp,
+    2-D ("site", "local") for diloco (`sites` of them), none for ddp or a single process. torchrun numbers a
+    node's ranks consecutively, so the inner dimension stays within a node. Every rank must call it."""
+    if strategy == "diloco":
+        assert sites is not None, "diloco needs its number of sites"
+        return init_device_mesh(
+            info.device.type, (sites, info.world_size // sites), mesh_dim_names=("site", "local")
+        )
     if strategy == "fsdp":
         return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("shard",))
     if strategy == "hsdp":

@@ -1,4 +1,4 @@
-"""The optimizer and its schedule: AdamW over the trainable parameters, warmup then decay,
+"""The optimizer and its schedule: AdamW (or SGD) over the trainable parameters, warmup then decay,
 and the gradient norm that clipping and the non-finite check share."""
 
 from __future__ import annotations
@@ -33,9 +33,14 @@ def build_optimizer(
     model: torch.nn.Module, cfg: JobConfig
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay, fused=_can_fuse(params)
-    )
+    optimizer: torch.optim.Optimizer
+    if cfg.train.optimizer == "sgd":
+        optimizer = torch.optim.SGD(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(
+            params, lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay,
+            fused=_can_fuse(params),
+        )
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
 

@@ -107,10 +107,11 @@ def apply(
         shard_fsdp2(model, mesh, precision)
     materialize(model, info.device)
     weights.load(model, source, skip=lambda name: name in already_real)
-    if strategy == "ddp":
+    if strategy in ("ddp", "diloco"):  # diloco: DDP within a site, the outer sync across sites (diloco.py)
         return DistributedDataParallel(
             model,
             device_ids=[info.local_rank] if info.device.type == "cuda" else None,
+            process_group=mesh["local"].get_group() if strategy == "diloco" and mesh is not None else None,
             forward_sync_buffers=False,  # no collective in eval forwards
             init_sync=False,  # every rank just read the same weights: no start-up broadcast (nor its memory)
         )

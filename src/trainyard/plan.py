@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from trainyard import estimate, precision
+from trainyard import diloco, estimate, precision
 from trainyard import model as model_room
 from trainyard.config import JobConfig, accumulation_steps
 from trainyard.dist import DistInfo
@@ -108,9 +108,14 @@ def describe_plan(cfg: JobConfig, world_size: int) -> str:
     else:
         total, trainable = model_room.parameter_counts(model)
         lines.append(f"parameters       {total:,} total, {trainable:,} trainable ({trainable / max(total, 1):.2%})")
-        lines.append(
-            f"strategy         {choose_strategy(cfg.dist.strategy, model, info)} (requested {cfg.dist.strategy})"
-        )
+        strategy = choose_strategy(cfg.dist.strategy, model, info)
+        lines.append(f"strategy         {strategy} (requested {cfg.dist.strategy})")
+        if strategy == "diloco":
+            sites, outer = diloco.site_count(cfg, info), cfg.diloco
+            lines.append(
+                f"diloco           {sites} sites x {world_size // sites} ranks, sync every {outer.sync_every} steps "
+                f"(outer lr {outer.outer_lr:g}, Nesterov {outer.outer_momentum:g}, {outer.pseudo_grad_dtype})"
+            )
     if data.mixture:
         total = sum(source.weight for source in data.mixture)
         shares = ", ".join(f"{source.path} {source.weight / total:.0%}" for source in data.mixture)

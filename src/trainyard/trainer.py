@@ -21,7 +21,7 @@ import torch
 import transformers
 from torch.distributed.fsdp import FSDPModule
 
-from trainyard import build, checkpoint, dist, health, parallel
+from trainyard import build, checkpoint, diloco, dist, health, parallel
 from trainyard import model as model_room
 from trainyard import precision as precision_room
 from trainyard.config import JobConfig, accumulation_steps
@@ -101,6 +101,8 @@ class Job:
     saves: checkpoint.Checkpointer
     precision: precision_room.Precision
     comm_timer: parallel.CommTimer | None = None
+    outer: diloco.OuterSync | None = None
+    """dist.strategy diloco: the round-start weights and outer momentum, synced every diloco.sync_every steps."""
 
     def autocast(self):  # type: ignore[no-untyped-def]
         """bf16 products over fp32 weights where no FSDP2 policy casts them (DDP, one process)."""
@@ -194,6 +196,8 @@ def _train_steps(
         step_loss = _forward_backward(job, window, votes.targets, step)
         health.record_progress(info, step, health.REPORT)  # clipping and logging gather next
         grad_norm = grad_norm_and_clip(model, cfg.train.max_grad_norm)
+        if job.outer is not None:
+            grad_norm = job.outer.worst_norm(grad_norm)
         if not torch.isfinite(grad_norm):  # the norm is global: every rank takes this branch
             job.optimizer.zero_grad(set_to_none=True)
             culprits = health.flagged_ranks(not bool(torch.isfinite(step_loss)), info)
@@ -214,6 +218,8 @@ def _train_steps(
         job.optimizer.step()
         job.scheduler.step()
         job.optimizer.zero_grad(set_to_none=True)
+        if job.outer is not None and job.outer.due(step):
+            job.sink.emit("system", step=step, event="outer_sync", **job.outer.sync())
         _check_replicas(job, step)
         step_time = time.monotonic() - step_start
         state.step = step
@@ -270,6 +276,8 @@ def _check_replicas(job: Job, step: int) -> None:
     every = cfg.dist.desync_check_steps
     if not (every and step % every == 0 and info.distributed and not isinstance(job.model, FSDPModule)):
         return
+    if job.outer is not None and not job.outer.due(step):
+        return  # DiLoCo sites differ until the round's sync
     if health.injected("desync", info, step):
         health.corrupt_one_parameter(job.model)
     health.check_replicas_agree(job.model, info, step, cfg.dist.desync_tolerance)
@@ -364,7 +372,9 @@ def resume(job: Job) -> LoopState:
     job.accum = accumulation_steps(job.cfg, world, saved.get("global_batch_samples"))
     job.facts["global_batch_samples"] = job.cfg.train.micro_batch_size * job.accum * world
     checkpoint.check_compatible(saved, job.facts, path)
-    rank_state = checkpoint.load_full(job.model, job.optimizer, path, job.info, job.cfg.checkpoint.save_frozen)
+    rank_state = checkpoint.load_full(
+        job.model, job.optimizer, path, job.info, job.cfg.checkpoint.save_frozen, arrange=job.saves.arrange
+    )
     job.scheduler.load_state_dict(saved["scheduler"])
     if saved["world_size"] == world:  # per-rank streams (dropout) only fit the same ranks
         checkpoint.set_rng_state(rank_state["rng"])
@@ -449,6 +459,11 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         precision=precision,
     )
     job.comm_timer = parallel.attach_comm_timer(model)
+    if strategy == "diloco":
+        assert mesh is not None
+        job.outer = diloco.OuterSync(model, cfg.diloco, mesh, info)
+        job.saves.arrange = job.outer.arrangement()
+        job.facts["diloco_sites"] = job.outer.sites
     state = resume(job)
     if info.is_main:  # after resume's checks: a rejected job never replaces the run's config
         write_atomically(run_dir / "config.yaml", dump_config(cfg))

@@ -1,0 +1,131 @@
+"""DiLoCo on 2 sites: the algebra reduces to DDP where it must, the outer step is Nesterov SGD on the sites'
+averaged pseudo-gradient, and a run killed mid-round resumes to the uninterrupted run's exact weights."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import REPO, TINY, assert_ok, events, trainyard
+from tests.dist.checkpoint_helpers import (
+    assert_same_tensors,
+    kill_tree,
+    model_tensors,
+    resumed_events,
+    start,
+    wait_for_step,
+)
+from trainyard.checkpoint import latest_full, step_dir
+
+pytestmark = pytest.mark.dist
+
+COMMON = [
+    "lora.enabled=false", "train.micro_batch_size=8", "log.every_steps=1", "log.progress=false",
+    "log.tensorboard=false", "eval.every_steps=0", "eval.at_end=false", "train.precision=bf16-mixed",
+]
+TWO_SITES = ["dist.strategy=diloco", "diloco.groups=2"]
+
+
+def run(out: Path, *overrides: str) -> Path:
+    assert_ok(trainyard("train", TINY, f"output_dir={out}", *COMMON, *overrides, "--nproc", "2"))
+    return out / "tiny"
+
+
+def test_one_inner_step_per_round_over_a_linear_update_is_ddp(tmp_path: Path) -> None:
+    """H = 1, outer_lr 1, no momentum, inner SGD: the average of the sites' SGD steps is the SGD step of the
+    average gradient (the inner loss is normalised by the world's tokens). Equal up to float rounding: DDP
+    averages gradients, DiLoCo averages the weights they produced."""
+    # fp32 compute: under bf16 a rounding-level difference in the weights flips bf16 roundings of activations
+    linear = ["train.optimizer=sgd", "train.lr=0.5", "train.max_grad_norm=0", "train.max_steps=8", "train.precision=fp32"]
+    ddp = run(tmp_path / "ddp", *linear, "dist.strategy=ddp")
+    outer = ["diloco.sync_every=1", "diloco.outer_lr=1", "diloco.outer_momentum=0"]
+    diloco = run(tmp_path / "diloco", *linear, *TWO_SITES, *outer)
+
+    want = [(e["step"], e["loss"]) for e in events(ddp, "train")]
+    got = [(e["step"], e["loss"]) for e in events(diloco, "train")]
+    assert [s for s, _ in got] == [s for s, _ in want] == list(range(1, 9))
+    np.testing.assert_allclose([loss for _, loss in got], [loss for _, loss in want], rtol=2e-5)
+    assert want[-1][1] < want[0][1] - 0.5, "the trajectory compared must move"
+    syncs = [e for e in events(diloco, "system") if e.get("event") == "outer_sync"]
+    assert [e["step"] for e in syncs] == list(range(1, 9))
+    final = model_tensors(step_dir(diloco / "checkpoints", 8))
+    reference = model_tensors(step_dir(ddp / "checkpoints", 8))
+    for name, tensor in reference.items():
+        torch.testing.assert_close(final[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(("lr", "momentum"), [(0.7, 0.9), (1.0, 0.0)])
+def test_the_outer_step_is_nesterov_sgd_on_the_average_of_the_sites_pseudo_gradients(
+    tmp_path: Path, lr: float, momentum: float
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(REPO / "tests" / "dist" / "scripts" / "diloco_outer_step.py"), str(tmp_path), str(lr), str(momentum)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    buffers = None
+    for round_index in range(2):
+        start = [np.array(t, dtype=np.float64) for t in ranks[0][round_index]["start"]]
+        for other in ranks[1:]:
+            assert all(np.array_equal(a, b) for a, b in zip(start, other[round_index]["start"], strict=True))
+        pseudo = [
+            np.mean([s - np.array(site[round_index]["before"][i]) for site in ranks], axis=0)
+            for i, s in enumerate(start)
+        ]
+        buffers = pseudo if buffers is None else [momentum * m + g for m, g in zip(buffers, pseudo, strict=True)]
+        expected = [s - lr * (g + momentum * m) for s, g, m in zip(start, pseudo, buffers, strict=True)]
+        for site in ranks:  # every site starts the next round from the same new weights
+            for want, got in zip(expected, site[round_index]["after"], strict=True):
+                np.testing.assert_allclose(np.array(got), want, rtol=1e-6, atol=1e-7)
+    parameters = 3 * 2 + 2 + 2 * 1 + 1
+    assert ranks[0][0]["bytes"] == 2 * (2 - 1) / 2 * parameters * 4  # a ring all-reduce of fp32 pseudo-gradients
+
+
+def test_sigkill_mid_round_then_resume_ends_bitwise_equal(tmp_path: Path) -> None:
+    """Checkpoints every 3 steps with rounds of 4: most saves are mid-round, where the sites' weights differ."""
+    job = [*TWO_SITES, "diloco.sync_every=4", "train.max_steps=12", "checkpoint.every_steps=3",
+           "checkpoint.keep_last=2"]
+    reference = run(tmp_path / "reference", *job)
+
+    kill_at = random.Random().randint(4, 10)
+    killed = tmp_path / "killed"
+    proc = start(["train", TINY, f"output_dir={killed}", *COMMON, *job, "--nproc", "2"])
+    wait_for_step(proc, killed / "tiny", kill_at)
+    kill_tree(proc)
+    assert latest_full(killed / "tiny" / "checkpoints") is not None, f"killed at {kill_at} before a save"
+    run(killed, *job)
+
+    resumed_at = resumed_events(killed / "tiny")[-1]["step"]
+    assert_same_tensors(
+        model_tensors(step_dir(killed / "tiny" / "checkpoints", 12)),
+        model_tensors(step_dir(reference / "checkpoints", 12)),
+    )
+    after = [(e["step"], e["loss"]) for e in events(killed / "tiny", "train") if e["step"] > resumed_at]
+    want = [(e["step"], e["loss"]) for e in events(reference, "train") if e["step"] > resumed_at]
+    assert after[-len(want):] == want, f"killed at {kill_at}, resumed after {resumed_at}"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needles"),
+    [
+        (["diloco.sync_every=0"], ["diloco.sync_every", "greater than or equal to 1"]),
+        (["diloco.groups=3"], ["diloco.groups 3", "do not divide the world of 4"]),
+        (["diloco.pseudo_grad_dtype=int4"], ["diloco.pseudo_grad_dtype"]),
+    ],
+)
+def test_bad_diloco_settings_exit_2_naming_the_field(overrides: list[str], needles: list[str]) -> None:
+    result = trainyard("train", TINY, "dist.strategy=diloco", *overrides, "--dry-run", "--world-size", "4")
+    assert result.returncode == 2, result.stderr[-2000:]
+    flat = " ".join(result.stderr.split())
+    for needle in needles:
+        assert needle in flat, flat
+    assert "Traceback" not in result.stderr
