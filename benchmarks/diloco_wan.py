@@ -32,7 +32,8 @@ from benchmarks.hsdp_link_bytes import link_bytes, machine, sh  # noqa: E402
 from tests.e2e.test_multihost import HOST_ADDRESSES, Host, launch_on, namespace_hosts  # noqa: E402
 
 JOB = [
-    "configs/scratch-stdlib.yaml", "train.total_tokens=null", "eval.at_end=false", "checkpoint.at_end=false",
+    "configs/scratch-stdlib.yaml", "train.total_tokens=null", "train.micro_batch_size=4", "eval.at_end=false",
+    "checkpoint.at_end=false",
     "checkpoint.every_steps=0", "checkpoint.every_minutes=0", "log.every_steps=5", "log.tensorboard=false",
     "log.progress=false", "dist.desync_check_steps=0",
 ]
@@ -115,7 +116,7 @@ def record(path: Path, results: list[dict[str, Any]], args: argparse.Namespace) 
         f"- machine: {machine()}",
         f"- commit: {commit}",
         f"- 2 network namespaces joined by a veth pair shaped with tc tbf {args.rate} (no added delay), "
-        "2 processes each (gloo over the veth); configs/scratch-stdlib.yaml, 4096 tokens per global batch",
+        "2 processes each (gloo over the veth); configs/scratch-stdlib.yaml, 4096 tokens per global batch (micro 4)",
         f"- DiLoCo: sync_every {args.sync_every}, outer_lr 0.7, Nesterov momentum 0.9, groups node (2 sites), "
         "inner ddp",
         "- bytes = tx + rx of one veth end; per step = difference of the short and long runs / extra steps",

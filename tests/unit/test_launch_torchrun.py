@@ -227,17 +227,18 @@ _AGENT_WORKER = textwrap.dedent(
     signal.signal(signal.SIGUSR1, lambda signum, frame: sys.exit(75))  # saved, reported, stopped
     print("ready", flush=True)
     time.sleep(int(sys.argv[1]))
-    sys.exit(3)
+    print("trainyard: error (a stand-in)", file=sys.stderr, flush=True)
+    sys.exit(int(sys.argv[2]))
     """
 )
 
 
-def _agent(tmp_path: Path, sleep_s: int) -> subprocess.Popen:
+def _agent(tmp_path: Path, sleep_s: int, exit_code: int = 3) -> subprocess.Popen:
     """The agent command `trainyard launch` runs, with a stand-in worker instead of `trainyard.cli`."""
     worker = tmp_path / "worker.py"
     worker.write_text(_AGENT_WORKER)
     argv = torchrun_argv(resolve_plan(nproc="1", env={}), "job.yaml", [])
-    argv = argv[: argv.index("-m", 3)] + [str(worker), str(sleep_s)]
+    argv = argv[: argv.index("-m", 3)] + [str(worker), str(sleep_s), str(exit_code)]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -255,6 +256,15 @@ def test_agent_keeps_torchruns_report_of_a_real_failure(tmp_path: Path) -> None:
     agent = _agent(tmp_path, 0)
     _, stderr = agent.communicate(timeout=120)
     assert agent.returncode == 1 and "ChildFailedError" in stderr and "exitcode  : 3" in stderr, stderr
+
+
+def test_agent_ends_workers_user_error_in_exit_2_without_its_report(tmp_path: Path) -> None:
+    """Every worker printed the bad input and its fix; torchrun's ChildFailedError traceback would bury it."""
+    agent = _agent(tmp_path, 0, exit_code=2)
+    _, stderr = agent.communicate(timeout=120)
+    assert agent.returncode == 2, stderr
+    assert "trainyard: error (a stand-in)" in stderr
+    assert "Traceback" not in stderr and "ChildFailedError" not in stderr, stderr
 
 
 def test_the_first_report_is_the_root_cause(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from trainyard.errors import ConfigError
 from trainyard.launch.local import EXIT_FILE_ENV
 
 PREEMPTED_EXIT_CODE = 75
+USER_ERROR_EXIT_CODE = ConfigError.exit_code
 AGENT_MODULE = "trainyard.launch.torchrun"
 """Runs torchrun's agent (`agent_main`); takes exactly torchrun's flags."""
 DEFAULT_MASTER_PORT = 29500
@@ -391,7 +392,8 @@ def agent_main(argv: list[str]) -> int:
 
     Slurm signals every process of a step, the agent included, and torchrun answers a signal
     with a SignalException traceback and workers that exit 75 with a ChildFailedError report,
-    although the workers saved and said so in their exit files. Other failures keep torchrun's report.
+    although the workers saved and said so in their exit files. Workers that all exit 2 printed the
+    user's error and its fix; torchrun's report would bury it. Other failures keep torchrun's report.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -402,9 +404,12 @@ def agent_main(argv: list[str]) -> int:
     except SignalException as err:  # the agent stopped its workers; their exit files say how they ended
         return 128 + int(err.sigval)
     except ChildFailedError as err:
-        if any(failure.exitcode != PREEMPTED_EXIT_CODE for failure in err.failures.values()):
-            raise
-        return PREEMPTED_EXIT_CODE
+        codes = {failure.exitcode for failure in err.failures.values()}
+        if codes == {PREEMPTED_EXIT_CODE}:
+            return PREEMPTED_EXIT_CODE
+        if codes == {USER_ERROR_EXIT_CODE}:  # bad input: the workers printed what to fix; no agent traceback
+            return USER_ERROR_EXIT_CODE
+        raise
     return 0
 
 
