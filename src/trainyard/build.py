@@ -45,6 +45,9 @@ def build_and_wrap(
     if cfg.train.compile:
         logging.getLogger("trainyard").info("torch.compile on %d blocks' MLPs", model_room.compile_blocks(model))
     strategy = parallel.choose_strategy(cfg.dist.strategy, model, info)
+    if cfg.dist.strategy == "auto" and info.distributed:
+        strategy, why = parallel.auto_strategy(model, info, cfg)
+        logging.getLogger("trainyard").info("dist.strategy auto -> %s: %s", strategy, why)
     if forward_only and strategy in ("ddp", "diloco"):
         strategy = "none"
     sites = diloco.site_count(cfg, info) if strategy == "diloco" else None

@@ -258,6 +258,10 @@ class Checkpointer:
         # Its own gloo group: the background writer's collectives never interleave with training's.
         self.group = torch_dist.new_group(backend="gloo") if info.distributed and cfg.async_save else None
         self.arrange: Arrange = default_arrangement
+        self.last_stall_s: float | None = None
+        """How long the last full save held training (checkpoint.every_minutes: auto derives the interval)."""
+        self.last_step = 0
+        self.announced_interval_min: float | None = None
 
     def written_here(self) -> bool:
         """This rank's part of the save in flight is on disk (a vote for the step's all-reduce)."""
@@ -325,6 +329,7 @@ class Checkpointer:
             self._failed(step, CheckpointError(f"saving checkpoint {path} failed: {err}", fix=DISK_FIX))
             return False
         stall = time.monotonic() - started
+        self.last_stall_s, self.last_step = stall, step
         if async_save:
             self.pending = pending
             self.emit("checkpoint", step=step, mode="full", path=str(path), async_save=True, stall_s=stall)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -208,8 +208,10 @@ class EvalConfig(Section):
 class CheckpointConfig(Section):
     every_steps: int = Field(0, ge=0)
     """Full checkpoints (exact resume) every N steps; 0 turns them off."""
-    every_minutes: float = Field(30.0, ge=0.0)
-    """Also a full checkpoint when this much time passed since the last (rank 0 decides); 0 turns it off."""
+    every_minutes: Annotated[float, Field(ge=0.0)] | Literal["auto"] = 30.0
+    """Also a full checkpoint when this much time passed since the last (rank 0 decides); 0 turns it off.
+    auto: the Young/Daly interval sqrt(2 x save stall x MTBF of the job), from the measured stall of the last full
+    save and mtbf_hours / nodes (the first timed save comes after 10 minutes, or the first every_steps save)."""
     lite_every_steps: int = Field(0, ge=0)
     """Lite checkpoints (the LoRA adapter only, PEFT format) every N steps; 0 turns them off."""
     keep_last: int = Field(3, ge=1)

@@ -120,16 +120,20 @@ def estimate(cfg: JobConfig, hardware: Hardware, assumptions: Assumptions = Assu
     return result
 
 
-def fits(cfg: JobConfig, strategy: str, world: int, device_bytes: int) -> bool:
-    """Whether the job's peak fits `device_bytes` per rank under `strategy` on `world` ranks (8 per node):
-    for parallel.choose_strategy (dist.strategy: auto) to ask instead of its replicated-state rule."""
+def planned_peak(cfg: JobConfig, strategy: str, world: int, per_node: int, device_bytes: int) -> int:
+    """The job's predicted peak bytes per rank under `strategy` on `world` ranks, `per_node` of them per node,
+    on devices of `device_bytes`: what `dist.strategy: auto` (parallel.choose_strategy) decides from."""
     planned = _with(cfg, **{"dist.shard_size": None, "dist.strategy": strategy})
     model = mem.load_model(cfg)
-    per_node = min(world, 8)
     kind = mem.Gpu("planned", device_bytes, "planned", 0.0)
     layout = mem.resolve_strategy(planned, model, kind, per_node, math.ceil(world / per_node))
     precision = mem.resolve_precision(cfg, kind)  # as on a GPU: auto is bf16-mixed
-    return mem.memory(planned, model, layout, precision).peak <= device_bytes
+    return mem.memory(planned, model, layout, precision).peak
+
+
+def fits(cfg: JobConfig, strategy: str, world: int, device_bytes: int) -> bool:
+    """Whether the job's peak fits `device_bytes` per rank under `strategy` on `world` ranks (8 per node)."""
+    return planned_peak(cfg, strategy, world, min(world, 8), device_bytes) <= device_bytes
 
 
 def _with(cfg: JobConfig, **changes: Any) -> JobConfig:

@@ -9,6 +9,7 @@ it, then replicate.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 
@@ -21,9 +22,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.nn.parallel import DistributedDataParallel
 
-from trainyard import weights
+from trainyard import estimate, weights
+from trainyard.config import JobConfig
 from trainyard.dist import DistInfo
-from trainyard.errors import ConfigError
+from trainyard.errors import ConfigError, ModelError, OptionError
 from trainyard.model import decoder_blocks
 from trainyard.precision import Precision
 
@@ -50,19 +52,45 @@ def replicated_state_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def choose_strategy(requested: str, model: torch.nn.Module, info: DistInfo) -> str:
-    """`auto`: none alone; ddp while replicated training state fits half a device; else hsdp on
-    several nodes when state sharded over one node fits (only gradients cross the slow link); else fsdp.
-    A strategy asked for by name is kept in a 1-process group (one GPU still tests its wrapper)."""
+def choose_strategy(requested: str, model: torch.nn.Module, info: DistInfo, cfg: JobConfig | None = None) -> str:
+    """The strategy to run; for `auto`, see auto_strategy. A strategy asked for by name is kept in a
+    1-process group (one GPU still tests its wrapper)."""
     if requested != "auto":
         return requested if info.distributed or torch_dist.is_initialized() else "none"
+    return auto_strategy(model, info, cfg)[0]
+
+
+def auto_strategy(model: torch.nn.Module | None, info: DistInfo, cfg: JobConfig | None = None) -> tuple[str, str]:
+    """(strategy, why) for `dist.strategy: auto`: none alone; else the first of ddp, hsdp (several nodes:
+    only gradients cross the slow link) and fsdp whose estimated peak per rank (weights, gradients, optimizer,
+    activations, buffers: estimate.py) fits the device. Without a job the estimate can model, the replicated
+    training state decides: ddp while it fits half a device."""
     if info.world_size == 1:
-        return "none"
+        return "none", "one process"
+    device = device_memory_bytes(info)
+    nodes = math.ceil(info.world_size / max(info.local_world_size, 1))
+    if cfg is not None:
+        try:
+            peaks: list[tuple[str, int]] = []
+            for candidate in ["ddp", *(["hsdp"] if nodes > 1 else []), "fsdp"]:
+                peak = estimate.planned_peak(cfg, candidate, info.world_size, info.local_world_size, device)
+                peaks.append((candidate, peak))
+                if peak <= device:
+                    break
+            said = ", ".join(f"{name} {peak / 2**30:.1f} GiB" for name, peak in peaks)
+            return peaks[-1][0], f"estimated peak per rank {said}, of {device / 2**30:.1f} GiB"
+        except (ModelError, ConfigError, OptionError, OSError, ValueError) as err:
+            reason = f"no estimate ({str(err).splitlines()[0]}); replicated state decides: "
+    else:
+        reason = "replicated state decides: "
+    if model is None:
+        return "auto", reason + "unknown before the model is built"
     state, budget = replicated_state_bytes(model), _DDP_MEMORY_SHARE * device_memory_bytes(info)
+    reason += f"{state / 2**30:.2f} GiB of weights, gradients and AdamW state, budget {budget / 2**30:.1f} GiB"
     if state <= budget:
-        return "ddp"
+        return "ddp", reason
     several_nodes = info.world_size > info.local_world_size
-    return "hsdp" if several_nodes and state / info.local_world_size <= budget else "fsdp"
+    return ("hsdp" if several_nodes and state / info.local_world_size <= budget else "fsdp"), reason
 
 
 def check_fits(

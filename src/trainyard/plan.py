@@ -12,7 +12,7 @@ from trainyard import model as model_room
 from trainyard.config import JobConfig, accumulation_steps
 from trainyard.dist import DistInfo
 from trainyard.errors import ModelError
-from trainyard.parallel import choose_strategy
+from trainyard.parallel import auto_strategy, choose_strategy
 
 
 def _hf_config(cfg: JobConfig):
@@ -66,7 +66,10 @@ def checkpoint_policy(cfg: JobConfig) -> str:
     """When full and lite checkpoints are written, in words."""
     ckpt = cfg.checkpoint
     full = [f"every {ckpt.every_steps} steps"] if ckpt.every_steps else []
-    full += [f"every {ckpt.every_minutes:g} min"] if ckpt.every_minutes else []
+    if ckpt.every_minutes == "auto":
+        full += [f"every sqrt(2 x save stall x MTBF {ckpt.mtbf_hours:g} h / nodes) (auto)"]
+    elif ckpt.every_minutes:
+        full += [f"every {ckpt.every_minutes:g} min"]
     full += ["at the end"] if ckpt.at_end else []
     words = "full " + (", ".join(full) if full else "never")
     if ckpt.lite_every_steps:
@@ -104,12 +107,17 @@ def describe_plan(cfg: JobConfig, world_size: int) -> str:
         lines.append(
             f"parameters       unknown: {cfg.model.path} is not in the local HF cache (a dry run downloads nothing)"
         )
-        lines.append(f"strategy         {cfg.dist.strategy}")
+        strategy, why = auto_strategy(None, info, cfg) if cfg.dist.strategy == "auto" else (cfg.dist.strategy, "")
+        lines.append(f"strategy         {strategy} (requested {cfg.dist.strategy}{': ' + why if why else ''})")
     else:
         total, trainable = model_room.parameter_counts(model)
         lines.append(f"parameters       {total:,} total, {trainable:,} trainable ({trainable / max(total, 1):.2%})")
         strategy = choose_strategy(cfg.dist.strategy, model, info)
-        lines.append(f"strategy         {strategy} (requested {cfg.dist.strategy})")
+        why = ""
+        if cfg.dist.strategy == "auto":
+            strategy, why = auto_strategy(model, info, cfg)
+            why = f": {why}"
+        lines.append(f"strategy         {strategy} (requested {cfg.dist.strategy}{why})")
         if strategy == "diloco":
             sites, outer = diloco.site_count(cfg, info), cfg.diloco
             lines.append(

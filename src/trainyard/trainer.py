@@ -31,6 +31,7 @@ from trainyard.data.loader import stream_batches
 from trainyard.data.mixture import MixtureStream, mixture_stream
 from trainyard.data.pretraining import prepare_pretraining
 from trainyard.errors import CheckpointError, TrainyardError
+from trainyard.estimate_time import young_daly_interval_s
 from trainyard.evaluate import evaluate, token_loss_sum
 from trainyard.files import write_atomically
 from trainyard.metrics import (
@@ -180,7 +181,7 @@ def _train_steps(
             save_written=float(job.saves.written_here()),
             save_failed=float(job.saves.failed_here()),
             preempted=float(bool(_SIGNALLED)),
-            timed_save=float(info.is_main and _timed_save_due(cfg, last_full)),
+            timed_save=float(info.is_main and _timed_save_due(job, last_full)),
             data_ended=float(len(window) < job.accum),
         ).summed(info.device)
         job.saves.settle(
@@ -242,10 +243,30 @@ def _train_steps(
             job.saves.save_lite(model, step)
 
 
-def _timed_save_due(cfg: JobConfig, last_full: float) -> bool:
+def _timed_save_due(job: Job, last_full: float) -> bool:
     """checkpoint.every_minutes passed since the last full save (or the start)."""
-    every = cfg.checkpoint.every_minutes
+    every = _save_interval_minutes(job)
     return every > 0 and time.monotonic() - last_full > every * 60
+
+
+FIRST_AUTO_SAVE_MINUTES = 10.0
+"""every_minutes: auto, before any full save measured its stall."""
+
+
+def _save_interval_minutes(job: Job) -> float:
+    """every_minutes, or under auto Young/Daly from the last full save's measured stall and the job's MTBF."""
+    ckpt, info = job.cfg.checkpoint, job.info
+    if ckpt.every_minutes != "auto":
+        return ckpt.every_minutes
+    if job.saves.last_stall_s is None:
+        return FIRST_AUTO_SAVE_MINUTES
+    nodes = max(1, info.world_size // max(info.local_world_size, 1))
+    minutes = young_daly_interval_s(job.saves.last_stall_s, ckpt.mtbf_hours * 3600 / nodes) / 60
+    if job.saves.announced_interval_min is None or abs(minutes / job.saves.announced_interval_min - 1) > 0.1:
+        job.saves.announced_interval_min = minutes
+        job.sink.emit("system", step=job.saves.last_step, event="checkpoint_interval", minutes=minutes,
+                      save_s=job.saves.last_stall_s, mtbf_hours=ckpt.mtbf_hours, nodes=nodes)
+    return minutes
 
 
 def _forward_backward(job: Job, window: list[dict[str, torch.Tensor]], targets: float, step: int) -> torch.Tensor:
