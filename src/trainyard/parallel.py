@@ -331,7 +331,7 @@ def attach_comm_timer(model: torch.nn.Module) -> CommTimer | None:
 
         return default_hooks.allreduce_hook(group, bucket).then(finished)
 
-    model.register_comm_hook(None, timed_allreduce)
+    model.register_comm_hook(model.process_group, timed_allreduce)  # DDP's own group (a DiLoCo site's, say)
     return timer
 
 

@@ -7,11 +7,13 @@ import json
 import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.conftest import REPO, TINY, assert_ok, events, trainyard
 from tests.dist.checkpoint_helpers import (
@@ -31,6 +33,13 @@ COMMON = [
     "log.tensorboard=false", "eval.every_steps=0", "eval.at_end=false", "train.precision=bf16-mixed",
 ]
 TWO_SITES = ["dist.strategy=diloco", "diloco.groups=2"]
+
+
+def consolidated(step: Path) -> dict:
+    """Every entry of a full DCP checkpoint, nested as saved."""
+    with tempfile.TemporaryDirectory() as scratch:
+        dcp_to_torch_save(step, Path(scratch) / "all.pt")
+        return torch.load(Path(scratch) / "all.pt", weights_only=True)
 
 
 def run(out: Path, *overrides: str) -> Path:
@@ -103,6 +112,13 @@ def test_sigkill_mid_round_then_resume_ends_bitwise_equal(tmp_path: Path) -> Non
     kill_tree(proc)
     assert latest_full(killed / "tiny" / "checkpoints") is not None, f"killed at {kill_at} before a save"
     run(killed, *job)
+
+    sites = consolidated(step_dir(reference / "checkpoints", 9))  # mid-round: each site moved on its own
+    assert sites["site-0"]["model"].keys() == sites["site-1"]["model"].keys() == sites["model"].keys()
+    moved = [name for name, tensor in sites["site-0"]["model"].items()
+             if not torch.equal(tensor, sites["site-1"]["model"][name])]
+    assert len(moved) == len(sites["model"]), "inner steps must not sync across sites"
+    assert not torch.equal(sites["model"][moved[0]], sites["site-0"]["model"][moved[0]])  # round-start weights
 
     resumed_at = resumed_events(killed / "tiny")[-1]["step"]
     assert_same_tensors(
