@@ -52,9 +52,9 @@ class OuterSync:
 
     def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, mesh: DeviceMesh, info: DistInfo) -> None:
         self.cfg = cfg
-        self.group = mesh["site"].get_group()
-        self.sites = mesh.size(0)
-        self.site = info.rank // mesh.size(1)
+        self.group, self.local = mesh["site"].get_group(), mesh["local"].get_group()
+        self.sites, self.local_size = mesh.size(0), mesh.size(1)
+        self.site, self.local_rank = divmod(info.rank, self.local_size)
         named = [(name, p) for name, p in unwrap(model).named_parameters() if p.requires_grad]
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
@@ -66,13 +66,21 @@ class OuterSync:
 
     @torch.no_grad()
     def sync(self) -> dict[str, float]:
-        """Average the pseudo-gradients over sites (one all-reduce), take the outer step, start the next round."""
+        """Average the pseudo-gradients over sites, take the outer step, start the next round.
+
+        A site's ranks hold the same pseudo-gradient, so each takes one slice of it across sites (its own
+        all-reduce with its counterparts) and the site gathers the slices back over its fast local links: the
+        bytes between sites are one model's worth per site, not one per rank."""
         started = time.monotonic()
         dtype = torch.bfloat16 if self.cfg.pseudo_grad_dtype == "bf16" else torch.float32
         flat = torch.cat([(s - p.detach().float()).flatten() for s, p in zip(self.start, self.params, strict=True)])
-        sent = flat.to(dtype)
+        size = -(-flat.numel() // self.local_size)
+        padded = torch.nn.functional.pad(flat, (0, size * self.local_size - flat.numel()))
+        sent = padded[self.local_rank * size : (self.local_rank + 1) * size].to(dtype)
         torch_dist.all_reduce(sent, group=self.group)
-        average = sent.float() / self.sites
+        slices = [torch.empty_like(sent) for _ in range(self.local_size)]
+        torch_dist.all_gather(slices, sent, group=self.local)
+        average = torch.cat(slices)[: flat.numel()].float() / self.sites
         lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
         offset = 0
         for start, momentum, param in zip(self.start, self.momentum, self.params, strict=True):

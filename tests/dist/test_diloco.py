@@ -70,24 +70,26 @@ def test_one_inner_step_per_round_over_a_linear_update_is_ddp(tmp_path: Path) ->
         torch.testing.assert_close(final[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize(("lr", "momentum"), [(0.7, 0.9), (1.0, 0.0)])
+@pytest.mark.parametrize(("nproc", "lr", "momentum"), [(4, 0.7, 0.9), (2, 1.0, 0.0)])
 def test_the_outer_step_is_nesterov_sgd_on_the_average_of_the_sites_pseudo_gradients(
-    tmp_path: Path, lr: float, momentum: float
+    tmp_path: Path, nproc: int, lr: float, momentum: float
 ) -> None:
+    """2 sites of 2: each local rank reduces a slice across sites, the site gathers the slices."""
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
          str(REPO / "tests" / "dist" / "scripts" / "diloco_outer_step.py"), str(tmp_path), str(lr), str(momentum)],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(nproc)]
     buffers = None
     for round_index in range(2):
         start = [np.array(t, dtype=np.float64) for t in ranks[0][round_index]["start"]]
         for other in ranks[1:]:
             assert all(np.array_equal(a, b) for a, b in zip(start, other[round_index]["start"], strict=True))
+        sites = ranks[:: nproc // 2]  # the first rank of each site; a site's ranks hold the same weights
         pseudo = [
-            np.mean([s - np.array(site[round_index]["before"][i]) for site in ranks], axis=0)
+            np.mean([s - np.array(site[round_index]["before"][i]) for site in sites], axis=0)
             for i, s in enumerate(start)
         ]
         buffers = pseudo if buffers is None else [momentum * m + g for m, g in zip(buffers, pseudo, strict=True)]
@@ -96,7 +98,8 @@ def test_the_outer_step_is_nesterov_sgd_on_the_average_of_the_sites_pseudo_gradi
             for want, got in zip(expected, site[round_index]["after"], strict=True):
                 np.testing.assert_allclose(np.array(got), want, rtol=1e-6, atol=1e-7)
     parameters = 3 * 2 + 2 + 2 * 1 + 1
-    assert ranks[0][0]["bytes"] == 2 * (2 - 1) / 2 * parameters * 4  # a ring all-reduce of fp32 pseudo-gradients
+    per_rank = -(-parameters // (nproc // 2))  # each local rank's slice
+    assert ranks[0][0]["bytes"] == 2 * (2 - 1) / 2 * per_rank * 4  # a ring all-reduce of fp32 pseudo-gradients
 
 
 def test_sigkill_mid_round_then_resume_ends_bitwise_equal(tmp_path: Path) -> None:

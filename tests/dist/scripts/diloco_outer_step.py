@@ -1,4 +1,4 @@
-"""Run under torchrun with 2 ranks (2 sites of 1): two rounds of OuterSync.sync on a small module whose weights
+"""Run under torchrun with 2 or 4 ranks (2 sites of 1 or 2): two rounds of OuterSync.sync on a small module whose weights
 each site moves by its own amount; writes what went in and came out, for the test to recompute by hand."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def main() -> None:
     torch.manual_seed(0)  # the same start on both sites
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
     outer = OuterSync(model, DilocoConfig(outer_lr=lr, outer_momentum=momentum), mesh, info)
-    generator = torch.Generator().manual_seed(100 + info.rank)  # each site's own inner progress
+    site = info.rank // (info.world_size // 2)
+    generator = torch.Generator().manual_seed(100 + site)  # each site's own inner progress, the same on its ranks
     rounds = []
     for _ in range(2):
         start = [p.detach().clone() for p in model.parameters()]
