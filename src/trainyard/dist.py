@@ -287,7 +287,9 @@ _PRESETS: dict[str, dict[str, str]] = {
     # Plain TCP: seed 002's stable path when InfiniBand probing misbehaves.
     "socket": {"NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket", "GLOO_USE_IPV6": "0"},
     "infiniband": {"NCCL_IB_DISABLE": "0", "NCCL_NET_GDR_LEVEL": "PHB"},
-    # Long fat pipes between sites: more sockets and threads, bigger buffers, no IB.
+    # Long fat pipes between sites: more sockets and threads, bigger buffers, no IB. Tuning helps a WAN
+    # only so far: a job whose gradients cross it every step should run dist.strategy: diloco, which
+    # crosses it once per diloco.sync_every steps (benchmarks/diloco_wan.py measures the difference).
     "wan": {
         "NCCL_IB_DISABLE": "1",
         "NCCL_NET": "Socket",
