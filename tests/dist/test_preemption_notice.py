@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.dist.checkpoint_helpers import LORA_DDP, kill_tree, last_step, start, train_args, wait_for_step
@@ -14,7 +17,7 @@ from trainyard.checkpoint import latest_full, step_dir
 pytestmark = pytest.mark.dist
 
 NOTICE = re.compile(
-    r"trainyard: preempted by SIGTERM after step (\d+); checkpoint step-(\d{8}) committed"
+    r"trainyard: preempted by SIG(?:TERM|USR1) after step (\d+); checkpoint step-(\d{8}) committed"
     r" — run the same command again to resume"
 )
 
@@ -43,3 +46,39 @@ def test_sigterm_after_a_save_is_one_notice_line_not_an_error(tmp_path: Path, co
     assert step == saved == last_step(run_dir)
     assert latest_full(checkpoints) == step_dir(checkpoints, step)
     assert "Traceback" not in stderr and "Error" not in stderr and "error" not in stderr, stderr[-3000:]
+
+
+def _signal_every_process(proc: psutil.Process, signum: int) -> None:
+    for process in [proc, *proc.children(recursive=True)]:
+        try:
+            os.kill(process.pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.parametrize("command", ["train", "launch"])
+def test_a_signal_to_every_process_again_and_again_is_acted_on_once(tmp_path: Path, command: str) -> None:
+    """Slurm's --signal reaches every process of the step (launcher, agent, workers) and the launcher
+    forwards it again, so the agent sees it several times. torch's agent raised on each delivery: a
+    late one printed a traceback at exit, and `train --nproc` did not handle SIGUSR1 and died of it."""
+    args = train_args(tmp_path, *LORA_DDP, "train.max_steps=100000", "checkpoint.every_steps=0")
+    if command == "launch":
+        args = ["launch", *args[1:]]
+    run_dir, checkpoints = tmp_path / "tiny", tmp_path / "tiny" / "checkpoints"
+    proc = start(args)
+    try:
+        wait_for_step(proc, run_dir, 3)
+        launcher, deadline = psutil.Process(proc.pid), time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            _signal_every_process(launcher, signal.SIGUSR1)
+            time.sleep(0.02)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.returncode is None:
+            kill_tree(proc)
+    assert proc.returncode == 75, stderr[-3000:]
+    ours = [line for line in stderr.splitlines() if line.startswith("trainyard:")]
+    assert len(ours) == 1 and NOTICE.fullmatch(ours[0]) and "SIGUSR1" in ours[0], stderr[-3000:]
+    step = int(NOTICE.fullmatch(ours[0]).group(1))
+    assert latest_full(checkpoints) == step_dir(checkpoints, step)
+    assert "Traceback" not in stderr and "closing signal SIGTERM" not in stderr, stderr[-3000:]

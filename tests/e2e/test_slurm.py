@@ -201,7 +201,14 @@ def _story(log: Path, run_dir: Path, slurm: dict[str, str]) -> str:
     """The job's log, each rank's log and the daemons' logs: what a failure message needs."""
     parts = [("job log", log), *((path.name, path) for path in sorted((run_dir / "logs").glob("rank-*.log")))]
     parts += [(name, Path(slurm["SLURM_CONF"]).parent / "log" / name) for name in ("slurmctld.log", "slurmd.log")]
-    return "".join(f"\n--- {name}\n{path.read_text()[-2500:]}" for name, path in parts if path.is_file())
+    return "".join(f"\n--- {name}\n{_tail_and_traceback(path.read_text())}" for name, path in parts if path.is_file())
+
+
+def _tail_and_traceback(text: str) -> str:
+    """A log's end, and its first traceback wherever it is: the tail alone hides an early one."""
+    start = text.find("Traceback")
+    first = f"{text[max(0, start - 1500):start + 4000]}\n[...]\n" if 0 <= start < len(text) - 2500 else ""
+    return first + text[-2500:]
 
 
 def test_generated_script_trains_is_preempted_requeues_and_finishes(slurm: dict[str, str], tmp_path: Path) -> None:

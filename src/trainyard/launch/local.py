@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import sys
 import tempfile
 import uuid
@@ -19,6 +20,34 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 EXIT_FILE_ENV = "TRAINYARD_EXIT_FILE"
+# The agent passes these to its workers instead of dying on them: Slurm's --signal
+# sends SIGUSR1 to every process of the step, the agent included.
+SIGNALS_TO_FORWARD = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
+
+
+def stop_on_first_signal() -> None:
+    """Make the agent act on the first stop signal only and ignore the ones after it.
+
+    torch's agent raises SignalException on every delivery. Slurm delivers a signal to every
+    process of the step and the launcher forwards it again, so a second delivery lands in the
+    agent's own clean-up (which then sends SIGTERM to workers mid-save) or at interpreter exit,
+    where it prints a traceback. torch has no hook for this, so its module-level handler, which
+    it installs by name when workers start, is wrapped. The agent still passes the first signal
+    to its workers and kills them after its shutdown timeout; this process exits soon after.
+    """
+    from torch.distributed.elastic.multiprocessing import api
+
+    raise_signal = api._terminate_process_handler
+    if getattr(raise_signal, "trainyard_once", False):
+        return
+
+    def first_only(signum: int, frame: object) -> None:
+        for name in SIGNALS_TO_FORWARD:
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+        raise_signal(signum, frame)
+
+    first_only.trainyard_once = True  # type: ignore[attr-defined]
+    api._terminate_process_handler = first_only
 
 
 def worker_command(argv: list[str]) -> list[str]:
@@ -64,8 +93,10 @@ def run_local(nproc: int, argv: list[str], max_restarts: int = 0) -> tuple[int, 
             max_restarts=max_restarts,
             monitor_interval=0.5,
             start_method="spawn",
+            signals_to_handle=",".join(SIGNALS_TO_FORWARD),
         )
         command = worker_command(argv)
+        stop_on_first_signal()
         try:
             elastic_launch(config, entrypoint=command[0])(*command[1:])
         except SignalException as err:  # this launcher was told to stop; workers saved and left

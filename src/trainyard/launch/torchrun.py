@@ -24,7 +24,7 @@ from pathlib import Path
 from trainyard.config import DistConfig
 from trainyard.dist import network_env
 from trainyard.errors import ConfigError
-from trainyard.launch.local import EXIT_FILE_ENV
+from trainyard.launch.local import EXIT_FILE_ENV, SIGNALS_TO_FORWARD, stop_on_first_signal
 
 PREEMPTED_EXIT_CODE = 75
 USER_ERROR_EXIT_CODE = ConfigError.exit_code
@@ -32,9 +32,6 @@ AGENT_MODULE = "trainyard.launch.torchrun"
 """Runs torchrun's agent (`agent_main`); takes exactly torchrun's flags."""
 DEFAULT_MASTER_PORT = 29500
 NPROC_WORDS = ("auto", "cpu", "gpu")
-# The agent forwards these to its workers instead of dying on them: Slurm's --signal
-# sends SIGUSR1 to every process of the step, the agent included.
-SIGNALS_TO_FORWARD = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
 
 
 @dataclass(frozen=True)
@@ -374,8 +371,10 @@ def run_torchrun(
         try:
             code = child.wait()
         finally:
+            # Once told to stop, later copies of the signal (Slurm sends one to every process) are ignored:
+            # the default action would kill this process before it reports how the workers ended.
             for signum, handler in previous.items():
-                signal.signal(signum, handler)  # type: ignore[arg-type]
+                signal.signal(signum, signal.SIG_IGN if received else handler)  # type: ignore[arg-type]
         reported = first_reported_failure(prefix) if code != 0 else None
     if reported:
         worker_code, message = reported
@@ -399,6 +398,7 @@ def agent_main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    stop_on_first_signal()
     try:
         torchrun_main(argv)
     except SignalException as err:  # the agent stopped its workers; their exit files say how they ended
