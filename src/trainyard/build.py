@@ -48,11 +48,13 @@ def build_and_wrap(
     if cfg.dist.strategy == "auto" and info.distributed:
         strategy, why = parallel.auto_strategy(model, info, cfg)
         logging.getLogger("trainyard").info("dist.strategy auto -> %s: %s", strategy, why)
-    if forward_only and strategy in ("ddp", "diloco"):
+    if forward_only and strategy == "diloco":
+        strategy = cfg.diloco.inner
+    if forward_only and strategy == "ddp":
         strategy = "none"
     sites = diloco.site_count(cfg, info) if strategy == "diloco" else None
     mesh = dist.build_mesh(info, strategy, cfg.dist.shard_size, sites)
-    shards = {"fsdp": info.world_size, "hsdp": mesh.size(-1) if mesh is not None else 1}.get(strategy, 1)
+    shards = mesh.size(-1) if mesh is not None and parallel.shards_within(strategy, cfg.diloco.inner) else 1
     parallel.check_fits(strategy, cfg.dist.strategy, shards, model, info, cfg.where("dist.strategy"))
     if cfg.model.config is not None:
         source: weights.SafetensorsFolder | weights.InMemory = weights.InMemory(
@@ -61,4 +63,4 @@ def build_and_wrap(
     else:
         assert model_path is not None
         source = weights.SafetensorsFolder.open(model_path)
-    return parallel.apply(model, strategy, info, precision, source, mesh), strategy, mesh
+    return parallel.apply(model, strategy, info, precision, source, mesh, cfg.diloco.inner), strategy, mesh

@@ -241,8 +241,9 @@ class DilocoConfig(Section):
     """Nesterov momentum of the outer SGD step; 0 turns momentum off."""
     groups: Literal["node"] | int = "node"
     """How the world splits into sites: node (one site per node), or a number of equal sites of consecutive ranks."""
-    inner: Literal["ddp"] = "ddp"
-    """The strategy inside a site."""
+    inner: Literal["ddp", "fsdp"] = "ddp"
+    """The strategy inside a site. fsdp shards the site's weights, gradients and optimizer over its ranks (and the
+    outer state with them): each rank then sends only its own shard's pseudo-gradient to its counterparts."""
     pseudo_grad_dtype: Literal["fp32", "bf16"] = "fp32"
     """What the outer all-reduce sends: bf16 halves the bytes between sites."""
 

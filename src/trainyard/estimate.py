@@ -213,6 +213,7 @@ def render(result: Estimate) -> str:
     memory, timed, layout = result.memory, result.timing, result.layout
     parts = [("weights", memory.weights), ("lora adapters", memory.lora_adapters), ("gradients", memory.gradients),
              ("optimizer (AdamW)", memory.optimizer), ("ddp buckets", memory.ddp_buckets),
+             ("diloco outer state", memory.diloco_outer),
              ("autocast copies", memory.mixed_precision_copies), ("fsdp buffers", memory.fsdp_buffers),
              ("activations", memory.activations), ("logits (loss)", memory.logits),
              ("allocator slack", memory.allocator_slack), ("cuda context", memory.cuda_context)]

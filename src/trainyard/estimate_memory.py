@@ -112,6 +112,8 @@ class Memory:
     gradients: float
     optimizer: float
     ddp_buckets: float
+    diloco_outer: float
+    """DiLoCo's round-start weights and outer momentum, fp32."""
     mixed_precision_copies: float
     fsdp_buffers: float
     activations: float
@@ -160,7 +162,7 @@ def dtypes(cfg: JobConfig, precision: precision_room.Precision, strategy: str) -
     master, frozen, compute = (size[precision.trainable_dtype], size[precision.frozen_dtype],
                                size[precision.compute_dtype])
     base = frozen if cfg.lora.enabled else master
-    sharded = strategy in ("fsdp", "hsdp")
+    sharded = _sharded(cfg, strategy)
     residual = compute if (precision.mixed and sharded) else base
     return Dtypes(master, frozen, compute, residual, precision.mixed, precision.compute_dtype)
 
@@ -191,7 +193,14 @@ def shard_size(cfg: JobConfig, strategy: str, world: int, gpus_per_node: int) ->
         return world
     if strategy == "hsdp":
         return min(cfg.dist.shard_size or gpus_per_node, world)
+    if _sharded(cfg, strategy):  # DiLoCo with FSDP within a site: a site's ranks
+        groups = cfg.diloco.groups
+        return gpus_per_node if groups == "node" else max(1, world // groups)
     return 1
+
+
+def _sharded(cfg: JobConfig, strategy: str) -> bool:
+    return strategy in ("fsdp", "hsdp") or (strategy == "diloco" and cfg.diloco.inner == "fsdp")
 
 
 def _replicated_state(cfg: JobConfig, model: Model) -> float:
@@ -212,13 +221,15 @@ def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_ro
     counts, shard = model.counts, layout.shard
     frozen = counts.total - counts.trainable
     trainable = counts.trainable * size.master / shard
-    sharded = layout.strategy in ("fsdp", "hsdp")
+    sharded = _sharded(cfg, layout.strategy)
+    replicas_bucket = layout.strategy == "ddp" or (layout.strategy == "diloco" and not sharded)
     parts = Memory(
         weights=frozen * size.frozen / shard + (0.0 if cfg.lora.enabled else trainable),
         lora_adapters=trainable if cfg.lora.enabled else 0.0,
         gradients=trainable,
         optimizer=2 * trainable,
-        ddp_buckets=counts.trainable * size.master if layout.strategy == "ddp" else 0.0,
+        ddp_buckets=counts.trainable * size.master if replicas_bucket else 0.0,
+        diloco_outer=2 * counts.trainable * 4 / shard if layout.strategy == "diloco" else 0.0,
         mixed_precision_copies=0.0 if sharded or not size.mixed else _autocast_copies(counts, size),
         fsdp_buffers=_fsdp_buffers(counts, size) if sharded else 0.0,
         activations=activation_bytes(cfg, model.shape, counts, size, layout.gpu),
@@ -249,7 +260,7 @@ def _add_peak(parts: Memory, cfg: JobConfig, layout: Layout) -> None:
     """Static state, then the larger of the forward's saved tensors and the full gradients: gradients are freed
     after each step (set_to_none) and fill in as activations are freed, so both peak at different times. With
     accumulation the gradients of earlier micro-batches stay while the next one's activations build up."""
-    static = (parts.weights + parts.lora_adapters + parts.optimizer + parts.ddp_buckets
+    static = (parts.weights + parts.lora_adapters + parts.optimizer + parts.ddp_buckets + parts.diloco_outer
               + parts.mixed_precision_copies + parts.fsdp_buffers)
     # With checkpointing the logits and their gradients are gone before the last layer is recomputed.
     forward = parts.activations - parts.recomputed_layer + max(parts.recomputed_layer, parts.logits)

@@ -119,6 +119,11 @@ def check_fits(
     )
 
 
+def shards_within(strategy: str, site_inner: str) -> bool:
+    """Whether the state is sharded over the mesh's last dimension: fsdp, hsdp's shard groups, a DiLoCo site."""
+    return strategy in ("fsdp", "hsdp") or (strategy == "diloco" and site_inner == "fsdp")
+
+
 def apply(
     model: torch.nn.Module,
     strategy: str,
@@ -126,16 +131,18 @@ def apply(
     precision: Precision,
     source: weights.SafetensorsFolder | weights.InMemory,
     mesh: DeviceMesh | None,
+    site_inner: str = "ddp",
 ) -> torch.nn.Module:
     """Wrap, then allocate and fill this rank's own weights. Parameters that already hold values
-    (LoRA adapters) keep them; the meta ones and every persistent buffer are read from `source`."""
+    (LoRA adapters) keep them; the meta ones and every persistent buffer are read from `source`.
+    diloco runs `site_inner` (diloco.inner) within each site; the outer sync across sites is diloco.py's."""
     already_real = {name for name, param in model.named_parameters() if not param.is_meta}
-    if strategy in ("fsdp", "hsdp"):
+    if shards_within(strategy, site_inner):
         assert mesh is not None, f"{strategy} shards over dist.build_mesh's mesh"
-        shard_fsdp2(model, mesh, precision)
+        shard_fsdp2(model, mesh["local"] if strategy == "diloco" else mesh, precision)
     materialize(model, info.device)
     weights.load(model, source, skip=lambda name: name in already_real)
-    if strategy in ("ddp", "diloco"):  # diloco: DDP within a site, the outer sync across sites (diloco.py)
+    if strategy == "ddp" or (strategy == "diloco" and site_inner == "ddp"):
         return DistributedDataParallel(
             model,
             device_ids=[info.local_rank] if info.device.type == "cuda" else None,

@@ -121,7 +121,8 @@ def describe_plan(cfg: JobConfig, world_size: int) -> str:
         if strategy == "diloco":
             sites, outer = diloco.site_count(cfg, info), cfg.diloco
             lines.append(
-                f"diloco           {sites} sites x {world_size // sites} ranks, sync every {outer.sync_every} steps "
+                f"diloco           {sites} sites x {world_size // sites} ranks ({outer.inner} within a site), "
+                f"sync every {outer.sync_every} steps "
                 f"(outer lr {outer.outer_lr:g}, Nesterov {outer.outer_momentum:g}, {outer.pseudo_grad_dtype})"
             )
     if data.mixture:

@@ -42,20 +42,25 @@ def consolidated(step: Path) -> dict:
         return torch.load(Path(scratch) / "all.pt", weights_only=True)
 
 
-def run(out: Path, *overrides: str) -> Path:
-    assert_ok(trainyard("train", TINY, f"output_dir={out}", *COMMON, *overrides, "--nproc", "2"))
+def run(out: Path, *overrides: str, nproc: int = 2) -> Path:
+    assert_ok(trainyard("train", TINY, f"output_dir={out}", *COMMON, *overrides, "--nproc", str(nproc)))
     return out / "tiny"
 
 
-def test_one_inner_step_per_round_over_a_linear_update_is_ddp(tmp_path: Path) -> None:
+INNER = pytest.mark.parametrize(("inner", "nproc"), [("ddp", 2), ("fsdp", 4)], ids=["ddp-2x1", "fsdp-2x2"])
+"""Sites of one rank under DDP; sites of two ranks that shard the weights (and the outer state) under FSDP."""
+
+
+@INNER
+def test_one_inner_step_per_round_over_a_linear_update_is_ddp(tmp_path: Path, inner: str, nproc: int) -> None:
     """H = 1, outer_lr 1, no momentum, inner SGD: the average of the sites' SGD steps is the SGD step of the
     average gradient (the inner loss is normalised by the world's tokens). Equal up to float rounding: DDP
     averages gradients, DiLoCo averages the weights they produced."""
     # fp32 compute: under bf16 a rounding-level difference in the weights flips bf16 roundings of activations
     linear = ["train.optimizer=sgd", "train.lr=0.5", "train.max_grad_norm=0", "train.max_steps=8", "train.precision=fp32"]
-    ddp = run(tmp_path / "ddp", *linear, "dist.strategy=ddp")
-    outer = ["diloco.sync_every=1", "diloco.outer_lr=1", "diloco.outer_momentum=0"]
-    diloco = run(tmp_path / "diloco", *linear, *TWO_SITES, *outer)
+    ddp = run(tmp_path / "ddp", *linear, "dist.strategy=ddp", nproc=nproc)
+    outer = ["diloco.sync_every=1", "diloco.outer_lr=1", "diloco.outer_momentum=0", f"diloco.inner={inner}"]
+    diloco = run(tmp_path / "diloco", *linear, *TWO_SITES, *outer, nproc=nproc)
 
     want = [(e["step"], e["loss"]) for e in events(ddp, "train")]
     got = [(e["step"], e["loss"]) for e in events(diloco, "train")]
@@ -68,6 +73,9 @@ def test_one_inner_step_per_round_over_a_linear_update_is_ddp(tmp_path: Path) ->
     reference = model_tensors(step_dir(ddp / "checkpoints", 8))
     for name, tensor in reference.items():
         torch.testing.assert_close(final[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    # One model's fp32 pseudo-gradient per site, divided over the site's ranks (a ring over 2 sites sends it once).
+    parameters = json.loads((diloco / "summary.json").read_text())["trainable_params"]
+    assert syncs[0]["outer_sync_bytes"] == pytest.approx(4 * parameters / (nproc // 2), rel=1e-3)
 
 
 @pytest.mark.parametrize(("nproc", "lr", "momentum"), [(4, 0.7, 0.9), (2, 1.0, 0.0)])
@@ -102,19 +110,20 @@ def test_the_outer_step_is_nesterov_sgd_on_the_average_of_the_sites_pseudo_gradi
     assert ranks[0][0]["bytes"] == 2 * (2 - 1) / 2 * per_rank * 4  # a ring all-reduce of fp32 pseudo-gradients
 
 
-def test_sigkill_mid_round_then_resume_ends_bitwise_equal(tmp_path: Path) -> None:
+@INNER
+def test_sigkill_mid_round_then_resume_ends_bitwise_equal(tmp_path: Path, inner: str, nproc: int) -> None:
     """Checkpoints every 3 steps with rounds of 4: most saves are mid-round, where the sites' weights differ."""
-    job = [*TWO_SITES, "diloco.sync_every=4", "train.max_steps=12", "checkpoint.every_steps=3",
-           "checkpoint.keep_last=2"]
-    reference = run(tmp_path / "reference", *job)
+    job = [*TWO_SITES, f"diloco.inner={inner}", "diloco.sync_every=4", "train.max_steps=12",
+           "checkpoint.every_steps=3", "checkpoint.keep_last=2"]
+    reference = run(tmp_path / "reference", *job, nproc=nproc)
 
     kill_at = random.Random().randint(4, 10)
     killed = tmp_path / "killed"
-    proc = start(["train", TINY, f"output_dir={killed}", *COMMON, *job, "--nproc", "2"])
+    proc = start(["train", TINY, f"output_dir={killed}", *COMMON, *job, "--nproc", str(nproc)])
     wait_for_step(proc, killed / "tiny", kill_at)
     kill_tree(proc)
     assert latest_full(killed / "tiny" / "checkpoints") is not None, f"killed at {kill_at} before a save"
-    run(killed, *job)
+    run(killed, *job, nproc=nproc)
 
     sites = consolidated(step_dir(reference / "checkpoints", 9))  # mid-round: each site moved on its own
     assert sites["site-0"]["model"].keys() == sites["site-1"]["model"].keys() == sites["model"].keys()
@@ -122,6 +131,8 @@ def test_sigkill_mid_round_then_resume_ends_bitwise_equal(tmp_path: Path) -> Non
              if not torch.equal(tensor, sites["site-1"]["model"][name])]
     assert len(moved) == len(sites["model"]), "inner steps must not sync across sites"
     assert not torch.equal(sites["model"][moved[0]], sites["site-0"]["model"][moved[0]])  # round-start weights
+    # The tied head is the round-start embedding too, not one site's current one (which a resume then loaded).
+    assert torch.equal(sites["model"]["lm_head.weight"], sites["model"]["model.embed_tokens.weight"])
 
     resumed_at = resumed_events(killed / "tiny")[-1]["step"]
     assert_same_tensors(

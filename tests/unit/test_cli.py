@@ -52,7 +52,7 @@ def test_global_batch_that_does_not_divide_exits_2(tmp_path: Path) -> None:
         ("glm45air-fsdp-lora.yaml", 16,
          ["world size       16", "strategy         hsdp", "x 4 accumulation x 16 ranks"]),
         ("scratch-1.5b.yaml", 16,
-         ["524,288 tokens per step", "strategy         diloco", "diloco           2 sites x 8 ranks, sync every 50",
+         ["524,288 tokens per step", "strategy         diloco", "diloco           2 sites x 8 ranks (ddp within a site), sync every 50",
           "off (full fine-tuning)", "parameters       1,", "steps            190735",
           "fineweb-edu/sample/100BT/*.parquet 65%", "token budget     100,000,000,000 tokens"]),
         ("scratch-stdlib.yaml", 2,

@@ -55,6 +55,18 @@ def test_fsdp_divides_the_state_by_the_world_and_hsdp_by_its_shard_group() -> No
     assert fsdp.activations == hsdp.memory.activations  # sharding leaves each rank's micro-batch alone
 
 
+def test_diloco_adds_fp32_outer_state_sharded_over_a_site_under_inner_fsdp() -> None:
+    """Round-start weights and outer momentum, fp32, per trainable parameter; inner fsdp shards them (and the
+    rest of the state) over the site's ranks, inner ddp keeps DDP's buckets."""
+    ddp = run(["dist.strategy=diloco", "train.precision=fp32"], per_node=4, nodes=2)
+    fsdp = run(["dist.strategy=diloco", "diloco.inner=fsdp", "train.precision=fp32"], per_node=4, nodes=2)
+    assert ddp.layout.shard == 1 and fsdp.layout.shard == 4  # groups: node
+    assert ddp.memory.diloco_outer == 2 * TINY_PARAMS * 4 and ddp.memory.ddp_buckets == TINY_PARAMS * 4
+    assert fsdp.memory.diloco_outer == pytest.approx(2 * TINY_PARAMS * 4 / 4) and fsdp.memory.ddp_buckets == 0
+    assert fsdp.memory.optimizer == pytest.approx(ddp.memory.optimizer / 4) and fsdp.memory.fsdp_buffers > 0
+    assert run(["dist.strategy=ddp"], per_node=4, nodes=2).memory.diloco_outer == 0
+
+
 def test_activation_checkpointing_keeps_only_block_inputs_and_one_block() -> None:
     plain = run(["model.gradient_checkpointing=false"]).memory
     ckpt = run(["model.gradient_checkpointing=true"]).memory
