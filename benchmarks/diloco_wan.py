@@ -117,13 +117,14 @@ def record(path: Path, results: list[dict[str, Any]], args: argparse.Namespace) 
         f"- commit: {commit}",
         f"- 2 network namespaces joined by a veth pair shaped with tc tbf {args.rate} (no added delay), "
         "2 processes each (gloo over the veth); configs/scratch-stdlib.yaml, 4096 tokens per global batch (micro 4)",
-        f"- DiLoCo: sync_every {args.sync_every}, outer_lr 0.7, Nesterov momentum 0.9, groups node (2 sites), "
-        "inner ddp",
+        f"- DiLoCo: sync_every {args.sync_every}, outer_lr {args.outer_lr}, Nesterov momentum {args.outer_momentum}, "
+        "groups node (2 sites), inner ddp",
         "- bytes = tx + rx of one veth end; per step = difference of the short and long runs / extra steps",
         "",
         *table(results, args.loss_window),
         "",
-        f"Command: `python benchmarks/diloco_wan.py --rate {args.rate} --sync-every {args.sync_every}` (as root).",
+        f"Command: `python benchmarks/diloco_wan.py --rate {args.rate} --sync-every {args.sync_every} "
+        f"--outer-lr {args.outer_lr} --outer-momentum {args.outer_momentum}` (as root).",
         "",
         "",
     ]
@@ -136,6 +137,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", default="100mbit")
     parser.add_argument("--sync-every", type=int, default=50)
+    parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--ddp-steps", type=int, nargs=2, default=(10, 300))
     parser.add_argument("--diloco-steps", type=int, nargs=2, default=(50, 300))
     parser.add_argument("--loss-window", type=int, default=25)
@@ -145,7 +148,9 @@ def main() -> None:
     runs = {
         "ddp": ([*JOB, "dist.strategy=ddp"], tuple(args.ddp_steps)),
         f"diloco H={args.sync_every}": (
-            [*JOB, "dist.strategy=diloco", f"diloco.sync_every={args.sync_every}"], tuple(args.diloco_steps)
+            [*JOB, "dist.strategy=diloco", f"diloco.sync_every={args.sync_every}", f"diloco.outer_lr={args.outer_lr}",
+             f"diloco.outer_momentum={args.outer_momentum}"],
+            tuple(args.diloco_steps),
         ),
     }
     results = []

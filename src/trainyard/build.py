@@ -53,7 +53,7 @@ def build_and_wrap(
     if forward_only and strategy == "ddp":
         strategy = "none"
     sites = diloco.site_count(cfg, info) if strategy == "diloco" else None
-    mesh = dist.build_mesh(info, strategy, cfg.dist.shard_size, sites)
+    mesh = dist.build_mesh(info, strategy, cfg.dist.shard_size, sites, cfg.diloco.inner)
     shards = mesh.size(-1) if mesh is not None and parallel.shards_within(strategy, cfg.diloco.inner) else 1
     parallel.check_fits(strategy, cfg.dist.strategy, shards, model, info, cfg.where("dist.strategy"))
     if cfg.model.config is not None:

@@ -241,11 +241,14 @@ class DilocoConfig(Section):
     """Nesterov momentum of the outer SGD step; 0 turns momentum off."""
     groups: Literal["node"] | int = "node"
     """How the world splits into sites: node (one site per node), or a number of equal sites of consecutive ranks."""
-    inner: Literal["ddp", "fsdp"] = "ddp"
+    inner: Literal["ddp", "fsdp", "hsdp"] = "ddp"
     """The strategy inside a site. fsdp shards the site's weights, gradients and optimizer over its ranks (and the
-    outer state with them): each rank then sends only its own shard's pseudo-gradient to its counterparts."""
-    pseudo_grad_dtype: Literal["fp32", "bf16"] = "fp32"
-    """What the outer all-reduce sends: bf16 halves the bytes between sites."""
+    outer state with them): each rank then sends only its own shard's pseudo-gradient to its counterparts. hsdp,
+    for a site of several nodes: shard within dist.shard_size ranks (a node by default), replicate across the
+    site's shard groups; the replicas split their shard's outer sync between them."""
+    pseudo_grad_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
+    """What the outer sync sends: bf16 halves the bytes between sites; int8 (one scale per tensor) sends a quarter
+    of fp32's between 2 sites (it is gathered, not reduced: (sites - 1) bytes per value per rank)."""
 
 
 class DistConfig(Section):
@@ -255,7 +258,8 @@ class DistConfig(Section):
     slow link, instead of every block's all-gather and reduce-scatter. diloco (the `diloco` section): sites
     train on their own for sync_every steps, then average once; for sites joined by a WAN."""
     shard_size: int | None = Field(None, ge=1)
-    """hsdp: ranks per shard group (default: the processes per node); must divide the world size."""
+    """hsdp (and diloco with inner hsdp): ranks per shard group (default: the processes per node); must divide
+    the world size (a site's size under diloco)."""
     defer_grad_sync: bool = False
     """fsdp/hsdp with accumulation: reduce gradients only on a window's last micro-batch. Trades memory
     for speed: unsharded gradients of the whole model live until then (off: each micro-batch
@@ -274,7 +278,7 @@ class DistConfig(Section):
 
     @model_validator(mode="after")
     def _shard_size_only_for_hsdp(self) -> "DistConfig":
-        if self.shard_size is not None and self.strategy not in ("hsdp", "auto"):
+        if self.shard_size is not None and self.strategy not in ("hsdp", "auto", "diloco"):
             raise ValueError(
                 f"dist.shard_size is set but dist.strategy is {self.strategy}: only hsdp has shard groups; "
                 "set dist.strategy: hsdp, or remove dist.shard_size"
@@ -319,6 +323,15 @@ class JobConfig(Section):
     def _run_name_is_a_folder_name(self) -> "JobConfig":
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.run_name):
             raise ValueError("run_name must be letters, digits, '.', '_' or '-'")
+        return self
+
+    @model_validator(mode="after")
+    def _shard_size_only_for_a_sharded_site(self) -> "JobConfig":
+        if self.dist.strategy == "diloco" and self.dist.shard_size is not None and self.diloco.inner != "hsdp":
+            raise ValueError(
+                f"dist.shard_size is set but diloco.inner is {self.diloco.inner}: only hsdp within a site has shard "
+                "groups; set diloco.inner: hsdp, or remove dist.shard_size"
+            )
         return self
 
     @model_validator(mode="after")

@@ -1,10 +1,10 @@
 """DiLoCo: sites that train on their own and meet once a round.
 
-Each site (a node, or a group of consecutive ranks) runs the inner strategy (diloco.inner: DDP or FSDP over the
-site's ranks) for diloco.sync_every steps. Then every rank takes its trainable weights' pseudo-gradient, round-start
-weights minus current weights, and the ranks that hold the same position in their sites average it in one
-all-reduce. That all-reduce is the only traffic between sites that grows with the model. Under FSDP a rank holds,
-syncs and keeps the outer state of its own shard only. The outer step is SGD with Nesterov
+Each site (a node, or a group of consecutive ranks) runs the inner strategy (diloco.inner: DDP, FSDP or HSDP
+over the site's ranks) for diloco.sync_every steps. Then every rank takes its trainable weights' pseudo-gradient,
+round-start weights minus current weights, and the ranks that hold the same position in their sites average it in
+one all-reduce. That all-reduce is the only traffic between sites that grows with the model. Under FSDP or HSDP a rank
+holds, syncs and keeps the outer state of its own shard only. The outer step is SGD with Nesterov
 momentum on the round-start weights (Douillard et al. 2023), and every rank starts the next round from the result.
 
 What else crosses sites: the step's token-count vote (a few floats) and the logging gathers. The inner loss is
@@ -54,14 +54,16 @@ class OuterSync:
 
     def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, mesh: DeviceMesh, info: DistInfo) -> None:
         self.cfg = cfg
-        self.group, self.local = mesh["site"].get_group(), mesh["local"].get_group()
-        self.sites, self.local_size = mesh.size(0), mesh.size(1)
-        self.site, self.local_rank = divmod(info.rank, self.local_size)
+        self.group, self.sites, self.site = mesh["site"].get_group(), mesh.size(0), mesh.get_local_rank("site")
+        copies = _copies_within_site(cfg.inner)
+        """The site's ranks that hold the same weights (all of them under DDP, the replicas of a shard under HSDP,
+        none under FSDP): they split the sync between them, one slice each."""
+        self.slicers = mesh[copies].get_group() if copies else None
+        self.slices = mesh.size(mesh.mesh_dim_names.index(copies)) if copies else 1
+        self.slice = mesh.get_local_rank(copies) if copies else 0
         named = [(name, p) for name, p in unwrap(model).named_parameters() if p.requires_grad]
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
-        self.sharded = any(isinstance(p, DTensor) for p in self.params)
-        """Inner FSDP: each rank's shard differs from its site neighbours', so it syncs all of it, no slices."""
         self.start = [_own(p).float().clone() for p in self.params]
         self.momentum = [torch.zeros_like(s) for s in self.start]
 
@@ -72,24 +74,24 @@ class OuterSync:
     def sync(self) -> dict[str, float]:
         """Average the pseudo-gradients over sites, take the outer step, start the next round.
 
-        A site's ranks hold the same pseudo-gradient, so each takes one slice of it across sites (its own
-        all-reduce with its counterparts) and the site gathers the slices back over its fast local links: the
-        bytes between sites are one model's worth per site, not one per rank."""
+        Ranks of a site that hold the same weights hold the same pseudo-gradient, so each takes one slice of it
+        across sites (its own all-reduce with its counterparts) and they gather the slices back over the site's
+        fast links: the bytes between sites are one model's worth per site, not one per rank."""
         started = time.monotonic()
-        dtype = torch.bfloat16 if self.cfg.pseudo_grad_dtype == "bf16" else torch.float32
-        flat = torch.cat([(s - _own(p).float()).flatten() for s, p in zip(self.start, self.params, strict=True)])
-        if self.sharded:
-            sent = flat.to(dtype)
-            torch_dist.all_reduce(sent, group=self.group)
-            average = sent.float() / self.sites
+        pseudo_grads = [(s - _own(p).float()).flatten() for s, p in zip(self.start, self.params, strict=True)]
+        flat = torch.cat(pseudo_grads)
+        size = -(-flat.numel() // self.slices)
+        padded = torch.nn.functional.pad(flat, (0, size * self.slices - flat.numel()))
+        mine = slice(self.slice * size, (self.slice + 1) * size)
+        if self.cfg.pseudo_grad_dtype == "int8":
+            summed, sent_bytes = self._sum_int8(pseudo_grads, padded.numel(), padded[mine], mine)
         else:
-            size = -(-flat.numel() // self.local_size)
-            padded = torch.nn.functional.pad(flat, (0, size * self.local_size - flat.numel()))
-            sent = padded[self.local_rank * size : (self.local_rank + 1) * size].to(dtype)
-            torch_dist.all_reduce(sent, group=self.group)
-            slices = [torch.empty_like(sent) for _ in range(self.local_size)]
-            torch_dist.all_gather(slices, sent, group=self.local)
-            average = torch.cat(slices)[: flat.numel()].float() / self.sites
+            summed, sent_bytes = self._sum(padded[mine])
+        if self.slicers is not None:
+            slices = [torch.empty_like(summed) for _ in range(self.slices)]
+            torch_dist.all_gather(slices, summed, group=self.slicers)
+            summed = torch.cat(slices)
+        average = summed[: flat.numel()].float() / self.sites
         lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
         offset = 0
         for start, momentum, param in zip(self.start, self.momentum, self.params, strict=True):
@@ -98,9 +100,38 @@ class OuterSync:
             momentum.mul_(mu).add_(pseudo_grad)
             start.sub_(pseudo_grad.add(momentum, alpha=mu) if mu else pseudo_grad, alpha=lr)  # Nesterov
             _own(param).copy_(start)
-        ring = 2 * (self.sites - 1) / self.sites  # what a ring all-reduce sends per rank
-        sent_bytes = ring * sent.numel() * sent.element_size()
         return {"outer_sync_s": time.monotonic() - started, "outer_sync_bytes": sent_bytes}
+
+    def _sum(self, mine: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The sites' sum of this rank's slice, in one all-reduce of pseudo_grad_dtype; and the bytes it sent."""
+        sent = mine.to(torch.bfloat16 if self.cfg.pseudo_grad_dtype == "bf16" else torch.float32)
+        torch_dist.all_reduce(sent, group=self.group)
+        ring = 2 * (self.sites - 1) / self.sites  # what a ring all-reduce sends per rank
+        return sent, ring * sent.numel() * sent.element_size()
+
+    def _sum_int8(
+        self, pseudo_grads: list[torch.Tensor], padded: int, mine: torch.Tensor, where: slice
+    ) -> tuple[torch.Tensor, float]:
+        """The same sum from int8 codes with one fp32 scale per tensor (its largest magnitude / 127). Summing int8
+        would overflow, so every site's codes and scales are gathered and summed in fp32 on each rank, in site
+        order: the same result everywhere. A quarter of fp32's bytes between 2 sites, half of bf16's."""
+        scales = torch.stack([g.abs().amax() if g.numel() else g.new_zeros(()) for g in pseudo_grads]) / 127
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        sizes = torch.tensor([g.numel() for g in pseudo_grads], device=scales.device)
+
+        def per_element(tensor_scales: torch.Tensor) -> torch.Tensor:
+            spread = torch.repeat_interleave(tensor_scales, sizes)
+            return torch.nn.functional.pad(spread, (0, padded - spread.numel()), value=1.0)[where]
+
+        codes = (mine / per_element(scales)).round().clamp(-127, 127).to(torch.int8)
+        every_codes = [torch.empty_like(codes) for _ in range(self.sites)]
+        every_scales = [torch.empty_like(scales) for _ in range(self.sites)]
+        torch_dist.all_gather(every_codes, codes, group=self.group)
+        torch_dist.all_gather(every_scales, scales, group=self.group)
+        summed = torch.zeros_like(mine)
+        for site_codes, site_scales in zip(every_codes, every_scales, strict=True):
+            summed += site_codes.float() * per_element(site_scales)
+        return summed, (self.sites - 1) * (codes.numel() + scales.numel() * scales.element_size())
 
     def worst_norm(self, grad_norm: torch.Tensor) -> torch.Tensor:
         """The largest site's gradient norm on every rank: each site clips its own, but the non-finite branch
@@ -133,6 +164,11 @@ class OuterSync:
             }
 
         return arrange
+
+
+def _copies_within_site(inner: str) -> str | None:
+    """The mesh dimension along which a site's ranks hold the same weights, if any."""
+    return {"ddp": "local", "hsdp": "replicate"}.get(inner)
 
 
 def _own(param: torch.Tensor) -> torch.Tensor:

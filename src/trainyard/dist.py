@@ -107,31 +107,38 @@ def _create_group(backend: str, cfg: DistConfig, device: torch.device) -> None:
         raise user_error from None
 
 
-def hsdp_shape(info: DistInfo, shard_size: int | None) -> tuple[int, int]:
-    """(replicas, shard group size): shard within a node by default, so that only the gradient
-    all-reduce between replicas crosses the link between nodes."""
-    shard = shard_size or info.local_world_size
-    if info.world_size % shard != 0:
-        divisors = [d for d in range(1, info.world_size + 1) if info.world_size % d == 0]
+def hsdp_shape(info: DistInfo, shard_size: int | None, ranks: int | None = None) -> tuple[int, int]:
+    """(replicas, shard group size) over `ranks` (the world, or a DiLoCo site): shard within a node by default,
+    so that only the gradient all-reduce between replicas crosses the link between nodes."""
+    ranks = ranks or info.world_size
+    shard = shard_size or min(info.local_world_size, ranks)
+    if ranks % shard != 0:
+        divisors = [d for d in range(1, ranks + 1) if ranks % d == 0]
+        what = "the world size" if ranks == info.world_size else "a diloco site's size"
         raise ConfigError(
-            f"dist.shard_size {shard} does not divide the world size {info.world_size}"
+            f"dist.shard_size {shard} does not divide {what} {ranks}"
             + ("" if shard_size else " (it defaults to the processes per node)"),
             fix=f"set dist.shard_size to one of {', '.join(map(str, divisors))} (usually the GPUs per node)",
         )
-    return info.world_size // shard, shard
+    return ranks // shard, shard
 
 
 def build_mesh(
-    info: DistInfo, strategy: str, shard_size: int | None, sites: int | None = None
+    info: DistInfo, strategy: str, shard_size: int | None, sites: int | None = None, site_inner: str = "ddp"
 ) -> DeviceMesh | None:
     """The device mesh a strategy works on: 1-D ("shard",) for fsdp, 2-D ("replicate", "shard") for hsdp,
-    2-D ("site", "local") for diloco (`sites` of them), none for ddp or a single process. torchrun numbers a
-    node's ranks consecutively, so the inner dimension stays within a node. Every rank must call it."""
+    2-D ("site", "local") for diloco (`sites` of them), 3-D ("site", "replicate", "shard") for diloco with hsdp
+    within a site, none for ddp or a single process. torchrun numbers a node's ranks consecutively, so the inner
+    dimensions stay within a node. Every rank must call it."""
     if strategy == "diloco":
         assert sites is not None, "diloco needs its number of sites"
-        return init_device_mesh(
-            info.device.type, (sites, info.world_size // sites), mesh_dim_names=("site", "local")
-        )
+        site = info.world_size // sites
+        if site_inner == "hsdp":
+            return init_device_mesh(
+                info.device.type, (sites, *hsdp_shape(info, shard_size, site)),
+                mesh_dim_names=("site", "replicate", "shard"),
+            )
+        return init_device_mesh(info.device.type, (sites, site), mesh_dim_names=("site", "local"))
     if strategy == "fsdp":
         return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("shard",))
     if strategy == "hsdp":

@@ -193,14 +193,15 @@ def shard_size(cfg: JobConfig, strategy: str, world: int, gpus_per_node: int) ->
         return world
     if strategy == "hsdp":
         return min(cfg.dist.shard_size or gpus_per_node, world)
-    if _sharded(cfg, strategy):  # DiLoCo with FSDP within a site: a site's ranks
+    if _sharded(cfg, strategy):  # DiLoCo with FSDP within a site: a site's ranks; with HSDP: its shard groups
         groups = cfg.diloco.groups
-        return gpus_per_node if groups == "node" else max(1, world // groups)
+        site = gpus_per_node if groups == "node" else max(1, world // groups)
+        return min(cfg.dist.shard_size or gpus_per_node, site) if cfg.diloco.inner == "hsdp" else site
     return 1
 
 
 def _sharded(cfg: JobConfig, strategy: str) -> bool:
-    return strategy in ("fsdp", "hsdp") or (strategy == "diloco" and cfg.diloco.inner == "fsdp")
+    return strategy in ("fsdp", "hsdp") or (strategy == "diloco" and cfg.diloco.inner in ("fsdp", "hsdp"))
 
 
 def _replicated_state(cfg: JobConfig, model: Model) -> float:

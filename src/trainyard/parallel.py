@@ -121,7 +121,14 @@ def check_fits(
 
 def shards_within(strategy: str, site_inner: str) -> bool:
     """Whether the state is sharded over the mesh's last dimension: fsdp, hsdp's shard groups, a DiLoCo site."""
-    return strategy in ("fsdp", "hsdp") or (strategy == "diloco" and site_inner == "fsdp")
+    return strategy in ("fsdp", "hsdp") or (strategy == "diloco" and site_inner in ("fsdp", "hsdp"))
+
+
+def within_site(mesh: DeviceMesh) -> DeviceMesh:
+    """A DiLoCo mesh without its "site" dimension: what the inner strategy runs over."""
+    names = mesh.mesh_dim_names
+    assert names is not None and names[0] == "site", f"not a diloco mesh: {names}"
+    return mesh[names[1]] if len(names) == 2 else mesh[names[1:]]
 
 
 def apply(
@@ -139,7 +146,7 @@ def apply(
     already_real = {name for name, param in model.named_parameters() if not param.is_meta}
     if shards_within(strategy, site_inner):
         assert mesh is not None, f"{strategy} shards over dist.build_mesh's mesh"
-        shard_fsdp2(model, mesh["local"] if strategy == "diloco" else mesh, precision)
+        shard_fsdp2(model, within_site(mesh) if strategy == "diloco" else mesh, precision)
     materialize(model, info.device)
     weights.load(model, source, skip=lambda name: name in already_real)
     if strategy == "ddp" or (strategy == "diloco" and site_inner == "ddp"):

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from trainyard import diloco, estimate, precision
+from trainyard import diloco, dist, estimate, precision
 from trainyard import model as model_room
 from trainyard.config import JobConfig, accumulation_steps
 from trainyard.dist import DistInfo
@@ -120,8 +120,12 @@ def describe_plan(cfg: JobConfig, world_size: int) -> str:
         lines.append(f"strategy         {strategy} (requested {cfg.dist.strategy}{why})")
         if strategy == "diloco":
             sites, outer = diloco.site_count(cfg, info), cfg.diloco
+            inner = outer.inner
+            if inner == "hsdp":
+                replicas, shard = dist.hsdp_shape(info, cfg.dist.shard_size, world_size // sites)
+                inner = f"hsdp: replicate {replicas} x shard {shard}"
             lines.append(
-                f"diloco           {sites} sites x {world_size // sites} ranks ({outer.inner} within a site), "
+                f"diloco           {sites} sites x {world_size // sites} ranks ({inner} within a site), "
                 f"sync every {outer.sync_every} steps "
                 f"(outer lr {outer.outer_lr:g}, Nesterov {outer.outer_momentum:g}, {outer.pseudo_grad_dtype})"
             )

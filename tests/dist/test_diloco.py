@@ -47,19 +47,24 @@ def run(out: Path, *overrides: str, nproc: int = 2) -> Path:
     return out / "tiny"
 
 
-INNER = pytest.mark.parametrize(("inner", "nproc"), [("ddp", 2), ("fsdp", 4)], ids=["ddp-2x1", "fsdp-2x2"])
-"""Sites of one rank under DDP; sites of two ranks that shard the weights (and the outer state) under FSDP."""
+INNER = pytest.mark.parametrize(
+    ("inner", "nproc"),
+    [(["diloco.inner=ddp"], 2), (["diloco.inner=fsdp"], 4), (["diloco.inner=hsdp", "dist.shard_size=2"], 8)],
+    ids=["ddp-2x1", "fsdp-2x2", "hsdp-2x2x2"],
+)
+"""Sites of one rank under DDP; sites of two ranks that shard the weights (and the outer state) under FSDP; sites
+of two replicas of two shards under HSDP, where the replicas split their shard's sync."""
 
 
 @INNER
-def test_one_inner_step_per_round_over_a_linear_update_is_ddp(tmp_path: Path, inner: str, nproc: int) -> None:
+def test_one_inner_step_per_round_over_a_linear_update_is_ddp(tmp_path: Path, inner: list[str], nproc: int) -> None:
     """H = 1, outer_lr 1, no momentum, inner SGD: the average of the sites' SGD steps is the SGD step of the
     average gradient (the inner loss is normalised by the world's tokens). Equal up to float rounding: DDP
     averages gradients, DiLoCo averages the weights they produced."""
     # fp32 compute: under bf16 a rounding-level difference in the weights flips bf16 roundings of activations
     linear = ["train.optimizer=sgd", "train.lr=0.5", "train.max_grad_norm=0", "train.max_steps=8", "train.precision=fp32"]
     ddp = run(tmp_path / "ddp", *linear, "dist.strategy=ddp", nproc=nproc)
-    outer = ["diloco.sync_every=1", "diloco.outer_lr=1", "diloco.outer_momentum=0", f"diloco.inner={inner}"]
+    outer = ["diloco.sync_every=1", "diloco.outer_lr=1", "diloco.outer_momentum=0", *inner]
     diloco = run(tmp_path / "diloco", *linear, *TWO_SITES, *outer, nproc=nproc)
 
     want = [(e["step"], e["loss"]) for e in events(ddp, "train")]
@@ -73,23 +78,35 @@ def test_one_inner_step_per_round_over_a_linear_update_is_ddp(tmp_path: Path, in
     reference = model_tensors(step_dir(ddp / "checkpoints", 8))
     for name, tensor in reference.items():
         torch.testing.assert_close(final[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
-    # One model's fp32 pseudo-gradient per site, divided over the site's ranks (a ring over 2 sites sends it once).
+    # One model's fp32 pseudo-gradient per site, divided over the site's ranks (a ring over 2 sites sends it once):
+    # under HSDP each rank's shard is a quarter of the model, each of its 2 replicas syncs half of that.
     parameters = json.loads((diloco / "summary.json").read_text())["trainable_params"]
     assert syncs[0]["outer_sync_bytes"] == pytest.approx(4 * parameters / (nproc // 2), rel=1e-3)
 
 
-@pytest.mark.parametrize(("nproc", "lr", "momentum"), [(4, 0.7, 0.9), (2, 1.0, 0.0)])
+def int8_round_trip(pseudo_grad: np.ndarray) -> np.ndarray:
+    """What a site's tensor is worth after int8 with one scale per tensor: the code times the scale."""
+    scale = np.abs(pseudo_grad).max() / 127 or 1.0
+    return np.clip(np.round(pseudo_grad / scale), -127, 127) * scale
+
+
+@pytest.mark.parametrize(
+    ("nproc", "lr", "momentum", "dtype"), [(4, 0.7, 0.9, "fp32"), (2, 1.0, 0.0, "fp32"), (4, 0.7, 0.9, "int8")]
+)
 def test_the_outer_step_is_nesterov_sgd_on_the_average_of_the_sites_pseudo_gradients(
-    tmp_path: Path, nproc: int, lr: float, momentum: float
+    tmp_path: Path, nproc: int, lr: float, momentum: float, dtype: str
 ) -> None:
-    """2 sites of 2: each local rank reduces a slice across sites, the site gathers the slices."""
+    """2 sites of 2: each local rank reduces a slice across sites, the site gathers the slices. int8: each site
+    sends its tensors as codes and one scale each, and the average is of what those are worth."""
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         str(REPO / "tests" / "dist" / "scripts" / "diloco_outer_step.py"), str(tmp_path), str(lr), str(momentum)],
+         str(REPO / "tests" / "dist" / "scripts" / "diloco_outer_step.py"), str(tmp_path), str(lr), str(momentum),
+         dtype],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(nproc)]
+    sent = int8_round_trip if dtype == "int8" else (lambda pseudo_grad: pseudo_grad)
     buffers = None
     for round_index in range(2):
         start = [np.array(t, dtype=np.float64) for t in ranks[0][round_index]["start"]]
@@ -97,7 +114,7 @@ def test_the_outer_step_is_nesterov_sgd_on_the_average_of_the_sites_pseudo_gradi
             assert all(np.array_equal(a, b) for a, b in zip(start, other[round_index]["start"], strict=True))
         sites = ranks[:: nproc // 2]  # the first rank of each site; a site's ranks hold the same weights
         pseudo = [
-            np.mean([s - np.array(site[round_index]["before"][i]) for site in sites], axis=0)
+            np.mean([sent(s - np.array(site[round_index]["before"][i])) for site in sites], axis=0)
             for i, s in enumerate(start)
         ]
         buffers = pseudo if buffers is None else [momentum * m + g for m, g in zip(buffers, pseudo, strict=True)]
@@ -105,15 +122,18 @@ def test_the_outer_step_is_nesterov_sgd_on_the_average_of_the_sites_pseudo_gradi
         for site in ranks:  # every site starts the next round from the same new weights
             for want, got in zip(expected, site[round_index]["after"], strict=True):
                 np.testing.assert_allclose(np.array(got), want, rtol=1e-6, atol=1e-7)
-    parameters = 3 * 2 + 2 + 2 * 1 + 1
+    parameters, tensors = 3 * 2 + 2 + 2 * 1 + 1, 4
     per_rank = -(-parameters // (nproc // 2))  # each local rank's slice
-    assert ranks[0][0]["bytes"] == 2 * (2 - 1) / 2 * per_rank * 4  # a ring all-reduce of fp32 pseudo-gradients
+    if dtype == "int8":  # an all-gather of 1-byte codes and 4-byte scales
+        assert ranks[0][0]["bytes"] == (2 - 1) * (per_rank + tensors * 4)
+    else:
+        assert ranks[0][0]["bytes"] == 2 * (2 - 1) / 2 * per_rank * 4  # a ring all-reduce of fp32 pseudo-gradients
 
 
 @INNER
-def test_sigkill_mid_round_then_resume_ends_bitwise_equal(tmp_path: Path, inner: str, nproc: int) -> None:
+def test_sigkill_mid_round_then_resume_ends_bitwise_equal(tmp_path: Path, inner: list[str], nproc: int) -> None:
     """Checkpoints every 3 steps with rounds of 4: most saves are mid-round, where the sites' weights differ."""
-    job = [*TWO_SITES, f"diloco.inner={inner}", "diloco.sync_every=4", "train.max_steps=12",
+    job = [*TWO_SITES, *inner, "diloco.sync_every=4", "train.max_steps=12",
            "checkpoint.every_steps=3", "checkpoint.keep_last=2"]
     reference = run(tmp_path / "reference", *job, nproc=nproc)
 
@@ -150,6 +170,9 @@ def test_sigkill_mid_round_then_resume_ends_bitwise_equal(tmp_path: Path, inner:
         (["diloco.sync_every=0"], ["diloco.sync_every", "greater than or equal to 1"]),
         (["diloco.groups=3"], ["diloco.groups 3", "do not divide the world of 4"]),
         (["diloco.pseudo_grad_dtype=int4"], ["diloco.pseudo_grad_dtype"]),
+        (["dist.shard_size=2"], ["dist.shard_size is set but diloco.inner is ddp"]),
+        (["diloco.inner=hsdp", "diloco.groups=2", "dist.shard_size=3"],
+         ["dist.shard_size 3 does not divide a diloco site's size 2"]),
     ],
 )
 def test_bad_diloco_settings_exit_2_naming_the_field(overrides: list[str], needles: list[str]) -> None:

@@ -67,6 +67,17 @@ def test_diloco_adds_fp32_outer_state_sharded_over_a_site_under_inner_fsdp() -> 
     assert run(["dist.strategy=ddp"], per_node=4, nodes=2).memory.diloco_outer == 0
 
 
+def test_diloco_with_inner_hsdp_shards_over_a_node_of_a_site_of_several_nodes() -> None:
+    """2 sites of 2 nodes of 4: fsdp shards over the site's 8 ranks, hsdp over a node's 4 (or dist.shard_size)."""
+    two_sites = ["dist.strategy=diloco", "diloco.groups=2", "train.precision=fp32"]
+    fsdp = run([*two_sites, "diloco.inner=fsdp"], per_node=4, nodes=4)
+    hsdp = run([*two_sites, "diloco.inner=hsdp"], per_node=4, nodes=4)
+    pairs = run([*two_sites, "diloco.inner=hsdp", "dist.shard_size=2"], per_node=4, nodes=4)
+    assert (fsdp.layout.shard, hsdp.layout.shard, pairs.layout.shard) == (8, 4, 2)
+    assert hsdp.memory.diloco_outer == pytest.approx(2 * TINY_PARAMS * 4 / 4)
+    assert hsdp.memory.optimizer == pytest.approx(2 * fsdp.memory.optimizer) and hsdp.memory.ddp_buckets == 0
+
+
 def test_activation_checkpointing_keeps_only_block_inputs_and_one_block() -> None:
     plain = run(["model.gradient_checkpointing=false"]).memory
     ckpt = run(["model.gradient_checkpointing=true"]).memory

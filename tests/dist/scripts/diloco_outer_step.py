@@ -15,12 +15,12 @@ from trainyard.diloco import OuterSync
 
 
 def main() -> None:
-    out, lr, momentum = Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+    out, lr, momentum, dtype = Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
     info = dist.init(DistConfig(backend="gloo"))
     mesh = dist.build_mesh(info, "diloco", None, sites=2)
     torch.manual_seed(0)  # the same start on both sites
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
-    outer = OuterSync(model, DilocoConfig(outer_lr=lr, outer_momentum=momentum), mesh, info)
+    outer = OuterSync(model, DilocoConfig(outer_lr=lr, outer_momentum=momentum, pseudo_grad_dtype=dtype), mesh, info)
     site = info.rank // (info.world_size // 2)
     generator = torch.Generator().manual_seed(100 + site)  # each site's own inner progress, the same on its ranks
     rounds = []
