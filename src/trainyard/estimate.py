@@ -212,6 +212,7 @@ def render(result: Estimate) -> str:
     """The estimate as a short table for a person."""
     memory, timed, layout = result.memory, result.timing, result.layout
     parts = [("weights", memory.weights), ("lora adapters", memory.lora_adapters), ("gradients", memory.gradients),
+             ("tied grad (end)", memory.tied_gradient),
              ("optimizer (AdamW)", memory.optimizer), ("ddp buckets", memory.ddp_buckets),
              ("diloco outer state", memory.diloco_outer),
              ("autocast copies", memory.mixed_precision_copies), ("fsdp buffers", memory.fsdp_buffers),
