@@ -393,7 +393,7 @@ def accumulation_steps(cfg: JobConfig, world_size: int, saved_samples: int | Non
         )
         other = f"set {field} to a multiple of {unit}, or change micro_batch_size"
     elif saved_samples is not None:
-        total, unit = saved_samples, per_pass_samples
+        total, unit, field = saved_samples, per_pass_samples, "train.micro_batch_size"
         head = (
             f"the checkpoint's global batch of {total} samples (micro_batch_size x world_size when it was saved: "
             "train.global_batch_size is unset)"
@@ -407,6 +407,7 @@ def accumulation_steps(cfg: JobConfig, world_size: int, saved_samples: int | Non
         can = f"world sizes that keep it: {', '.join(map(str, sizes))}" if sizes else "no world size keeps it"
         raise ConfigError(
             f"{head} is not a multiple of {unit_text} = {unit}; {can}",
+            where=cfg.where(field),
             fix=f"run on one of those world sizes (--nproc, --nnodes), or {other}" if sizes else other,
         )
     return total // unit

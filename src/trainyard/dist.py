@@ -107,7 +107,9 @@ def _create_group(backend: str, cfg: DistConfig, device: torch.device) -> None:
         raise user_error from None
 
 
-def hsdp_shape(info: DistInfo, shard_size: int | None, ranks: int | None = None) -> tuple[int, int]:
+def hsdp_shape(
+    info: DistInfo, shard_size: int | None, ranks: int | None = None, where: str | None = None
+) -> tuple[int, int]:
     """(replicas, shard group size) over `ranks` (the world, or a DiLoCo site): shard within a node by default,
     so that only the gradient all-reduce between replicas crosses the link between nodes."""
     ranks = ranks or info.world_size
@@ -118,6 +120,7 @@ def hsdp_shape(info: DistInfo, shard_size: int | None, ranks: int | None = None)
         raise ConfigError(
             f"dist.shard_size {shard} does not divide {what} {ranks}"
             + ("" if shard_size else " (it defaults to the processes per node)"),
+            where=where,
             fix=f"set dist.shard_size to one of {', '.join(map(str, divisors))} (usually the GPUs per node)",
         )
     return ranks // shard, shard

@@ -144,3 +144,18 @@ def describe_plan(cfg: JobConfig, world_size: int) -> str:
         )
     lines.append(estimate.describe(cfg, world_size))
     return "\n".join(lines)
+
+
+def check_world(cfg: JobConfig, nodes: int, per_node: int) -> None:
+    """The job's shape at the world a cluster script asks for, checked when the script is written: a global
+    batch, shard group or set of DiLoCo sites that does not divide it would otherwise fail only once the nodes
+    are allocated and every rank has started."""
+    world = nodes * per_node
+    info = DistInfo(0, world, 0, per_node, torch.device("cpu"), None)
+    accumulation_steps(cfg, world)
+    if cfg.dist.strategy == "hsdp":
+        dist.hsdp_shape(info, cfg.dist.shard_size, where=cfg.where("dist.shard_size"))
+    if cfg.dist.strategy == "diloco":
+        sites = diloco.site_count(cfg, info)
+        if cfg.diloco.inner == "hsdp":
+            dist.hsdp_shape(info, cfg.dist.shard_size, world // sites, where=cfg.where("dist.shard_size"))

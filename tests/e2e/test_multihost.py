@@ -310,6 +310,7 @@ def test_cutting_the_network_fails_the_head_within_the_collective_timeout(
 
     assert code != 0, output[-4000:]
     assert timeout_s - 1 < took < timeout_s + 30, f"the head failed after {took:.0f} s with dist.timeout_s={timeout_s}"
-    assert f"{timeout_s * 1000}ms" in output, output[
-        -4000:
-    ]  # the collective used the job's timeout, not torch's default
+    # The collective used the job's timeout, not torch's default. Whichever head rank times out first says so; the
+    # other may see that rank close its connection first, and the launcher prints that one's error.
+    head_logs = "".join((tmp_path / "tiny" / "logs" / f"rank-{rank}.log").read_text() for rank in (0, 1))
+    assert f"Timed out waiting {timeout_s * 1000}ms" in head_logs, output[-4000:]

@@ -13,8 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import TINY, TINY_MOE, trainyard
+from tests.conftest import REPO, TINY, TINY_MOE, trainyard
 
+SCRATCH = str(REPO / "configs" / "scratch-1.5b.yaml")  # DiLoCo across sites, 524,288 tokens a step
+GLM = str(REPO / "configs" / "glm45air-fsdp-lora.yaml")  # HSDP, 64 samples a step
 WIDE = {"COLUMNS": "1000"}  # one message per line, so a long path is never wrapped mid-name
 
 
@@ -213,6 +215,13 @@ CASES: list[tuple[str, Args, list[str], str]] = [
     ("k8s-nodes-0", cli("k8s", "{tiny}", "--image", "img:1", "--nodes", "0"), ["--nodes"], "guard"),
     ("report-binary-env-json", cli("report", "{in}/run_broken", "--out", "{in}/report"), ["env.json", "UTF-8"], "new"),
     ("status-broken-summary", cli("status", "{in}/run_broken"), ["summary.json", "unreadable"], "new"),
+    # the job's shape at the world a cluster script asks for, checked when it is written
+    ("slurm-diloco-groups-3-of-16", cli("slurm", SCRATCH, "diloco.groups=3", "--nodes", "4", "--gpus-per-node", "4"),
+     ["diloco.groups 3", "override 'diloco.groups=3'", "16 ranks"], "new"),
+    ("k8s-global-batch-tokens-on-12", cli("k8s", SCRATCH, "--image", "img:1", "--nodes", "3", "--gpus-per-node", "4"),
+     ["train.global_batch_tokens", "scratch-1.5b.yaml"], "new"),
+    ("slurm-hsdp-shard-3-of-16", cli("slurm", GLM, "dist.shard_size=3", "--nodes", "2", "--gpus-per-node", "8"),
+     ["dist.shard_size 3", "world size 16", "dist.shard_size=3"], "new"),
     ("k8s-out-under-file", cli("k8s", "{tiny}", "--image", "img:1", "--out", "{in}/a_file/job.yaml"),
      ["--out", "a_file is a file"], "new"),
     ("k8s-out-is-folder", cli("k8s", "{tiny}", "--image", "img:1", "--out", "{in}/not_a_run"),

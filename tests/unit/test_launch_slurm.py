@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, trainyard
+from tests.conftest import REPO, TINY, trainyard
 from trainyard.config_file import load_config
 from trainyard.dist import network_env
 from trainyard.errors import ConfigError
@@ -157,3 +157,12 @@ def test_cli_writes_the_script_and_its_log_folder(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --gres=gpu:4" in out.read_text()
     assert (tmp_path / "runs" / "tiny" / "logs").is_dir()  # sbatch would not create it, and would log nothing
+
+
+def test_a_diloco_job_across_four_sites_is_written_with_one_launcher_per_site(tmp_path: Path) -> None:
+    """Seed 003's four sites: one node each, so diloco.groups node makes each node a site of 4 ranks."""
+    config = str(REPO / "configs" / "scratch-1.5b.yaml")
+    result = trainyard("slurm", config, "--nodes", "4", "--gpus-per-node", "4", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "#SBATCH --nodes=4" in result.stdout and f"trainyard launch {config}" in result.stdout
+    assert '--node-rank "$SLURM_NODEID" --nproc 4' in result.stdout

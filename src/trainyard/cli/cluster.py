@@ -142,6 +142,7 @@ def slurm(
 ) -> None:
     """Write an sbatch script: one `trainyard launch` per node, requeued when preempted."""
     from trainyard import config_file as config_room
+    from trainyard import plan
     from trainyard.launch import slurm as slurm_room
 
     config_path, overrides = _config_and_overrides(args)
@@ -164,7 +165,8 @@ def slurm(
         venv=str(venv.resolve()) if venv else slurm_room.default_venv(),
         workdir=str(Path.cwd()),
     )
-    text = slurm_room.render_sbatch(job, cfg)
+    text = slurm_room.render_sbatch(job, cfg)  # checks the options first
+    plan.check_world(cfg, nodes, slurm_room.nproc_per_node(job))
     if out is None and not submit:
         print(text, end="")
         return
@@ -209,6 +211,7 @@ def k8s(
 ) -> None:
     """Write Kubernetes manifests: the job, its ConfigMap, a shared volume, secret references."""
     from trainyard import config_file as config_room
+    from trainyard import plan
     from trainyard.launch import k8s as k8s_room
 
     config_path, overrides = _config_and_overrides(args)
@@ -229,7 +232,8 @@ def k8s(
         grace_s=grace,
         runtime=runtime,
     )
-    text = k8s_room.render_manifests(cfg, job)
+    text = k8s_room.render_manifests(cfg, job)  # checks the options first
+    plan.check_world(cfg, nodes, k8s_room.nproc_per_node(job))
     if out is None:
         print(text, end="")
         return
