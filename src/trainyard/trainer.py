@@ -3,25 +3,24 @@
 `run` is the whole job in the order DESIGN.md draws it; `fit` is the loop: gather one
 accumulation window, count its target tokens across ranks with one all-reduce, run
 forward/backward (gradients reduced as `parallel.gradient_sync` says), clip, step, log,
-and at their intervals evaluate and checkpoint.
+and at their intervals evaluate and checkpoint. When a full save is due, what it holds, resuming and
+preemption are loop_state.py's.
 """
 
 from __future__ import annotations
 
-import logging
-import signal
 import time
 import warnings
-from dataclasses import asdict, astuple, dataclass, field
+from dataclasses import astuple, dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import transformers
 from torch.distributed.fsdp import FSDPModule
 
-from trainyard import build, checkpoint, diloco, dist, health, parallel
+from trainyard import build, checkpoint, diloco, dist, health, loop_state, parallel
 from trainyard import model as model_room
 from trainyard import precision as precision_room
 from trainyard.config import JobConfig, accumulation_steps
@@ -30,10 +29,10 @@ from trainyard.data import PreparedData, ResumableSampler, micro_batches, prepar
 from trainyard.data.loader import stream_batches
 from trainyard.data.mixture import MixtureStream, mixture_stream
 from trainyard.data.pretraining import prepare_pretraining
-from trainyard.errors import CheckpointError, TrainyardError
-from trainyard.estimate_time import young_daly_interval_s
+from trainyard.errors import TrainyardError
 from trainyard.evaluate import evaluate, token_loss_sum
 from trainyard.files import write_atomically
+from trainyard.loop_state import LoopState
 from trainyard.metrics import (
     LogWindow,
     MetricsSink,
@@ -50,35 +49,6 @@ from trainyard.status import BackgroundHeartbeat
 
 class NonFiniteError(TrainyardError):
     exit_code = 1
-
-
-class Preempted(TrainyardError):
-    """Stopped by a preemption signal after a checkpoint was committed: requeue me."""
-
-    exit_code = 75
-
-
-_SIGNALLED: list[str] = []
-
-
-def install_preemption_handlers(names: list[str]) -> None:
-    """Only note the signal: every rank agrees at the next step boundary, then saves."""
-    for name in names:
-        signal.signal(getattr(signal, name), lambda signum, _frame: _SIGNALLED.append(signal.Signals(signum).name))
-
-
-@dataclass
-class LoopState:
-    """Everything about the loop's progress a checkpoint must carry for an exact resume."""
-
-    step: int = 0
-    tokens: int = 0
-    first_loss: float | None = None
-    last_loss: float | None = None
-    last_eval: dict[str, float] = field(default_factory=dict)
-    baseline_eval: dict[str, float] = field(default_factory=dict)
-    steady_tokens: int = 0
-    steady_time: float = 0.0
 
 
 @dataclass
@@ -158,7 +128,7 @@ def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
         state.last_eval = run_eval()
         job.sink.emit("eval", step=state.step, **state.last_eval)
     if cfg.checkpoint.at_end:
-        _save_full(job, state, async_save=False)
+        loop_state.save_full(job, state, async_save=False)
     job.saves.wait()
     return state
 
@@ -180,8 +150,8 @@ def _train_steps(
             real_tokens=sum(int(b.pop("real_tokens")) for b in window),
             save_written=float(job.saves.written_here()),
             save_failed=float(job.saves.failed_here()),
-            preempted=float(bool(_SIGNALLED)),
-            timed_save=float(info.is_main and _timed_save_due(job, last_full)),
+            preempted=float(bool(loop_state.SIGNALLED)),
+            timed_save=float(info.is_main and loop_state.timed_save_due(job, last_full)),
             data_ended=float(len(window) < job.accum),
         ).summed(info.device)
         job.saves.settle(
@@ -190,7 +160,7 @@ def _train_steps(
         if votes.preempted or votes.data_ended:
             job.sampler.load_state_dict(position)  # the window drawn above is never trained on
         if votes.preempted:
-            _stop_for_preemption(job, state)
+            loop_state.stop_for_preemption(job, state)
         if votes.data_ended:
             job.sink.emit("system", step=state.step, event="data_exhausted", tokens_per_source=_per_source(job))
             return
@@ -237,36 +207,10 @@ def _train_steps(
             job.sink.emit("eval", step=step, **state.last_eval)
         full_due = (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or votes.timed_save > 0
         if full_due and step < cfg.train.max_steps:
-            _save_full(job, state, async_save=cfg.checkpoint.async_save)
+            loop_state.save_full(job, state, async_save=cfg.checkpoint.async_save)
             last_full = time.monotonic()
         elif cfg.checkpoint.lite_every_steps and step % cfg.checkpoint.lite_every_steps == 0:
             job.saves.save_lite(model, step)
-
-
-def _timed_save_due(job: Job, last_full: float) -> bool:
-    """checkpoint.every_minutes passed since the last full save (or the start)."""
-    every = _save_interval_minutes(job)
-    return every > 0 and time.monotonic() - last_full > every * 60
-
-
-FIRST_AUTO_SAVE_MINUTES = 10.0
-"""every_minutes: auto, before any full save measured its stall."""
-
-
-def _save_interval_minutes(job: Job) -> float:
-    """every_minutes, or under auto Young/Daly from the last full save's measured stall and the job's MTBF."""
-    ckpt, info = job.cfg.checkpoint, job.info
-    if ckpt.every_minutes != "auto":
-        return ckpt.every_minutes
-    if job.saves.last_stall_s is None:
-        return FIRST_AUTO_SAVE_MINUTES
-    nodes = max(1, info.world_size // max(info.local_world_size, 1))
-    minutes = young_daly_interval_s(job.saves.last_stall_s, ckpt.mtbf_hours * 3600 / nodes) / 60
-    if job.saves.announced_interval_min is None or abs(minutes / job.saves.announced_interval_min - 1) > 0.1:
-        job.saves.announced_interval_min = minutes
-        job.sink.emit("system", step=job.saves.last_step, event="checkpoint_interval", minutes=minutes,
-                      save_s=job.saves.last_stall_s, mtbf_hours=ckpt.mtbf_hours, nodes=nodes)
-    return minutes
 
 
 def _forward_backward(job: Job, window: list[dict[str, torch.Tensor]], targets: float, step: int) -> torch.Tensor:
@@ -302,36 +246,6 @@ def _check_replicas(job: Job, step: int) -> None:
     if health.injected("desync", info, step):
         health.corrupt_one_parameter(job.model)
     health.check_replicas_agree(job.model, info, step, cfg.dist.desync_tolerance)
-
-
-def _save_full(job: Job, state: LoopState, async_save: bool) -> bool:
-    """A full checkpoint of where the loop stands; True once it is committed."""
-    trainer_state = {
-        "step": state.step,
-        "world_size": job.info.world_size,
-        "scheduler": job.scheduler.state_dict(),
-        "loop": asdict(state),
-        **job.facts,
-    }
-    rank_state = {"sampler": job.sampler.state_dict(), "rng": checkpoint.rng_state()}
-    return job.saves.save_full(job.model, job.optimizer, state.step, trainer_state, rank_state, async_save)
-
-
-def _stop_for_preemption(job: Job, state: LoopState) -> NoReturn:
-    """Save where every rank stands, then leave: exit 75 (requeue me) only if it is committed."""
-    by = (_SIGNALLED or ["a signal on another rank"])[0]
-    if _save_full(job, state, async_save=False):
-        raise Preempted(
-            f"preempted by {by} after step {state.step}; checkpoint step-{state.step:08d} committed",
-            fix="run the same command again to resume",
-        )
-    latest = checkpoint.latest_full(job.checkpoints)
-    raise CheckpointError(
-        f"stopped by {by} after step {state.step}, but its checkpoint could not be saved "
-        "(logged as checkpoint_failed); "
-        f"the newest committed checkpoint is {latest.name if latest else 'none: a rerun starts fresh'}",
-        fix="free space in the checkpoint dir, then run the same command again to resume from there",
-    )
 
 
 def _log_interval(state: LoopState, job: Job, interval: LogWindow, lr: float, grad_norm: torch.Tensor) -> None:
@@ -374,40 +288,6 @@ def _evaluator(job: Job):
         return {**figures, "eval_s": round(time.monotonic() - started, 3)}
 
     return run_eval
-
-
-def resume(job: Job) -> LoopState:
-    """Clean partial saves, then load the checkpoint `checkpoint.resume` names (or start fresh)."""
-    logger = logging.getLogger("trainyard")
-    if job.info.is_main:
-        for partial in checkpoint.remove_uncommitted(job.checkpoints):
-            logger.info("removed partial checkpoint %s (no commit marker)", partial)
-    dist.barrier()
-    path = checkpoint.resolve_resume(job.cfg.checkpoint.resume, job.checkpoints)
-    if path is None:
-        logger.info("starting fresh (checkpoint.resume: %s, no committed checkpoint)", job.cfg.checkpoint.resume)
-        return LoopState()
-    saved = checkpoint.read_trainer_state(path)
-    world = job.info.world_size
-    # Any world size keeps the global batch (the checkpoint's, if the config sets none): re-derive accumulation.
-    job.accum = accumulation_steps(job.cfg, world, saved.get("global_batch_samples"))
-    job.facts["global_batch_samples"] = job.cfg.train.micro_batch_size * job.accum * world
-    checkpoint.check_compatible(saved, job.facts, path)
-    rank_state = checkpoint.load_full(
-        job.model, job.optimizer, path, job.info, job.cfg.checkpoint.save_frozen, arrange=job.saves.arrange
-    )
-    job.scheduler.load_state_dict(saved["scheduler"])
-    if saved["world_size"] == world:  # per-rank streams (dropout) only fit the same ranks
-        checkpoint.set_rng_state(rank_state["rng"])
-    if isinstance(job.sampler, MixtureStream):
-        job.sampler.load_state_dict(rank_state["sampler"])  # a global row: fits any world size
-    else:
-        job.sampler.load_state_dict(rank_state["sampler"], saved_world_size=saved["world_size"])  # global too
-    job.saves.resumed_from = path  # never rotated away
-    logger.info("resumed from %s at step %d (world %d, accumulation %d)", path, saved["step"], world, job.accum)
-    job.sink.emit("system", step=saved["step"], event="resumed", path=str(path), saved_world_size=saved["world_size"],
-                  accumulation=job.accum)
-    return LoopState(**saved["loop"])
 
 
 def run(cfg: JobConfig) -> dict[str, Any]:
@@ -485,10 +365,10 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         job.outer = diloco.OuterSync(model, cfg.diloco, mesh, info)
         job.saves.arrange = job.outer.arrangement()
         job.facts["diloco_sites"] = job.outer.sites
-    state = resume(job)
+    state = loop_state.resume(job)
     if info.is_main:  # after resume's checks: a rejected job never replaces the run's config
         write_atomically(run_dir / "config.yaml", dump_config(cfg))
-    install_preemption_handlers(cfg.checkpoint.preemption_signals)
+    loop_state.install_preemption_handlers(cfg.checkpoint.preemption_signals)
     record = sample_record_path(run_dir, info.rank)
     if isinstance(sampler, MixtureStream):
         batches = stream_batches(
