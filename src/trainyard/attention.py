@@ -1,4 +1,5 @@
-"""Attention over padding-free batches: several documents in one row, each attending only to itself.
+"""Attention over padding-free batches: several documents in one row, each attending only to itself,
+computing exactly what the model's family defines.
 
 A padding-free micro-batch (data.padding_free) is one row of concatenated documents whose
 position_ids restart at 0 at each document, with no attention_mask. transformers' own backends
@@ -7,16 +8,22 @@ varlen kernels (no mask at all); sdpa and eager build a dense [B, 1, T, T] mask 
 entries are masked and still computed; flex_attention builds a block mask (compiled kernels).
 
 `varlen` (registered with transformers as "trainyard_varlen") is the CPU-friendly varlen path: it
-cuts the row at the document boundaries and runs causal sdpa on each document, so no T x T mask
-is built and no cross-document score is computed. Measured on SmolLM2-135M + LoRA (4 documents
-of 60-420 tokens, bf16 on one CPU core) a step took 2.2 s, against 2.7 s with sdpa's dense mask
-and 6.2 s padded (benchmarks/RESULTS.md). Batches with an attention_mask (padded rows,
-generation) go to transformers' sdpa unchanged.
+cuts the row at the document boundaries and runs each document's attention on its own, so no T x T
+mask is built and no cross-document score is computed. Whatever a family adds is kept, from the
+arguments its attention layer passes: `sliding_window` (per layer), `scaling`, `softcap` (Gemma 2's
+attention-logit soft-capping) and `s_aux` (gpt-oss's attention sinks). Documents of a family with
+soft-capping or sinks run through that family's own eager attention (transformers' code), given a
+causal (and windowed) mask of the document alone. Measured on SmolLM2-135M + LoRA (4 documents of
+60-420 tokens, bf16 on one CPU core) a step took 2.2 s, against 2.7 s with sdpa's dense mask and
+6.2 s padded (benchmarks/RESULTS.md). Batches with an attention_mask (padded rows, generation) go
+to transformers' sdpa, or the family's eager attention where sdpa cannot honour the family.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,23 +35,88 @@ from trainyard.errors import ModelError
 
 VARLEN = "trainyard_varlen"
 FLASH = ("flash_attention_2", "flash_attention_3")
+IMPLEMENTATIONS = ("varlen", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+
+WINDOW, SOFTCAP, SINKS, MASK_WITHOUT_POSITIONS = (
+    "sliding windows", "attention-logit soft-capping", "attention sinks", "a mask built without position_ids"
+)
+SUPPORTED_BY = {
+    WINDOW: ("varlen", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"),
+    SOFTCAP: ("varlen", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"),
+    SINKS: ("varlen", "eager", "flex_attention"),
+    MASK_WITHOUT_POSITIONS: ("varlen", "flash_attention_2", "flash_attention_3"),
+}
+"""Which implementations compute each feature exactly on padding-free rows (tests/unit/test_model_families.py).
+sdpa has no soft-capping (transformers refuses it); the flash_attn package's kernels have no sinks; a family
+whose mask ignores position_ids (gpt-oss) lets packed documents see each other under sdpa, eager and flex."""
+CPU_TRAINING = ("varlen", "sdpa", "eager")
+"""flex_attention has no backward on CPU (torch 2.13); flash-attention needs CUDA."""
+_MASK_WITHOUT_POSITIONS = frozenset({"gpt_oss"})
+"""Families whose model builds its attention mask without position_ids (transformers 5.24)."""
 
 
-def resolve(name: str, where: str | None = None) -> str:
-    """The transformers attention implementation for model.attn_implementation.
+def features(model: torch.nn.Module) -> list[str]:
+    """What the model's attention adds to causal attention that an implementation might drop."""
+    config = model.config
+    found = []
+    windows = [getattr(m, "sliding_window", None) for m in model.modules() if hasattr(m, "sliding_window")]
+    if any(windows) or (getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)):
+        found.append(WINDOW)
+    if getattr(config, "attn_logit_softcapping", None):
+        found.append(SOFTCAP)
+    if any(name.endswith(".sinks") or name == "sinks" for name, _ in model.named_parameters()):
+        found.append(SINKS)
+    if config.model_type in _MASK_WITHOUT_POSITIONS:
+        found.append(MASK_WITHOUT_POSITIONS)
+    return found
 
-    auto: flash-attention varlen on a GPU where the flash_attn package is installed, else `varlen`."""
-    if name == "auto":
-        return "flash_attention_2" if torch.cuda.is_available() and _has_flash_attn() else VARLEN
-    if name == "varlen":
+
+def choose(
+    requested: str, model: torch.nn.Module, device: torch.device, training: bool = True, where: str | None = None
+) -> str:
+    """The transformers implementation for model.attn_implementation, refusing one that would drop a feature.
+
+    auto: flash-attention varlen on a GPU with the flash_attn package where its kernels keep every feature of
+    the family, else `varlen`."""
+    if requested == "auto":
+        found = features(model)
+        flash = device.type == "cuda" and _has_flash_attn()
+        if flash and all("flash_attention_2" in SUPPORTED_BY[feature] for feature in found):
+            return "flash_attention_2"
         return VARLEN
-    if name in FLASH and not (torch.cuda.is_available() and _has_flash_attn()):
+    refuse_dropped(requested, model, where)
+    if requested in FLASH and not (device.type == "cuda" and _has_flash_attn()):
         raise ModelError(
-            f"model.attn_implementation: {name} needs a CUDA GPU and the flash_attn package"
-            + (f" ({where})" if where else ""),
+            f"model.attn_implementation: {requested} needs a CUDA GPU and the flash_attn package",
+            where=where,
             fix="install flash-attn on a GPU machine, or use auto, varlen or sdpa",
         )
-    return name
+    if training and device.type == "cpu" and requested not in CPU_TRAINING:
+        raise ModelError(
+            f"model.attn_implementation: {requested} cannot train on a CPU (no backward there in torch "
+            f"{torch.__version__.split('+')[0]})",
+            where=where,
+            fix=f"use one of {', '.join(CPU_TRAINING)}, or auto",
+        )
+    return VARLEN if requested == "varlen" else requested
+
+
+def refuse_dropped(requested: str, model: torch.nn.Module, where: str | None = None) -> None:
+    """A user's choice that would silently train another function than the family's: exit 2, naming what."""
+    found = features(model)
+    dropped = [feature for feature in found if requested != "auto" and requested not in SUPPORTED_BY[feature]]
+    if dropped:
+        able = sorted(set.intersection(*(set(SUPPORTED_BY[feature]) for feature in found)), key=IMPLEMENTATIONS.index)
+        raise ModelError(
+            f"model.attn_implementation: {requested} cannot compute the {' and '.join(dropped)} of "
+            f"{config_name(model)} on padding-free rows; implementations that can: {', '.join(able)}",
+            where=where,
+            fix="use auto (or one of those)",
+        )
+
+
+def config_name(model: torch.nn.Module) -> str:
+    return getattr(model.config, "model_type", type(model).__name__)
 
 
 def _has_flash_attn() -> bool:
@@ -80,19 +152,19 @@ def varlen_attention(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Causal sdpa per document of each row; [B, H, T, D] in, [B, T, H, D] out like transformers' sdpa."""
+    """Each document of each row on its own; [B, H, T, D] in, [B, T, H, D] out like transformers' sdpa."""
     position_ids = kwargs.pop("position_ids", None)
-    if attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2]:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kwargs.pop("is_causal", None)
+    if attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2]:
+        return _masked_attention(module, query, key, value, attention_mask, kwargs), None
     rows = []
     bounds = _bounds_of(position_ids)
     if len(bounds) == 1:  # position_ids [1, T] stand for every row
         bounds = bounds * query.shape[0]
     for row, spans in enumerate(bounds):
         parts = [
-            _causal_attention(module, query[row : row + 1, :, a:b], key[row : row + 1, :, a:b],
-                              value[row : row + 1, :, a:b], kwargs)
+            _document_attention(module, query[row : row + 1, :, a:b], key[row : row + 1, :, a:b],
+                                value[row : row + 1, :, a:b], kwargs)
             for a, b in spans
         ]
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
@@ -105,21 +177,74 @@ torch's CPU flash kernel is 1.4-2.8x slower there in bf16 (60-420 tokens, benchm
 [heads, L, L] scores stay small (36 MB at 9 heads and 1024 tokens in fp32)."""
 
 
-def _causal_attention(
+def _document_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict[str, Any]
 ) -> torch.Tensor:
-    """One document's causal attention, [1, L, H, D] out."""
+    """One document's attention as its family defines it, [1, L, H, D] out."""
     length = query.shape[2]
+    window = kwargs.get("sliding_window")
+    window = window if window is not None and window < length else None
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        mask = _additive(_keep(length, window, query.device), query.dtype)
+        return family_eager(module)(module, query, key, value, mask, **kwargs)[0]
     if query.device.type != "cpu" or length > SHORT_DOCUMENT or kwargs.get("dropout", 0.0) > 0:
-        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)[0]
+        if window is None:
+            return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)[0]
+        keep = _keep(length, window, query.device)
+        return sdpa_attention_forward(module, query, key, value, keep, is_causal=False, **kwargs)[0]
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    scaling = kwargs.get("scaling")
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     scores = torch.matmul(query, key.transpose(-1, -2)).float() * scaling
-    future = torch.ones(length, length, dtype=torch.bool, device=query.device).triu(1)
-    weights = scores.masked_fill_(future, float("-inf")).softmax(dim=-1).to(value.dtype)
-    return torch.matmul(weights, value).transpose(1, 2)
+    weights = scores.masked_fill_(~_keep(length, window, query.device), float("-inf")).softmax(dim=-1)
+    return torch.matmul(weights.to(value.dtype), value).transpose(1, 2)
+
+
+def _keep(length: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """Which keys each query sees: itself and before, and within the window (transformers' rule: key > query -
+    window), as [1, 1, L, L] booleans."""
+    query = torch.arange(length, device=device)[:, None]
+    key = torch.arange(length, device=device)[None, :]
+    keep = key <= query
+    if window is not None:
+        keep &= key > query - window
+    return keep[None, None]
+
+
+def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean keep-mask as the additive one eager attention takes (transformers' masked value)."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, torch.finfo(dtype).min)
+
+
+def family_eager(module: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, Any]]:
+    """The eager attention of the module's own modeling file: the reference of what its family computes."""
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise ModelError(
+            f"{type(module).__name__} uses soft-capping or sinks, and its modeling code has no eager attention",
+            fix="use model.attn_implementation: eager",
+        )
+    return eager
+
+
+def _masked_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """Padded rows and generation: sdpa over the mask, or the family's eager where sdpa cannot honour it."""
+    if kwargs.get("softcap") is None and kwargs.get("s_aux") is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)[0]
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        attention_mask = _additive(attention_mask, query.dtype)
+    elif attention_mask is None and query.shape[2] > 1:  # one causal row of documents, no position_ids
+        attention_mask = _additive(_keep(key.shape[2], None, query.device), query.dtype)[..., -query.shape[2] :, :]
+    return family_eager(module)(module, query, key, value, attention_mask, **kwargs)[0]
 
 
 def varlen_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:

@@ -31,7 +31,8 @@ def build_and_wrap(
     config = model_room.hf_config(cfg.model, model_path, tokenizer)
     trainable_dtype = precision.trainable_dtype
     base_dtype = precision.frozen_dtype if cfg.lora.enabled else trainable_dtype
-    model = model_room.build_meta_model(cfg.model, config, base_dtype)
+    where = cfg.where("model.attn_implementation")
+    model = model_room.build_meta_model(cfg.model, config, base_dtype, info.device, not forward_only, where)
     if cfg.lora.enabled:
         with model_room.real_stand_ins(model, trainable_dtype):
             model = model_room.apply_lora(model, cfg.lora, cfg.train.seed)
@@ -62,5 +63,5 @@ def build_and_wrap(
         )
     else:
         assert model_path is not None
-        source = weights.SafetensorsFolder.open(model_path)
+        source = weights.SafetensorsFolder.open(model_path, model)
     return parallel.apply(model, strategy, info, precision, source, mesh, cfg.diloco.inner), strategy, mesh

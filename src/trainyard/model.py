@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import importlib.util
 import os
+import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
@@ -161,23 +162,40 @@ def hf_config(cfg: ModelConfig, model_path: str | None, tokenizer: PreTrainedTok
             raise ModelError(f"model.config: {err}", fix="use keys of the model's HF config.json") from None
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config._attn_implementation = attention.resolve(cfg.attn_implementation)
     if config.pad_token_id is None:
         config.pad_token_id = tokenizer.pad_token_id
     return config
 
 
-def build_meta_model(cfg: ModelConfig, config, dtype: torch.dtype) -> torch.nn.Module:  # type: ignore[no-untyped-def]
-    """The model with every parameter on the meta device in `dtype` (no memory), buffers real."""
+def build_meta_model(  # type: ignore[no-untyped-def]
+    cfg: ModelConfig, config, dtype: torch.dtype, device: torch.device, training: bool = True, where: str | None = None
+) -> torch.nn.Module:
+    """The model with every parameter on the meta device (no memory), buffers real, and the attention
+    implementation chosen for it (one that computes every feature of its family, or a refusal).
+
+    Parameters take `dtype`, except those the family keeps in fp32 (`_keep_in_fp32_modules_strict`, e.g. MoE
+    routers; `_keep_in_fp32_modules` under fp16), as transformers' from_pretrained keeps them."""
     try:
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     except (ValueError, TypeError, StrictDataclassError) as err:  # e.g. heads do not divide hidden_size
         raise ModelError(f"model.config: {err}", fix="use keys and values of the model's HF config.json") from None
     model.tie_weights()  # the meta context gave tied weights one tensor each: one again
-    for param in model.parameters():
-        param.data = param.data.to(dtype)  # from_config keeps some (norms, router biases) in fp32
+    kept = kept_in_fp32(model, dtype)
+    for name, param in model.named_parameters():
+        param.data = param.data.to(torch.float32 if kept(name) else dtype)  # from_config keeps norms in fp32 too
+    model.config._attn_implementation = attention.choose(cfg.attn_implementation, model, device, training, where)
     return model
+
+
+def kept_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> Callable[[str], bool]:
+    """Whether a parameter stays fp32 when the model is stored in `dtype`: transformers' own plan for the family
+    (a private method of PreTrainedModel, matched as from_pretrained matches it: a regex search of the name)."""
+    patterns = list(model._get_dtype_plan(dtype)) if hasattr(model, "_get_dtype_plan") else []
+    if not patterns:
+        return lambda name: False
+    found = re.compile("|".join(f"(?:{pattern.replace('*', '.*')})" for pattern in patterns))
+    return lambda name: found.search(name) is not None
 
 
 def random_init(cfg: ModelConfig, config, seed: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
@@ -203,17 +221,13 @@ def load_model(
     else:
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                model_path,
-                dtype=dtype,
-                attn_implementation=attention.resolve(cfg.attn_implementation),
-                trust_remote_code=cfg.trust_remote_code,
-                low_cpu_mem_usage=True,
+                model_path, dtype=dtype, trust_remote_code=cfg.trust_remote_code, low_cpu_mem_usage=True
             )
         except (OSError, ValueError, SafetensorError) as err:
             raise ModelError(f"model.path: cannot load {model_path}: {err}", fix="check model.path") from None
-    model.to(dtype)  # one dtype to merge adapters into
-    if model.config._attn_implementation == attention.VARLEN:
-        model.set_attn_implementation("sdpa")  # what an exported model runs with in plain transformers
+    kept = kept_in_fp32(model, dtype)
+    for name, param in model.named_parameters():  # one dtype to merge adapters into, as training stored them
+        param.data = param.data.to(torch.float32 if kept(name) else dtype)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from trainyard import diloco, dist, estimate, precision
+from trainyard import attention, diloco, dist, estimate, precision
 from trainyard import model as model_room
 from trainyard.config import JobConfig, accumulation_steps
 from trainyard.dist import DistInfo
@@ -57,6 +57,7 @@ def meta_model(cfg: JobConfig) -> torch.nn.Module | None:
         del hf_config.quantization_config
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=cfg.model.trust_remote_code)
+        attention.refuse_dropped(cfg.model.attn_implementation, model, cfg.where("model.attn_implementation"))
         if cfg.lora.enabled:
             model = model_room.apply_lora(model, cfg.lora, cfg.train.seed)
     return model

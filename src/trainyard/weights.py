@@ -4,6 +4,11 @@ A source gives full-size rows of a named tensor: HF safetensors files, read a sl
 or tensors already in memory (a seeded random init, LoRA adapters). A parameter sharded by
 FSDP2/HSDP (a DTensor split along dim 0) asks only for the rows its rank owns, so no rank ever
 reads or holds the whole model; a replicated one (DDP, or no wrapper) asks for all rows.
+
+A hub checkpoint may store a tensor under another name or in pieces (Mixtral's per-expert
+`block_sparse_moe.experts.N.w1/w3/w2`, Qwen-MoE's and GLM's per-expert projections, renamed legacy
+keys): the folder applies transformers' own conversion table for the family (`conversion_mapping`),
+as `from_pretrained` does. A fused expert stack is built from the rows' experts alone.
 """
 
 from __future__ import annotations
@@ -18,6 +23,17 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from torch.distributed.tensor import DTensor
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (
+    Chunk,
+    Concatenate,
+    Interleave,
+    MergeModulelist,
+    WeightConverter,
+    WeightRenaming,
+    dot_natural_key,
+    rename_source_key,
+)
 
 from trainyard.errors import ModelError
 
@@ -25,66 +41,122 @@ RowReader = Callable[[int, int], torch.Tensor]
 """Rows [start, stop) along dim 0 of one full tensor, in the source's dtype."""
 
 _PEFT_PREFIX = "base_model.model."
-# transformers keeps routed experts fused ([E, 2I, H] and [E, H, I]); HF checkpoints store each expert.
-_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+
+
+@dataclass
+class Converted:
+    """A model tensor that transformers' conversion builds from checkpoint tensors (e.g. stacked experts)."""
+
+    converter: WeightConverter
+    sources: dict[str, list[str]] = field(default_factory=dict)
+    """Checkpoint keys by the converter's source pattern, in transformers' order (experts 0, 1, ...)."""
 
 
 @dataclass
 class SafetensorsFolder:
-    """Where every tensor of an HF safetensors folder lives (the index, or the one file)."""
+    """Where every tensor of an HF safetensors folder lives (the index, or the one file), and which model
+    tensors the family's conversion table renames or builds from several of them."""
 
     folder: Path
     files: dict[str, Path] = field(default_factory=dict)
+    renamed: dict[str, str] = field(default_factory=dict)
+    """Model key -> checkpoint key, where transformers' table renames it."""
+    converted: dict[str, Converted] = field(default_factory=dict)
+    model: torch.nn.Module | None = None
 
     @classmethod
-    def open(cls, folder: str | Path) -> SafetensorsFolder:
+    def open(cls, folder: str | Path, model: torch.nn.Module | None = None) -> SafetensorsFolder:
+        """The folder's tensors; given the model to fill, with its family's conversions applied."""
         folder = Path(folder)
         index = folder / "model.safetensors.index.json"
         found = cls(folder)
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
             found.files = {key: folder / name for key, name in weight_map.items()}
-            return found
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise ModelError(
-                f"model.path: {folder} has no *.safetensors files (only safetensors weights are read)",
-                fix="save the model with save_pretrained(safe_serialization=True), or convert its .bin files",
-            )
-        for file in files:
-            for key in _keys(file):
-                found.files[key] = file
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                raise ModelError(
+                    f"model.path: {folder} has no *.safetensors files (only safetensors weights are read)",
+                    fix="save the model with save_pretrained(safe_serialization=True), or convert its .bin files",
+                )
+            for file in files:
+                for key in _keys(file):
+                    found.files[key] = file
+        if model is not None:
+            found._plan_conversions(model)
         return found
+
+    def _plan_conversions(self, model: torch.nn.Module) -> None:
+        """Rename every checkpoint key as from_pretrained would, and group the pieces of converted tensors."""
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.model = base
+        mapping = get_model_conversion_mapping(base)
+        renamings = [entry for entry in mapping if isinstance(entry, WeightRenaming)]
+        converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
+        by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+        wanted = {checkpoint_key(name): True for name, _ in tensors_to_load(model)}
+        prefix = getattr(base, "base_model_prefix", None)
+        for key in sorted(self.files, key=dot_natural_key):
+            target, pattern = rename_source_key(key, renamings, converters, prefix, wanted)
+            if target == key or target not in wanted or key in wanted:
+                continue
+            if pattern is None:
+                self.renamed.setdefault(target, key)
+                continue
+            converter = by_pattern[pattern]
+            entry = self.converted.setdefault(target, Converted(converter))
+            entry.sources.setdefault(pattern, []).append(key)
+            for other in converter.target_patterns[1:]:  # one checkpoint tensor split into several (qkv -> q, k, v)
+                self.converted.setdefault(target.replace(converter.target_patterns[0], other), entry)
 
     def rows(self, key: str) -> RowReader | None:
         """A reader of `key`'s rows, or None if the folder does not hold it."""
-        if key in self.files:
-            return lambda start, stop: _read_rows(self.files[key], key, start, stop)
-        fused = _FUSED_EXPERTS.match(key)
-        if fused:
-            return self._expert_rows(fused["prefix"], fused["kind"])
+        source = self.renamed.get(key, key)
+        if source in self.files:
+            return lambda start, stop: _read_rows(self.files[source], source, start, stop)
+        if key in self.converted:
+            return lambda start, stop: self._converted_rows(key, start, stop)
         return None
 
-    def _expert_rows(self, prefix: str, kind: str) -> RowReader | None:
-        """Experts [start, stop) of a fused parameter, stacked from the per-expert tensors."""
-        parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
-        if f"{prefix}.0.{parts[0]}.weight" not in self.files:
-            return None
+    def _converted_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows of a tensor transformers' conversion builds. Where the first step stacks a list (experts) along
+        dim 0 and no later step touches dim 0, only the experts of the rows are read; otherwise the whole."""
+        entry = self.converted[key]
+        converter = entry.converter
+        by_expert = _stacks_rows(converter)
+        collected = {
+            pattern: [self._whole(name) for name in (names[start:stop] if by_expert else names)]
+            for pattern, names in entry.sources.items()
+        }
+        for operation in converter.operations:
+            collected = operation.convert(
+                collected,
+                source_patterns=converter.source_patterns,
+                target_patterns=converter.target_patterns,
+                full_layer_name=key,
+                model=self.model,
+                config=getattr(self.model, "config", None),
+            )
+        made = next((value for pattern, value in collected.items() if pattern in key), None)
+        if made is None:
+            raise ModelError(
+                f"model.path: {self.folder}: transformers' conversion of {key} gave {', '.join(collected)}",
+                fix="check that the folder holds a checkpoint of this model's family",
+            )
+        made = made[0] if isinstance(made, list) else made
+        return made if by_expert else made[start:stop]
 
-        def read(start: int, stop: int) -> torch.Tensor:
-            experts = []
-            for expert in range(start, stop):
-                keys = [f"{prefix}.{expert}.{part}.weight" for part in parts]
-                absent = [key for key in keys if key not in self.files]
-                if absent:
-                    raise ModelError(
-                        f"model.path: {self.folder} lacks {absent[0]}",
-                        fix="check that the folder holds the whole model",
-                    )
-                experts.append(torch.cat([_read_rows(self.files[key], key, None, None) for key in keys]))
-            return torch.stack(experts)
+    def _whole(self, key: str) -> torch.Tensor:
+        return _read_rows(self.files[key], key, None, None)
 
-        return read
+
+def _stacks_rows(converter: WeightConverter) -> bool:
+    """The converter stacks a list along dim 0 first (MergeModulelist) and then only works on other dims."""
+    first, *rest = converter.operations
+    if not (isinstance(first, MergeModulelist) and first.dim == 0):
+        return False
+    return all(isinstance(op, (Concatenate, Chunk, Interleave)) and op.dim != 0 for op in rest)
 
 
 def _keys(file: Path) -> list[str]:

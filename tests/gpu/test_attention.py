@@ -19,7 +19,7 @@ def test_auto_attention_isolates_padding_free_documents(device: Device):
     config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
     model = LlamaForCausalLM(config).to(target, torch.bfloat16).eval()
-    model.set_attn_implementation(attention.resolve("auto"))
+    model.config._attn_implementation = attention.choose("auto", model, target, training=False)
     generator = torch.Generator().manual_seed(1)
     docs = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (37, 1500, 5, 300)]
     batch = collate([{"input_ids": doc, "labels": doc} for doc in docs], pad_id=0)
