@@ -38,7 +38,8 @@ FLASH = ("flash_attention_2", "flash_attention_3")
 IMPLEMENTATIONS = ("varlen", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 WINDOW, SOFTCAP, SINKS, MASK_WITHOUT_POSITIONS = (
-    "sliding windows", "attention-logit soft-capping", "attention sinks", "a mask built without position_ids"
+    "sliding windows", "attention-logit soft-capping", "attention sinks",
+    "document isolation (its mask ignores position_ids)",
 )
 SUPPORTED_BY = {
     WINDOW: ("varlen", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"),
@@ -108,8 +109,8 @@ def refuse_dropped(requested: str, model: torch.nn.Module, where: str | None = N
     if dropped:
         able = sorted(set.intersection(*(set(SUPPORTED_BY[feature]) for feature in found)), key=IMPLEMENTATIONS.index)
         raise ModelError(
-            f"model.attn_implementation: {requested} cannot compute the {' and '.join(dropped)} of "
-            f"{config_name(model)} on padding-free rows; implementations that can: {', '.join(able)}",
+            f"model.attn_implementation: {requested} drops the {' and '.join(dropped)} of "
+            f"{config_name(model)} on padding-free rows; implementations that keep them: {', '.join(able)}",
             where=where,
             fix="use auto (or one of those)",
         )

@@ -1,0 +1,189 @@
+"""Every family computes what its authors defined: trainyard's attention on padding-free rows against the family's
+own eager attention on each document alone; implementations that would drop a feature are refused; hub-format
+folders load through transformers' conversions and export back to what from_pretrained loads equal.
+
+Tolerance: 1e-5 relative, fp32. The packed and the separate runs add the same terms in another order (one row of
+60 tokens against three of 13-27, per-document softmax either way); the differences seen are 1e-7 to 1.5e-6."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AttentionInterface, AutoModelForCausalLM
+
+from tests.conftest import TINY, trainyard
+from tests.unit.families import FAMILIES, build, documents, settings
+from trainyard import attention, dist, export, precision, weights
+from trainyard.build import build_and_wrap
+from trainyard import model as model_room
+from trainyard.config_file import load_config
+from trainyard.errors import ModelError
+
+TOLERANCE = 1e-5
+CPU = torch.device("cpu")
+PLAIN = "test_plain_causal"
+AttentionInterface.register(
+    PLAIN, lambda *args, **kwargs: attention.varlen_attention(
+        *args, **{k: v for k, v in kwargs.items() if k not in ("sliding_window", "softcap", "s_aux")}
+    )
+)
+"""trainyard's attention before this issue: causal per document, every feature of the family dropped."""
+
+
+def reference(family: str) -> tuple[torch.nn.Module, float]:
+    """The family's eager attention, each document run on its own: mean loss over every target, grads kept."""
+    model = build(family, "eager")
+    total, count = 0.0, 0
+    for document in documents():
+        out = model(input_ids=document[None], labels=document[None], use_cache=False)
+        total, count = total + out.loss * (len(document) - 1), count + len(document) - 1
+    loss = total / count
+    loss.backward()
+    return model, loss.item()
+
+
+def packed_loss(model: torch.nn.Module) -> torch.Tensor:
+    """One padding-free row: the documents back to back, positions restarting, no label across a border."""
+    docs = documents()
+    ids = torch.cat(docs)[None]
+    positions = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    labels = torch.cat([torch.cat([d[1:], torch.tensor([-100])]) for d in docs])
+    logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+    return torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100)
+
+
+def differences(family: str, implementation: str, ref: torch.nn.Module, ref_loss: float) -> tuple[float, float]:
+    model = build(family, "eager")
+    model.load_state_dict(ref.state_dict())
+    model.config._attn_implementation = implementation
+    loss = packed_loss(model)
+    loss.backward()
+    grads = [
+        ((_grad(mine) - theirs.grad).abs().max() / theirs.grad.abs().max().clamp_min(1e-12)).item()
+        for mine, theirs in zip(model.parameters(), ref.parameters())
+        if theirs.grad is not None
+    ]
+    return abs(loss.item() - ref_loss) / ref_loss, max(grads)
+
+
+def _grad(param: torch.nn.Parameter) -> torch.Tensor:
+    """A parameter the attention left out of the graph (dropped sinks) has no gradient: zeros."""
+    return param.grad if param.grad is not None else torch.zeros_like(param)
+
+
+@pytest.mark.parametrize("short_document", [attention.SHORT_DOCUMENT, 0], ids=["cpu-matmuls", "sdpa-kernel"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_default_attention_gives_the_family_s_losses_and_gradients(
+    family: str, short_document: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(attention, "SHORT_DOCUMENT", short_document)
+    ref, ref_loss = reference(family)
+    chosen = attention.choose("auto", ref, CPU)
+    assert chosen == attention.VARLEN
+    loss_rel, grad_rel = differences(family, chosen, ref, ref_loss)
+    assert loss_rel < TOLERANCE and grad_rel < TOLERANCE, (loss_rel, grad_rel)
+    if attention.features(ref):  # the check can fail: dropping what the family adds changes the function
+        assert max(differences(family, PLAIN, ref, ref_loss)) > 20 * TOLERANCE
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_implementation_trainyard_accepts_is_exact_and_the_others_are_refused(family: str) -> None:
+    ref, ref_loss = reference(family)
+    for requested in attention.CPU_TRAINING:
+        try:
+            chosen = attention.choose(requested, ref, CPU)
+        except ModelError as err:
+            assert "implementations that keep them: varlen" in err.what
+            continue
+        loss_rel, grad_rel = differences(family, chosen, ref, ref_loss)
+        assert loss_rel < TOLERANCE and grad_rel < TOLERANCE, (requested, loss_rel, grad_rel)
+
+
+def test_refusals_name_the_feature_and_the_implementations_that_can() -> None:
+    with pytest.raises(ModelError, match=r"sdpa drops the attention-logit soft-capping of gemma2.*"
+                                         r"keep them: varlen, eager, flex_attention, flash_attention_2"):
+        attention.choose("sdpa", build("gemma2", "eager"), CPU, where="job.yaml:7")
+    with pytest.raises(ModelError, match=r"eager drops the document isolation \(its mask ignores position_ids\) "
+                                         r"of gpt_oss.*keep them: varlen\nFix"):
+        attention.refuse_dropped("eager", build("gpt_oss", "eager"))
+    with pytest.raises(ModelError, match="sdpa drops the attention sinks and document isolation"):
+        attention.refuse_dropped("sdpa", build("gpt_oss", "eager"))
+    with pytest.raises(ModelError, match="cannot train on a CPU"):
+        attention.choose("flex_attention", build("llama", "eager"), CPU)
+    assert attention.choose("sdpa", build("mistral", "eager"), CPU) == "sdpa"
+    assert attention.features(build("llama", "eager")) == []
+    assert attention.features(build("gemma3_text", "eager")) == [attention.WINDOW]
+
+
+def test_an_explicit_implementation_that_drops_a_feature_exits_2_at_dry_run(tmp_path: Path) -> None:
+    job = tmp_path / "gemma2.yaml"
+    config = "\n".join(f"    {key}: {value}" for key, value in settings("gemma2").items() if key != "vocab_size")
+    job.write_text(f"model:\n  config:\n{config}\n  tokenizer: builtin:bytes\n  attn_implementation: sdpa\n")
+    result = trainyard("train", str(job), "--dry-run")
+    assert result.returncode == 2, result.stderr
+    assert "gemma2.yaml:" in result.stderr and "soft-capping" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_frozen_bf16_base_keeps_the_family_s_fp32_modules() -> None:
+    cfg = load_config(TINY, ["lora.enabled=true"])
+    config = build("glm4_moe", "eager").config
+    model = model_room.build_meta_model(cfg.model, config, torch.bfloat16, CPU)
+    dtypes = {name: param.dtype for name, param in model.named_parameters()}
+    assert dtypes["model.layers.1.mlp.gate.weight"] == torch.float32  # _keep_in_fp32_modules_strict
+    assert dtypes["model.layers.1.self_attn.q_proj.weight"] == torch.bfloat16
+    assert dtypes["model.layers.1.mlp.experts.gate_up_proj"] == torch.bfloat16
+
+
+def _hub_folder(family: str, folder: Path) -> torch.nn.Module:
+    """A folder as transformers writes it (its save_pretrained reverts the conversions: the hub's layout)."""
+    model = build(family, "eager", seed=3)
+    model.save_pretrained(folder)
+    return model
+
+
+def _job(folder: Path, lora: bool):  # type: ignore[no-untyped-def]
+    return load_config(TINY, [f"model.path={folder}", "model.config=null", "model.tokenizer=builtin:bytes",
+                              f"lora.enabled={str(lora).lower()}", "train.precision=fp32", "dist.strategy=none"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hub_folder_loads_each_tensor_as_from_pretrained_does(family: str, tmp_path: Path) -> None:
+    want = _hub_folder(family, tmp_path).state_dict()
+    cfg = _job(tmp_path, lora=True)
+    info = dist.DistInfo(0, 1, 0, 1, CPU, None)
+    tokenizer = model_room.load_tokenizer(cfg.model, str(tmp_path))
+    model, _, _ = build_and_wrap(cfg, info, precision.resolve(cfg, CPU), str(tmp_path), tokenizer)
+    got = {weights.checkpoint_key(name): tensor for name, tensor in model.state_dict().items() if "lora_" not in name}
+    assert set(got) == set(want)
+    for key, tensor in want.items():
+        assert torch.equal(got[key], tensor), key
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "unmerged"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_export_is_what_from_pretrained_loads_back_equal(family: str, merge: bool, tmp_path: Path) -> None:
+    hub = tmp_path / "hub"
+    base = _hub_folder(family, hub)
+    step = tmp_path / "step"
+    torch.manual_seed(4)
+    trained = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    trained.save_pretrained(step / "adapter")
+    cfg = _job(hub, lora=True)
+    exported = tmp_path / "out"
+    exported.mkdir()
+    loaded = model_room.load_model(cfg.model, str(hub), None, torch.float32, seed=0)
+    export._export_lora(loaded, step, exported, merge)
+    back = AutoModelForCausalLM.from_pretrained(exported)
+    if not merge:
+        back = PeftModel.from_pretrained(back, str(exported / "adapter"))
+        want = trained.state_dict()
+    else:
+        want = trained.merge_and_unload().state_dict()
+    got = back.state_dict()
+    assert set(got) == set(want)
+    for key, tensor in want.items():
+        torch.testing.assert_close(got[key], tensor, rtol=0, atol=1e-6, msg=key)
