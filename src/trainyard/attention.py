@@ -156,6 +156,7 @@ def varlen_attention(
     """Each document of each row on its own; [B, H, T, D] in, [B, T, H, D] out like transformers' sdpa."""
     position_ids = kwargs.pop("position_ids", None)
     kwargs.pop("is_causal", None)
+    _refuse_unknown(module, kwargs)
     if attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2]:
         return _masked_attention(module, query, key, value, attention_mask, kwargs), None
     rows = []
@@ -170,6 +171,25 @@ def varlen_attention(
         ]
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
     return (rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)), None
+
+
+KNOWN_ARGUMENTS = frozenset({
+    "dropout", "scaling", "sliding_window", "softcap", "s_aux",  # what the attention computes: all honoured
+    "use_cache", "output_attentions", "output_hidden_states", "output_router_logits", "return_dict",  # the rest:
+    "cache_position", "position_embeddings", "layer_idx", "logits_to_keep",  # what the model passes everywhere
+    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+})
+
+
+def _refuse_unknown(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """A family that passes its attention something this file does not know would lose it silently: stop."""
+    unknown = [name for name, value in kwargs.items() if name not in KNOWN_ARGUMENTS and value not in (None, False)]
+    if unknown:
+        raise ModelError(
+            f"{type(module).__name__} passes its attention {', '.join(sorted(unknown))}, which trainyard's varlen "
+            "attention does not implement",
+            fix="set model.attn_implementation: eager (or sdpa) to run transformers' own code for this family",
+        )
 
 
 SHORT_DOCUMENT = 1024

@@ -39,8 +39,8 @@ def settings(family: str) -> dict:
     return {"model_type": family, **BASE, **FAMILIES[family]}
 
 
-def build(family: str, attention: str, seed: int = 0) -> PreTrainedModel:
-    config = AutoConfig.for_model(**settings(family))
+def build(family: str, attention: str, seed: int = 0, **changes: object) -> PreTrainedModel:
+    config = AutoConfig.for_model(**{**settings(family), **changes})
     config._attn_implementation = attention
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)

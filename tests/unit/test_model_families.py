@@ -114,6 +114,10 @@ def test_refusals_name_the_feature_and_the_implementations_that_can() -> None:
     with pytest.raises(ModelError, match="cannot train on a CPU"):
         attention.choose("flex_attention", build("llama", "eager"), CPU)
     assert attention.choose("sdpa", build("mistral", "eager"), CPU) == "sdpa"
+    query = torch.zeros(1, 4, 6, 16)
+    with pytest.raises(ModelError, match="passes its attention chunk_size, which trainyard's varlen"):
+        attention.varlen_attention(build("llama", "eager").model.layers[0].self_attn, query, query, query, None,
+                                   position_ids=torch.arange(6)[None], chunk_size=4)
     assert attention.features(build("llama", "eager")) == []
     assert attention.features(build("gemma3_text", "eager")) == [attention.WINDOW]
 
@@ -187,3 +191,31 @@ def test_lora_export_is_what_from_pretrained_loads_back_equal(family: str, merge
     assert set(got) == set(want)
     for key, tensor in want.items():
         torch.testing.assert_close(got[key], tensor, rtol=0, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize(
+    ("family", "lora", "how"),
+    [("gemma2", True, ["--merge-lora"]), ("mixtral", False, [])],
+    ids=["gemma2-lora-merged", "mixtral-full"],
+)
+def test_a_hub_folder_trains_and_exports_what_from_pretrained_loads(
+    family: str, lora: bool, how: list[str], tmp_path: Path
+) -> None:
+    """The whole way as a user goes: a folder in the hub's layout (Mixtral's per-expert w1/w3/w2; Gemma 2, for which
+    transformers refuses sdpa), one step at a negligible learning rate, exported, loaded back equal."""
+    hub = tmp_path / "hub"
+    tokenizer = model_room.load_tokenizer(load_config(TINY).model, None)
+    base = build(family, "eager", seed=5, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                 eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    base.save_pretrained(hub)
+    run = [f"model.path={hub}", "model.config=null", "model.tokenizer=builtin:bytes", f"lora.enabled={str(lora).lower()}",
+           "dist.strategy=none", "train.max_steps=1", "train.lr=1e-12", "train.warmup_steps=0", "eval.every_steps=0",
+           "train.precision=fp32", f"output_dir={tmp_path}", "run_name=run", "data.synthetic_train_size=16"]
+    trained = trainyard("train", TINY, *run)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    exported = trainyard("export", str(tmp_path / "run"), "--out", str(tmp_path / "out"), *how)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    assert set(back) == set(base.state_dict())
+    for key, tensor in base.state_dict().items():
+        torch.testing.assert_close(back[key], tensor, rtol=0, atol=1e-6, msg=key)
