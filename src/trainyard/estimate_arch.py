@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 from transformers.utils import logging as hf_logging
 
 from trainyard import model as model_room
@@ -126,7 +126,7 @@ def meta_model(cfg: JobConfig, config) -> torch.nn.Module:  # type: ignore[no-un
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+        model = model_room.causal_lm(config, cfg.model.trust_remote_code)
         if cfg.lora.enabled:
             model = model_room.apply_lora(model, cfg.lora, cfg.train.seed)
     return model

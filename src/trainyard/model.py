@@ -156,15 +156,45 @@ def hf_config(cfg: ModelConfig, model_path: str | None, tokenizer: PreTrainedTok
         settings.setdefault("pad_token_id", tokenizer.pad_token_id)
         settings.setdefault("eos_token_id", tokenizer.eos_token_id)
         settings.setdefault("bos_token_id", tokenizer.bos_token_id)
-        try:
-            config = AutoConfig.for_model(model_type, **settings)
-        except (ValueError, TypeError, StrictDataclassError) as err:  # hub's validators raise the last
-            raise ModelError(f"model.config: {err}", fix="use keys of the model's HF config.json") from None
+        config = config_for_model(model_type, settings)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     if config.pad_token_id is None:
         config.pad_token_id = tokenizer.pad_token_id
     return config
+
+
+def config_for_model(model_type: str, settings: dict[str, Any], where: str | None = None):  # -> PretrainedConfig
+    """transformers' config for `model.config`, its errors as the user's."""
+    try:
+        return AutoConfig.for_model(model_type, **settings)
+    except (ValueError, TypeError, StrictDataclassError) as err:  # hub's validators raise the last
+        raise ModelError(
+            f"model.config: {_first_sentence(err)}", where=where, fix="use keys of the model's HF config.json"
+        ) from None
+
+
+def causal_lm(config, trust_remote_code: bool, **kwargs: Any) -> torch.nn.Module:  # type: ignore[no-untyped-def]
+    """AutoModelForCausalLM.from_config, refusing what is not a causal language model with exit 2."""
+    try:
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
+    except (ValueError, TypeError, StrictDataclassError) as err:  # e.g. heads do not divide hidden_size
+        if "Unrecognized configuration class" in str(err):
+            raise ModelError(
+                f"model {config.model_type}: transformers has no causal language model for it "
+                "(AutoModelForCausalLM); trainyard trains decoder-only LLMs",
+                fix="use a decoder-only family (README: Model families); vision-language and encoder-decoder "
+                "models are not supported",
+            ) from None
+        raise ModelError(
+            f"model.config: {_first_sentence(err)}", fix="use keys and values of the model's HF config.json"
+        ) from None
+
+
+def _first_sentence(err: Exception) -> str:
+    """transformers' messages can list every model type it knows: the first sentence says what is wrong."""
+    text = str(err)
+    return text.split(". ")[0] if len(text) > 300 else text
 
 
 def build_meta_model(  # type: ignore[no-untyped-def]
@@ -175,11 +205,8 @@ def build_meta_model(  # type: ignore[no-untyped-def]
 
     Parameters take `dtype`, except those the family keeps in fp32 (`_keep_in_fp32_modules_strict`, e.g. MoE
     routers; `_keep_in_fp32_modules` under fp16), as transformers' from_pretrained keeps them."""
-    try:
-        with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
-    except (ValueError, TypeError, StrictDataclassError) as err:  # e.g. heads do not divide hidden_size
-        raise ModelError(f"model.config: {err}", fix="use keys and values of the model's HF config.json") from None
+    with init_empty_weights(include_buffers=False):
+        model = causal_lm(config, cfg.trust_remote_code, dtype=dtype)
     model.tie_weights()  # the meta context gave tied weights one tensor each: one again
     kept = kept_in_fp32(model, dtype)
     for name, param in model.named_parameters():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from trainyard import attention, diloco, dist, estimate, precision
 from trainyard import model as model_room
@@ -22,7 +22,7 @@ def _hf_config(cfg: JobConfig):
         settings = dict(model_cfg.config)
         if "vocab_size" not in settings:
             settings["vocab_size"] = _tokenizer_size(cfg)
-        return AutoConfig.for_model(settings.pop("model_type"), **settings)
+        return model_room.config_for_model(settings.pop("model_type"), settings, cfg.where("model.config"))
     assert model_cfg.path is not None
     gguf = None
     if model_cfg.path in model_room.BUILTIN_MODELS:
@@ -56,7 +56,7 @@ def meta_model(cfg: JobConfig) -> torch.nn.Module | None:
     if hasattr(hf_config, "quantization_config"):
         del hf_config.quantization_config
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=cfg.model.trust_remote_code)
+        model = model_room.causal_lm(hf_config, cfg.model.trust_remote_code)
         attention.refuse_dropped(cfg.model.attn_implementation, model, cfg.where("model.attn_implementation"))
         if cfg.lora.enabled:
             model = model_room.apply_lora(model, cfg.lora, cfg.train.seed)

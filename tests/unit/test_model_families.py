@@ -132,6 +132,14 @@ def test_an_explicit_implementation_that_drops_a_feature_exits_2_at_dry_run(tmp_
     assert "Traceback" not in result.stderr + result.stdout
 
 
+@pytest.mark.parametrize("model_type", ["t5", "no_such_family"])
+def test_a_family_that_is_not_a_causal_lm_exits_2_at_dry_run(model_type: str) -> None:
+    result = trainyard("train", TINY, f"model.config.model_type={model_type}", "--dry-run")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert ("no causal language model" if model_type == "t5" else "Unrecognized model identifier") in result.stderr
+
+
 def test_frozen_bf16_base_keeps_the_family_s_fp32_modules() -> None:
     cfg = load_config(TINY, ["lora.enabled=true"])
     config = build("glm4_moe", "eager").config
@@ -208,8 +216,9 @@ def test_a_hub_folder_trains_and_exports_what_from_pretrained_loads(
     base = build(family, "eager", seed=5, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     base.save_pretrained(hub)
-    run = [f"model.path={hub}", "model.config=null", "model.tokenizer=builtin:bytes", f"lora.enabled={str(lora).lower()}",
-           "dist.strategy=none", "train.max_steps=1", "train.lr=1e-12", "train.warmup_steps=0", "eval.every_steps=0",
+    run = [f"model.path={hub}", "model.config=null", "model.tokenizer=builtin:bytes",
+           f"lora.enabled={str(lora).lower()}", "dist.strategy=none", "train.max_steps=1", "train.lr=1e-12",
+           "train.warmup_steps=0", "eval.every_steps=0",
            "train.precision=fp32", f"output_dir={tmp_path}", "run_name=run", "data.synthetic_train_size=16"]
     trained = trainyard("train", TINY, *run)
     assert trained.returncode == 0, trained.stderr[-3000:]
