@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -17,6 +18,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
     ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
@@ -127,6 +129,11 @@ class DataConfig(Section):
     computed. false: rows padded to the longest in the micro-batch (for models whose attention ignores
     position_ids)."""
     train_on_prompt: bool = False
+    chat_template: str | None = Field(None, min_length=1)
+    """How chat rows are rendered: a known family template (gemma3, gpt-oss, llama3, mistral, qwen3: the
+    publishers' own, shipped with trainyard) or a path to a Jinja file. Default: the tokenizer's own template."""
+    chat_template_kwargs: dict[str, Any] = {}
+    """Variables for the chat template, as apply_chat_template's kwargs (e.g. enable_thinking: false)."""
     on_bad_row: Literal["error", "skip"] = "error"
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     """Hold out this share of `path` for eval when there is no `eval_path`."""
@@ -142,6 +149,32 @@ class DataConfig(Section):
     """repeat: a source that runs out starts its next epoch; stop: the stream ends when the first source runs out."""
     shards_dir: str | None = None
     """Where prepared token shards live. Default: <output_dir>/.cache/shards."""
+
+    @field_validator("chat_template")
+    @classmethod
+    def _known_template_or_path(cls, value: str | None) -> str | None:
+        """A bare word must be a shipped template; anything with a / or a file suffix is a path, read later."""
+        known = sorted(path.stem for path in (Path(__file__).parent / "data" / "templates").glob("*.jinja"))
+        if value is None or value in known or "/" in value or "\\" in value or "." in value:
+            return value
+        raise ValueError(f"unknown chat template '{value}': use one of {', '.join(known)}, or a path to a .jinja file")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _kwargs_trainyard_does_not_set(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Arguments of apply_chat_template that trainyard sets itself cannot be template variables."""
+        reserved = {
+            "conversation", "messages", "chat_template", "add_generation_prompt", "continue_final_message",
+            "tokenize", "return_dict", "return_assistant_tokens_mask", "return_tensors", "padding", "truncation",
+            "max_length", "tokenizer_kwargs", "sanitize_control_tokens",
+        }  # fmt: skip
+        clash = sorted(reserved.intersection(kwargs))
+        if clash:
+            raise ValueError(
+                f"{', '.join(clash)} cannot be set here: trainyard sets it when rendering; remove it from "
+                "data.chat_template_kwargs (only the template's own variables, such as enable_thinking, go there)"
+            )
+        return kwargs
 
     @model_validator(mode="after")
     def _path_or_mixture(self) -> "DataConfig":
@@ -164,6 +197,13 @@ class TrainConfig(Section):
     total_tokens: int | None = Field(None, ge=1)
     """Train on this many tokens instead of max_steps: max_steps = ceil(total_tokens / tokens per global batch),
     which needs global_batch_tokens (or global_batch_size, x data.max_length) so it holds on any world size."""
+    epochs: float | None = Field(None, gt=0)
+    """Passes over the training rows instead of max_steps (3, or 0.5 for half of them): the trainer sets
+    max_steps = ceil(epochs x rows / global batch in samples) once the data is prepared (rows after bad rows are
+    dropped; see `steps_for_epochs`). A resume keeps the global batch, so the steps too. Not with data.mixture."""
+    epoch_rows: int | None = Field(None, ge=1)
+    """Written by the run into its config.yaml, not for you to set: the training rows train.epochs counted when it
+    set max_steps, which is what lets that file hold both epochs and max_steps."""
     lr: float = Field(2e-4, gt=0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
@@ -191,6 +231,23 @@ class TrainConfig(Section):
         if not all(0.0 <= beta < 1.0 for beta in self.betas):
             raise ValueError(f"train.betas {list(self.betas)} must each be in [0, 1), e.g. [0.9, 0.999]")
         return self
+
+    @model_validator(mode="after")
+    def _one_length(self, info: ValidationInfo) -> "TrainConfig":
+        """epochs replaces max_steps and total_tokens. max_steps may come with it only as the run derived it (its
+        config.yaml, marked by epoch_rows); max_steps with total_tokens is JobConfig's check (they must agree)."""
+        if self.epochs is None:
+            return self
+        if self.total_tokens is not None:
+            other = "train.total_tokens"
+        elif "max_steps" in self.model_fields_set and self.epoch_rows is None:
+            other = "train.max_steps"
+        else:
+            return self
+        raise ValueError(
+            f"set {_field_and_where(info, other)} or {_field_and_where(info, 'train.epochs')}, not both: "
+            "each sets the run's length; remove one (an override cannot remove a key of the file)"
+        )
 
 
 class EvalConfig(Section):
@@ -289,12 +346,46 @@ class DistConfig(Section):
 
 
 class LogConfig(Section):
+    class Wandb(Section):
+        """Where rank 0's W&B run goes. The API key is never here: WANDB_API_KEY or `wandb login`."""
+
+        project: str = "trainyard"
+        entity: str | None = None
+        """Team or user (default: the key's own)."""
+        group: str | None = None
+        """Groups runs in the W&B UI, e.g. the runs of one sweep."""
+
     every_steps: int = Field(10, ge=1)
     """A train event every N steps: its figures cost one all-gather, other steps none."""
     progress: bool = True
     tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "trainyard"
+    wandb: Wandb | None = None
+    """W&B on rank 0: true (project trainyard), or {project, entity, group}; false or absent: off. The run's id is
+    kept in the run dir (wandb-run-id), so a requeued or resumed job continues the same W&B run."""
+    wandb_project: str | None = None
+    """The old spelling of log.wandb.project (with log.wandb: true); read into log.wandb on load."""
+
+    @field_validator("wandb", mode="before")
+    @classmethod
+    def _wandb_switch(cls, value: Any) -> Any:
+        """`log.wandb: true` is W&B with the defaults; false is off."""
+        if isinstance(value, bool):
+            return {} if value else None
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_wandb_project(cls, data: Any) -> Any:
+        """Today's `log.wandb: true` + `log.wandb_project: P` keeps working, as log.wandb.project P."""
+        if not isinstance(data, dict) or data.get("wandb_project") is None:
+            return data
+        data = dict(data)
+        project, wandb = data.pop("wandb_project"), data.get("wandb")
+        if isinstance(wandb, dict) and wandb.get("project", project) != project:
+            raise ValueError("log.wandb_project is the old spelling of log.wandb.project: set only log.wandb.project")
+        if wandb is True or isinstance(wandb, dict):
+            data["wandb"] = {**(wandb if isinstance(wandb, dict) else {}), "project": project}
+        return data
 
 
 class JobConfig(Section):
@@ -337,6 +428,17 @@ class JobConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _epochs_need_rows(self, info: ValidationInfo) -> "JobConfig":
+        """A mixture is an endless stream of token rows: it has no rows to count epochs over."""
+        if self.train.epochs is not None and self.data.mixture:
+            raise ValueError(
+                f"{_field_and_where(info, 'train.epochs')} counts passes over data.path's rows, but "
+                f"{_field_and_where(info, 'data.mixture')} is a stream with no epoch: set train.total_tokens "
+                "(or train.max_steps) instead"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _steps_from_token_budget(self) -> "JobConfig":
         """train.total_tokens sets max_steps here, once, so every reader of max_steps (schedule, ETA, status,
         estimate) sees the same number; a run's written config holds both, and they agree."""
@@ -368,6 +470,23 @@ class JobConfig(Section):
 
 
 # ---------------------------------------------------------------- loading
+
+
+def _field_and_where(info: ValidationInfo, field: str) -> str:
+    """`field (file:line)` when the loader passed, as validation context, where each field was set."""
+    where = (info.context or {}).get("where")
+    return f"{field} ({where(field)})" if where else field
+
+
+def steps_for_epochs(cfg: JobConfig, rows: int, world_size: int, saved_samples: int | None = None) -> int:
+    """Optimizer steps for train.epochs passes over `rows` training rows (after bad rows are dropped):
+    ceil(epochs x rows / global batch in samples), the global batch being micro_batch_size x world_size x
+    accumulation. `saved_samples` is a resumed checkpoint's global batch, as for accumulation_steps: a resume on
+    another world size keeps the batch, so the steps. Exact for decimal epochs (0.1 x 30 rows is 3, not 4)."""
+    if cfg.train.epochs is None:
+        raise ValueError("steps_for_epochs needs train.epochs")
+    samples = cfg.train.micro_batch_size * world_size * accumulation_steps(cfg, world_size, saved_samples)
+    return math.ceil(Fraction(str(cfg.train.epochs)) * rows / samples)
 
 
 def accumulation_steps(cfg: JobConfig, world_size: int, saved_samples: int | None = None) -> int:

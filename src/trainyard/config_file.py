@@ -1,23 +1,36 @@
 """A job's YAML file and `a.b=c` overrides -> a checked JobConfig; presets; the resolved job written back.
 
-Errors name the field path, the file and line (or the override) and a fix.
+Errors name the field path, the file and line (or the override) and a fix; every error of a job is reported at
+once, so a user fixes them in one edit rather than one per run.
 """
 
 from __future__ import annotations
 
 import difflib
+import types
+import typing
+from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 from trainyard.config import JobConfig
 from trainyard.errors import ConfigError
 from trainyard.redaction import redact
 
 PRESETS = ("quickstart", "tiny", "tiny-moe")
+VALUE_FIX = "change that value in the file, or override it with key=value"
+VALUES_FIX = "change those values in the file, or override them with key=value"
+SIBLING_CUTOFF = 0.5
+"""How close an unknown key must be to a key of its own section to be suggested."""
+ELSEWHERE_CUTOFF = 0.8
+"""How close to a key of another section: stricter, as there are many more of them."""
+
+Where = Callable[[list[str]], str]
 
 
 class _LineLoader(yaml.SafeLoader):
@@ -95,38 +108,84 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
-def _known_fields(model: type[BaseModel]) -> list[str]:
-    return [info.alias or name for name, info in model.model_fields.items()]
+def _fields_by_key(model: type[BaseModel]) -> dict[str, FieldInfo]:
+    """A model's fields by the key a file writes (the alias where there is one, e.g. checkpoint.async)."""
+    return {info.alias or name: info for name, info in model.model_fields.items()}
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds: itself, or inside a list or an Optional (data.mixture's MixtureSource)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next(filter(None, map(_model_in, typing.get_args(annotation))), None)
+
+
+def _mapping_model(annotation: Any) -> type[BaseModel] | None:
+    """The section a mapping under this field is read into: the model itself or an Optional one (log.wandb), not a
+    list of them (data.mixture, whose keys are not written as a path)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return next(filter(None, map(_mapping_model, typing.get_args(annotation))), None)
+    return None
 
 
 def _section_model(path: list[str]) -> type[BaseModel] | None:
     """The pydantic model that owns the keys at `path` (None for free-form dicts)."""
-    model: type[BaseModel] = JobConfig
+    model: type[BaseModel] | None = JobConfig
     for part in path:
-        by_alias = {info.alias or name: info for name, info in model.model_fields.items()}
-        field = by_alias.get(part)
-        annotation = field.annotation if field else None
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            model = annotation
-        else:
-            return None
+        field = _fields_by_key(model).get(part) if model is not None else None
+        model = _mapping_model(field.annotation) if field else None
     return model
 
 
-def _check_unknown_keys(data: dict[str, Any], where_of: Any, prefix: list[str]) -> None:
+def _schema_paths(model: type[BaseModel] = JobConfig, prefix: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """Every key path of the job's sections, nested ones included."""
+    for key, info in _fields_by_key(model).items():
+        yield (*prefix, key)
+        section = _mapping_model(info.annotation)
+        if section is not None:
+            yield from _schema_paths(section, (*prefix, key))
+
+
+def _did_you_mean(key: str, prefix: list[str], known: list[str]) -> str:
+    """The closest key of this section, or the same (or a close) key in another section as a full path: a top-level
+    `lr` means train.lr, `lora.lr` too. Ties (every_steps is in three sections) are all named."""
+
+    def closeness(name: str) -> float:
+        return 1.0 if name == key else difflib.SequenceMatcher(None, key, name).ratio()
+
+    here = tuple(prefix)
+    scored = [(closeness(name), 1, ".".join((*here, name))) for name in known]
+    scored = [item for item in scored if item[0] >= SIBLING_CUTOFF]
+    for path in _schema_paths():
+        if path[:-1] != here and closeness(path[-1]) >= ELSEWHERE_CUTOFF:
+            scored.append((closeness(path[-1]), 0, ".".join(path)))
+    if not scored:
+        return f"known keys here: {', '.join(known)}"
+    best = max(scored)[:2]
+    names = [f"'{path}'" for score, local, path in scored if (score, local) == best]
+    shown = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+    return f"did you mean {shown}?"
+
+
+def _unknown_keys(data: dict[str, Any], where_of: Where, prefix: list[str]) -> dict[str, ConfigError]:
+    """Every key no section knows, by dotted path (pydantic reports them too, without a suggestion)."""
     model = _section_model(prefix)
     if model is None:
-        return
-    known = _known_fields(model)
+        return {}
+    known = list(_fields_by_key(model))
+    problems: dict[str, ConfigError] = {}
     for key, value in data.items():
         path = prefix + [str(key)]
         if key not in known:
-            hint = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
-            fix = f"did you mean '{'.'.join(prefix + hint)}'?" if hint else None
-            fix = fix or f"known keys here: {', '.join(known)}"
-            raise ConfigError(f"unknown key '{'.'.join(path)}'", where=where_of(path), fix=fix)
-        if isinstance(value, dict):
-            _check_unknown_keys(value, where_of, path)
+            dotted = ".".join(path)
+            problems[dotted] = ConfigError(
+                f"unknown key '{dotted}'", where=where_of(path), fix=_did_you_mean(str(key), prefix, known)
+            )
+        elif isinstance(value, dict):
+            problems.update(_unknown_keys(value, where_of, path))
+    return problems
 
 
 def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:
@@ -148,6 +207,82 @@ def _field_name(loc: tuple[Any, ...]) -> str:
     return name
 
 
+def _resolve_loc(loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], FieldInfo | None]:
+    """A pydantic location without the union member it tried (lora.target_modules, not
+    lora.target_modules.list[str]), and the field it ends at. Past a field that holds no section, only list
+    indices are locations; the other parts name union members."""
+    kept: list[Any] = []
+    model: type[BaseModel] | None = JobConfig
+    field: FieldInfo | None = None
+    for part in loc:
+        if isinstance(part, int):
+            kept.append(part)
+            continue
+        found = _fields_by_key(model).get(part) if model is not None else None
+        if found is not None:
+            kept.append(part)
+            field, model = found, _model_in(found.annotation)
+    return tuple(kept), field
+
+
+def _one_message(errors: list[dict[str, Any]]) -> str:
+    """One field's errors as one sentence: a union's members read 'Input should be a valid list or 'all-linear''."""
+    messages = [error["msg"].removeprefix("Value error, ") for error in errors]
+    if len(messages) > 1:
+        messages = [message.split(", unable to parse", 1)[0] for message in messages]
+        messages = [messages[0], *(message.removeprefix("Input should be ") for message in messages[1:])]
+    return " or ".join(dict.fromkeys(messages))
+
+
+def _list_syntax(field: str, value: Any) -> str:
+    """How a list is written, from the user's own items (`q_proj` or `q_proj,v_proj`), in both places: a scalar
+    given for a list is the usual slip, and the override form is YAML's flow list, which the shell must not split."""
+    items = [item.strip() for item in str(value).split(",") if item.strip()] or ["..."]
+    return (
+        f"write a list, items separated by commas: as an override {field}=[{','.join(items)}] (no spaces, or quote "
+        f"the whole override), in the YAML file {field.rsplit('.', 1)[-1]}: [{', '.join(items)}]"
+    )
+
+
+def _field_problem(
+    loc: tuple[Any, ...], field: FieldInfo | None, errors: list[dict[str, Any]], where_of: Where
+) -> ConfigError:
+    """One field's errors as a ConfigError naming the field, the value, where it was set and a fix."""
+    name = _field_name(loc) or "(top level)"
+    value = errors[0].get("input")
+    shown = "" if isinstance(value, dict) or not loc else f" (got {value!r})"
+    wants_list = any(error["type"] in ("list_type", "tuple_type") for error in errors)
+    if wants_list and not isinstance(value, list | dict) and field and not _model_in(field.annotation):
+        fix: str | None = _list_syntax(name, value)
+    else:  # a validator's own message already says what to set
+        fix = None if all(error["type"] == "value_error" for error in errors) else VALUE_FIX
+    return ConfigError(f"{name}: {_one_message(errors)}{shown}", where=where_of([str(p) for p in loc]), fix=fix)
+
+
+def _validation_problems(err: ValidationError, where_of: Where, unknown: set[str]) -> list[ConfigError]:
+    """All of pydantic's errors, one per field (a union's members merged), unknown keys left to their own check."""
+    by_field: dict[tuple[Any, ...], tuple[FieldInfo | None, list[dict[str, Any]]]] = {}
+    for error in err.errors():
+        if error["type"] == "extra_forbidden" and ".".join(map(str, error["loc"])) in unknown:
+            continue
+        loc, field = _resolve_loc(error["loc"])
+        by_field.setdefault(loc, (field, []))[1].append(error)
+    return [_field_problem(loc, field, errors, where_of) for loc, (field, errors) in by_field.items()]
+
+
+def _all_at_once(problems: list[ConfigError]) -> ConfigError:
+    """One error for every problem found: one alone as it is, several as a list with a fix each."""
+    if len(problems) == 1:
+        return problems[0]
+    lines = [f"{len(problems)} problems in the job config:"]
+    for problem in problems:
+        lines.append(f"  {problem.where}: {problem.what}" if problem.where else f"  {problem.what}")
+        if problem.fix and problem.fix != VALUE_FIX:
+            lines.append(f"    Fix: {problem.fix}")
+    shared = VALUES_FIX if any(problem.fix == VALUE_FIX for problem in problems) else None
+    return ConfigError("\n".join(lines), fix=shared)
+
+
 def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
     """Read a job: the file (or the quickstart preset when None), then the overrides in order."""
     data, lines, file = _read_yaml(path or "quickstart")
@@ -167,21 +302,14 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
                 return f"{file}:{lines[dotted]}"
         return file
 
-    _check_unknown_keys(data, where_of, [])
-    try:
-        cfg = JobConfig.model_validate(data)
+    unknown = _unknown_keys(data, where_of, [])
+    problems = list(unknown.values())
+    try:  # validators that name two fields say where each was set (the context)
+        cfg = JobConfig.model_validate(data, context={"where": lambda field: where_of(field.split("."))})
     except ValidationError as err:
-        first = err.errors()[0]
-        loc = [str(part) for part in first["loc"]]
-        field = _field_name(first["loc"]) or "(top level)"
-        value = first.get("input")
-        shown = "" if isinstance(value, dict) or not loc else f" (got {value!r})"
-        message = first["msg"].removeprefix("Value error, ")
-        raise ConfigError(
-            f"{field}: {message}{shown}",
-            where=where_of(loc),
-            fix="change that value in the file, or override it with key=value",
-        ) from None
+        problems += _validation_problems(err, where_of, set(unknown))
+    if problems:
+        raise _all_at_once(problems) from None
     cfg._where = {**{key: f"{file}:{line}" for key, line in lines.items()}, **sources}
     return cfg
 
@@ -191,6 +319,11 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
 
 def dump_config(cfg: JobConfig) -> str:
     """The resolved job as YAML, secrets redacted: what goes into the run dir. It loads back as the same job: a
-    mixture's unused data.path is left out (the two are exclusive)."""
-    unused = {"data": {"path"}} if cfg.data.mixture else None
-    return yaml.safe_dump(redact(cfg.model_dump(mode="json", by_alias=True, exclude=unused)), sort_keys=False)
+    mixture's unused data.path is left out (the two are exclusive), and so is the default max_steps of an epochs
+    job the trainer has not sized yet (train.epoch_rows unset: a pod's job.yaml)."""
+    unused: dict[str, set[str]] = {}
+    if cfg.data.mixture:
+        unused["data"] = {"path"}
+    if cfg.train.epochs is not None and cfg.train.epoch_rows is None:
+        unused["train"] = {"max_steps"}
+    return yaml.safe_dump(redact(cfg.model_dump(mode="json", by_alias=True, exclude=unused or None)), sort_keys=False)

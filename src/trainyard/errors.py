@@ -57,5 +57,9 @@ class OptionError(TrainyardError):
     """A command-line option has a value that cannot be used."""
 
 
+class PlanError(TrainyardError):
+    """The job cannot run as planned: it does not fit its devices, its data is unusable, or its resume point."""
+
+
 class RunDirError(TrainyardError):
     """A run directory (metrics.jsonl, summary.json) is missing or unreadable."""

@@ -29,8 +29,8 @@ class Hardware:
     gpu: str
     gpus_per_node: int = 1
     nodes: int = 1
-    network_gbps: float = estimate_time.DEFAULT_NETWORK_GBPS
-    """Inter-node bandwidth of one node's link, Gb/s."""
+    network_gbps: float | None = None
+    """Inter-node bandwidth of one node's link, Gb/s; None: what dist.network and the device kind imply."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,10 @@ class Estimate:
     cost: dict[str, float]
     fix: str | None = None
     notes: list[str] = field(default_factory=list)
+    network: str = ""
+    """The inter-node link assumed, in words."""
+    lengths: str = ""
+    """Where the tokens per step came from."""
 
     @property
     def device_bytes(self) -> int:
@@ -75,8 +79,9 @@ def check_options(hardware: Hardware, assumptions: Assumptions) -> None:
     """Numbers an estimate cannot use fail with exit 2, naming the option."""
     mem.gpu(hardware.gpu)
     positive = {"--gpus-per-node": hardware.gpus_per_node, "--nodes": hardware.nodes,
-                "--network-gbps": hardware.network_gbps, "--disk-gbytes-s": assumptions.disk_gbytes_s,
-                "--diloco-h": assumptions.diloco_h}
+                "--disk-gbytes-s": assumptions.disk_gbytes_s, "--diloco-h": assumptions.diloco_h}
+    if hardware.network_gbps is not None:
+        positive["--network-gbps"] = hardware.network_gbps
     if assumptions.price_per_gpu_hour is not None:
         positive["--price-per-gpu-hour"] = assumptions.price_per_gpu_hour
     for option, value in positive.items():
@@ -93,18 +98,24 @@ def check_options(hardware: Hardware, assumptions: Assumptions) -> None:
 
 
 def estimate(cfg: JobConfig, hardware: Hardware, assumptions: Assumptions = Assumptions(),
-             model: mem.Model | None = None, suggest: bool = True) -> Estimate:
-    """The whole estimate of a job on `hardware`; `suggest`: also search the cheapest change when it does not fit."""
+             model: mem.Model | None = None, suggest: bool = True,
+             lengths: estimate_time.Lengths = estimate_time.Lengths()) -> Estimate:
+    """The whole estimate of a job on `hardware`; `suggest`: also search the cheapest change when it does not fit.
+    `lengths`: the data's document lengths, when it was read (else every row is taken to fill max_length)."""
     check_options(hardware, assumptions)
     kind = mem.gpu(hardware.gpu)
+    if hardware.network_gbps is None:
+        network_gbps, network = mem.network_of(kind, cfg.dist.network)
+    else:
+        network_gbps, network = hardware.network_gbps, "--network-gbps"
     model = model or mem.load_model(cfg)
     layout = mem.resolve_strategy(cfg, model, kind, hardware.gpus_per_node, hardware.nodes)
     precision = mem.resolve_precision(cfg, kind)
     size = mem.dtypes(cfg, precision, layout.strategy)
     accum = accumulation_steps(cfg, layout.world)
     memory = mem.memory(cfg, model, layout, precision)
-    timed = estimate_time.timing(cfg, model, layout, size, accum, assumptions.mfu, hardware.network_gbps,
-                                 assumptions.diloco_h, assumptions.disk_gbytes_s)
+    timed = estimate_time.timing(cfg, model, layout, size, accum, assumptions.mfu, network_gbps,
+                                 assumptions.diloco_h, assumptions.disk_gbytes_s, lengths)
     result = Estimate(
         layout=layout,
         precision=precision.name,
@@ -114,6 +125,8 @@ def estimate(cfg: JobConfig, hardware: Hardware, assumptions: Assumptions = Assu
         memory=memory,
         timing=timed,
         cost=estimate_time.cost(timed, layout, assumptions.price_per_gpu_hour, assumptions.spot_discount),
+        network=f"{network_gbps:g} Gb/s per node ({network})" if layout.nodes > 1 else "one node: no inter-node link",
+        lengths=lengths.source,
     )
     if suggest and not result.fits:
         result.fix = cheapest_fix(cfg, model, hardware)
@@ -204,6 +217,8 @@ def to_json(result: Estimate) -> dict[str, Any]:
         "assumptions": {"allocator_slack": mem.ALLOCATOR_SLACK, "cuda_context_bytes": mem.CUDA_CONTEXT_BYTES},
         "notes": memory.notes,
         "time": {**asdict(timed), "step_s": timed.step_s, "total_s": timed.total_s},
+        "network": result.network,
+        "tokens_from": result.lengths,
         "cost": result.cost,
     }
 
@@ -234,7 +249,7 @@ def render(result: Estimate) -> str:
         lines.append(f"cheapest fix     {result.fix}")
     lines += [
         f"step             {timed.step_s:.3g} s ({timed.compute_s:.3g} s compute, {timed.comm_s:.3g} s communication),"
-        f" {timed.tokens_per_step:,} tokens",
+        f" {timed.tokens_per_step:,} tokens ({result.lengths}); network: {result.network}",
         f"job              {timed.steps} steps: {timed.train_s / 3600:.3g} h training, "
         f"{timed.total_s / 3600:.3g} h with checkpoints and expected failures",
         f"checkpoints      {timed.checkpoint_bytes / 1e9:.3g} GB, {timed.save_s:.3g} s each; Young/Daly interval "
@@ -252,25 +267,28 @@ def _cost_words(cost: dict[str, float]) -> list[str]:
     return words
 
 
-def describe(cfg: JobConfig, world_size: int) -> str:
-    """The estimate lines `train --dry-run` prints, for this machine's device kind (8 ranks per node)."""
-    per_node = min(world_size, 8)
-    hardware = Hardware(_this_gpu(), per_node, math.ceil(world_size / per_node))
+def describe(cfg: JobConfig, hardware: Hardware,
+             lengths: estimate_time.Lengths = estimate_time.Lengths()) -> tuple[str, Estimate | None]:
+    """The estimate lines `train --dry-run` prints for the target hardware, and the estimate (None: unknown)."""
     try:
-        result = estimate(cfg, hardware, suggest=False)
+        result = estimate(cfg, hardware, lengths=lengths)
     except (ModelError, ConfigError) as err:
-        return f"estimate         unknown: {err.what}"
+        return f"estimate         unknown: {err.what}", None
     verdict = "fits" if result.fits else "does NOT fit"
-    return (f"estimate         peak {_size(result.memory.peak)} of {_size(result.device_bytes)} "
-            f"per {hardware.gpu} ({verdict}); step {result.timing.step_s:.3g} s at MFU {estimate_time.DEFAULT_MFU:g}"
-            f" (trainyard estimate for more)")
+    where = f"{hardware.nodes} x {hardware.gpus_per_node} {hardware.gpu}"
+    line = (f"estimate         peak {_size(result.memory.peak)} of {_size(result.device_bytes)} per device on {where}"
+            f" ({verdict}); step {result.timing.step_s:.3g} s at MFU {estimate_time.DEFAULT_MFU:g}, "
+            f"{result.timing.tokens_per_step:,} tokens ({result.lengths}); network {result.network}")
+    if result.fix:
+        line += f"\ncheapest fix     {result.fix}"
+    return line, result
 
 
 def _size(size: float) -> str:
     return f"{size / mem.GIB:.1f} GiB" if size >= mem.GIB else f"{size / mem.MIB:.1f} MiB"
 
 
-def _this_gpu() -> str:
+def this_gpu() -> str:
     """The known kind of this machine's first GPU, or cpu."""
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)

@@ -39,24 +39,40 @@ LOGIT_BYTES = 12
 
 @dataclass(frozen=True)
 class Gpu:
-    """One device kind: memory as nvidia-smi reports it, its entry in metrics' peak table, and the
-    intra-node bandwidth one direction of its links gives a ring collective (GB/s)."""
+    """One device kind: memory as nvidia-smi reports it, its entry in metrics' peak table, the
+    intra-node bandwidth one direction of its links gives a ring collective (GB/s), and the network a node of
+    that kind usually has (Gb/s per node, its reference design's NICs)."""
 
     name: str
     memory_bytes: int
     device_name: str | None
     intra_node_gbytes_s: float
+    node_network_gbps: float = 100.0
+    network_words: str = "100 Gb/s Ethernet"
 
 
 GPUS: dict[str, Gpu] = {
-    "h100-80gb": Gpu("h100-80gb", 81559 * MIB, "NVIDIA H100 80GB HBM3", 450.0),  # NVLink 4: 900 GB/s both ways
-    "h100-pcie": Gpu("h100-pcie", 81559 * MIB, "NVIDIA H100 PCIe", 64.0),  # PCIe 5 x16
-    "h200": Gpu("h200", 143771 * MIB, "NVIDIA H200", 450.0),
-    "a100-80gb": Gpu("a100-80gb", 81920 * MIB, "NVIDIA A100-SXM4-80GB", 300.0),  # NVLink 3
-    "a100-40gb": Gpu("a100-40gb", 40960 * MIB, "NVIDIA A100-SXM4-40GB", 300.0),
-    "l4": Gpu("l4", 23034 * MIB, "NVIDIA L4", 32.0),  # PCIe 4 x16
-    "cpu": Gpu("cpu", psutil.virtual_memory().total, None, 10.0),  # shared-memory gloo, order of magnitude
+    # NVLink 4: 900 GB/s both ways; DGX/HGX H100 and H200 nodes: 8 ConnectX-7 at 400 Gb/s (one per GPU)
+    "h100-80gb": Gpu("h100-80gb", 81559 * MIB, "NVIDIA H100 80GB HBM3", 450.0, 3200.0, "8 x 400 Gb/s InfiniBand"),
+    "h100-pcie": Gpu("h100-pcie", 81559 * MIB, "NVIDIA H100 PCIe", 64.0, 400.0, "one 400 Gb/s NIC"),  # PCIe 5 x16
+    "h200": Gpu("h200", 143771 * MIB, "NVIDIA H200", 450.0, 3200.0, "8 x 400 Gb/s InfiniBand"),
+    # NVLink 3; DGX A100: 8 ConnectX-6 at 200 Gb/s
+    "a100-80gb": Gpu("a100-80gb", 81920 * MIB, "NVIDIA A100-SXM4-80GB", 300.0, 1600.0, "8 x 200 Gb/s InfiniBand"),
+    "a100-40gb": Gpu("a100-40gb", 40960 * MIB, "NVIDIA A100-SXM4-40GB", 300.0, 1600.0, "8 x 200 Gb/s InfiniBand"),
+    "l4": Gpu("l4", 23034 * MIB, "NVIDIA L4", 32.0, 100.0, "100 Gb/s Ethernet"),  # PCIe 4 x16; cloud L4 nodes
+    # shared-memory gloo, order of magnitude; CPU nodes on 10 Gb/s Ethernet
+    "cpu": Gpu("cpu", psutil.virtual_memory().total, None, 10.0, 10.0, "10 Gb/s Ethernet"),
 }
+NETWORK_PRESETS = {"socket": (100.0, "TCP sockets (dist.network: socket)"), "wan": (1.0, "a WAN (dist.network: wan)")}
+"""Links a dist.network preset implies, Gb/s per node: TCP on 100 Gb/s Ethernet (seed 000's cluster), a 1 Gb/s WAN."""
+
+
+def network_of(kind: Gpu, preset: str) -> tuple[float, str]:
+    """The inter-node link assumed when none is given: the preset's, else the device kind's usual network."""
+    if preset in NETWORK_PRESETS:
+        gbps, words = NETWORK_PRESETS[preset]
+        return min(gbps, kind.node_network_gbps), words
+    return kind.node_network_gbps, f"{kind.network_words}, usual for {kind.name} nodes"
 
 
 def gpu(name: str) -> Gpu:

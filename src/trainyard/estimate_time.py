@@ -18,9 +18,36 @@ from trainyard.config import JobConfig
 from trainyard.estimate_memory import Dtypes, Layout, Model, peak_flops
 
 DEFAULT_MFU = 0.4
-DEFAULT_NETWORK_GBPS = 100.0
 # Sustained write bandwidth of the checkpoint store for the whole job (stated, not measured).
 DEFAULT_DISK_GBYTES_S = 2.0
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Token lengths of the job's documents (truncated at data.max_length), read from its data, or unknown."""
+
+    documents: tuple[int, ...] = ()
+    source: str = "data.max_length (the data was not read)"
+
+    def per_row(self, cfg: JobConfig) -> tuple[float, float]:
+        """(tokens computed per micro-batch row, attention length a token sees on average) as the job batches:
+        packing fills rows of max_length; padding-free computes each document's own tokens; padding computes
+        the longest of the micro-batch's documents for each."""
+        data, length = cfg.data, cfg.data.max_length
+        if not self.documents or data.packing:
+            return length, length
+        mean = sum(self.documents) / len(self.documents)
+        seen = sum(n * n for n in self.documents) / sum(self.documents)  # E[L^2]/E[L]: a token's attention span
+        if data.padding_free:
+            return mean, seen
+        padded = expected_max(sorted(self.documents), cfg.train.micro_batch_size)
+        return padded, padded
+
+
+def expected_max(ordered: list[int], draws: int) -> float:
+    """E[max of `draws` documents drawn from the empirical lengths]: the length a padded micro-batch computes."""
+    n = len(ordered)
+    return sum(x * ((i / n) ** draws - ((i - 1) / n) ** draws) for i, x in enumerate(ordered, start=1))
 
 
 @dataclass(frozen=True)
@@ -52,12 +79,13 @@ class Timing:
         return self.train_s + self.lost_work_s + self.checkpoint_overhead_s
 
 
-def flops_per_token(cfg: JobConfig, model: Model) -> float:
+def flops_per_token(cfg: JobConfig, model: Model, seq: float | None = None) -> float:
     """metrics.flops_per_token (6N, LoRA-aware: 4N + 2 x trainable) over the parameters a token passes through
-    (MoE: top-k experts), plus the forward recomputed under activation checkpointing."""
+    (MoE: top-k experts), plus the forward recomputed under activation checkpointing. `seq`: the attention span a
+    token sees (default data.max_length)."""
     shape, counts = model.shape, model.counts
     active, trainable = counts.total * counts.active_expert_share, counts.trainable * counts.active_expert_share
-    seq = cfg.data.max_length
+    seq = int(seq or cfg.data.max_length)
     flops = metrics.flops_per_token(int(active), int(trainable), shape.layers, shape.hidden, seq)
     if cfg.model.gradient_checkpointing:
         flops += 2 * active + 4 * shape.layers * shape.hidden * seq
@@ -113,10 +141,11 @@ def young_daly_interval_s(save_s: float, mtbf_s: float) -> float:
 
 
 def timing(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: int, mfu: float,
-           network_gbps: float, diloco_h: int, disk_gbytes_s: float) -> Timing:
+           network_gbps: float, diloco_h: int, disk_gbytes_s: float, lengths: Lengths = Lengths()) -> Timing:
     """Step time, the job's time, and what failures cost it with checkpoints every Young/Daly interval."""
-    tokens = cfg.train.micro_batch_size * cfg.data.max_length * accum * layout.world
-    per_token = flops_per_token(cfg, model)
+    per_row, seq = lengths.per_row(cfg)
+    tokens = round(cfg.train.micro_batch_size * per_row * accum * layout.world)
+    per_token = flops_per_token(cfg, model, seq)
     compute = per_token * tokens / (layout.world * peak_flops(layout.gpu, size.compute_dtype) * mfu)
     comm = comm_s(cfg, model, layout, size, accum, network_gbps, diloco_h)
     ckpt = checkpoint_bytes(cfg, model, size)

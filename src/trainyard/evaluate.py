@@ -8,14 +8,20 @@ and exact-match counts at the end.
 Generation under FSDP is the one exception: every forward pass all-gathers weights, so all
 ranks must run the same number of them. They agree once per new token whether any rank is
 still generating (HF's `synced_gpus`), so each sequence still ends at its own end of turn.
+
+The generations themselves (prompt, answer, reference, correct) are kept when asked: each rank's
+byte count rides on that all-reduce, then one gather brings them to rank 0, which writes them to
+the run dir's samples/ in one file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import datasets
@@ -26,7 +32,9 @@ from transformers import modeling_utils
 
 from trainyard.data import IGNORE_INDEX, collate
 from trainyard.dist import DistInfo, all_reduce_sum
+from trainyard.files import write_atomically
 from trainyard.parallel import unwrap
+from trainyard.redaction import redact
 
 _MASK_KEEP = hasattr(modeling_utils, "slice_logits_to_keep")  # boolean logits_to_keep masks (transformers 5)
 
@@ -117,17 +125,49 @@ def generate_answers(
     return [tokenizer.decode(_until_eos(ids.tolist(), eos), skip_special_tokens=True) for ids in output[:, width:]]
 
 
-def _exact_matches(
+def _generations(
     model: torch.nn.Module,
     rows: list[dict[str, Any]],
     tokenizer: Any,
     max_new_tokens: int,
     lockstep: bool,
     device: torch.device,
-) -> int:
-    """Greedy answers compared with the expected ones as stripped strings."""
+) -> list[dict[str, Any]]:
+    """Greedy answers, each with its prompt, the expected answer, and whether they match as stripped strings."""
     answers = generate_answers(model, [row["prompt_ids"] for row in rows], tokenizer, max_new_tokens, lockstep, device)
-    return sum(int(got.strip() == row["answer"].strip()) for got, row in zip(answers, rows))
+    return [
+        {
+            "prompt": tokenizer.decode(row["prompt_ids"], skip_special_tokens=True),
+            "answer": got,
+            "reference": row["answer"],
+            "correct": got.strip() == row["answer"].strip(),
+        }
+        for got, row in zip(answers, rows)
+    ]
+
+
+def samples_file(run_dir: Path, step: int) -> Path:
+    """Where the generations of the evaluation at `step` are kept."""
+    return run_dir / "samples" / f"step-{step:08d}.jsonl"
+
+
+def _gather_to_first(payload: bytes, sizes: list[int], info: DistInfo) -> list[dict[str, Any]]:
+    """Every rank's generations (JSON bytes, `sizes` from the all-reduce) on rank 0, others get []: one gather
+    of equal-sized byte tensors, where gather_object would add an all-gather of the sizes."""
+    if not info.distributed:
+        return json.loads(payload)
+    mine = torch.zeros(max(sizes), dtype=torch.uint8, device=info.device)
+    mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    every = [torch.empty_like(mine) for _ in sizes] if info.is_main else None
+    torch.distributed.gather(mine, every, dst=0)
+    return [record for part, size in zip(every or [], sizes) for record in json.loads(bytes(part[:size].tolist()))]
+
+
+def write_samples(path: Path, records: list[dict[str, Any]]) -> None:
+    """One JSON line per generation, in the subset's order, redacted, written atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ordered = sorted(records, key=lambda record: record["index"])
+    write_atomically(path, "".join(json.dumps(redact(record), ensure_ascii=False) + "\n" for record in ordered))
 
 
 def _until_eos(ids: list[int], eos_id: int | None) -> list[int]:
@@ -148,16 +188,22 @@ def evaluate(
     max_new_tokens: int = 32,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     padding_free: bool = True,
+    samples_path: Path | None = None,
 ) -> dict[str, float]:
     """Loss, perplexity and (optionally) exact-match accuracy, reduced once over ranks.
-    `autocast` computes in the training's precision (bf16 products over fp32 weights)."""
+    `autocast` computes in the training's precision (bf16 products over fp32 weights).
+    `samples_path` (with `generate`): rank 0 writes every generation there (see `samples_file`)."""
     sharded = isinstance(model, FSDPModule)
     net = model if sharded else unwrap(model)
     was_training = net.training
     net.eval()
     indices = evaluation_subset(len(eval_data), subset_size, seed)
     can_generate = generate and "answer" in eval_data.column_names and "prompt_ids" in eval_data.column_names
-    totals = torch.zeros(4, dtype=torch.float64, device=info.device)  # loss, tokens, correct, asked
+    keep = can_generate and samples_path is not None
+    # loss, tokens, correct, asked, then (keeping generations) each rank's bytes of them
+    totals = torch.zeros(4 + (info.world_size if keep else 0), dtype=torch.float64, device=info.device)
+    position = {index: order for order, index in enumerate(indices)}
+    kept: list[dict[str, Any]] = []
     with torch.no_grad(), autocast():
         for batch_indices in _rank_batches(indices, info, batch_size):
             padding_only = not batch_indices
@@ -169,11 +215,20 @@ def evaluate(
                 totals[0] += loss.double()
                 totals[1] += count
             if can_generate:
-                correct = _exact_matches(net, rows, tokenizer, max_new_tokens, sharded, info.device)
+                generations = _generations(net, rows, tokenizer, max_new_tokens, sharded, info.device)
                 if not padding_only:
-                    totals[2] += correct
+                    totals[2] += sum(record["correct"] for record in generations)
                     totals[3] += len(rows)
+                    kept += [{"index": position[i], **g} for i, g in zip(batch_indices, generations)]
+    payload = json.dumps(kept).encode() if keep else b""
+    if keep:
+        totals[4 + info.rank] = len(payload)
     all_reduce_sum(totals)
+    if keep:
+        gathered = _gather_to_first(payload, [int(size) for size in totals[4:].tolist()], info)
+        if info.is_main:
+            assert samples_path is not None
+            write_samples(samples_path, gathered)
     net.train(was_training)
     loss = (totals[0] / totals[1].clamp(min=1)).item()
     result = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(totals[1].item())}

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import platform
+import secrets
 import subprocess
 import sys
 import time
@@ -200,14 +201,19 @@ class MetricsSink:
         self.logger = logger
         self.console = Console(stderr=True)
         self.show_progress = cfg.log.progress and info.is_main
-        self.max_steps = cfg.train.max_steps
+        self._train = cfg.train
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a") if info.is_main else None
         self._tb = None
         if info.is_main and cfg.log.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
-        self._wandb = start_wandb(cfg) if info.is_main and cfg.log.wandb else None
+        self._wandb = start_wandb(cfg) if info.is_main and cfg.log.wandb is not None else None
+
+    @property
+    def max_steps(self) -> int:
+        """Read as it goes: train.epochs sets max_steps after the sink exists (trainer._size_by_epochs)."""
+        return self._train.max_steps
 
     def emit(self, kind: str, **fields: Any) -> None:
         if not self.info.is_main:
@@ -251,15 +257,36 @@ class MetricsSink:
             self._wandb.finish()
 
 
+WANDB_ID_FILE = "wandb-run-id"
+"""In the run dir: the W&B run's id (no secret), so every start of this run dir logs to the same W&B run."""
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """The run dir's W&B run id, made and written once (by rank 0, the only rank that starts W&B).
+
+    A requeued or resumed job used to start a new W&B run each time, splitting one curve in pieces."""
+    path = run_dir / WANDB_ID_FILE
+    if path.is_file():
+        return path.read_text().strip()
+    run_id = secrets.token_hex(6)  # W&B ids are [a-z0-9]
+    write_atomically(path, run_id + "\n")
+    return run_id
+
+
 def start_wandb(cfg: JobConfig) -> Any:
-    """Rank 0's W&B run. The key comes only from the environment (WANDB_API_KEY) or
-    `wandb login`; WANDB_MODE=offline works. Command line and environment capture are off,
-    since either can carry a secret."""
+    """Rank 0's W&B run, continued (resume="allow") when the run dir was started before. The key comes
+    only from the environment (WANDB_API_KEY) or `wandb login`; WANDB_MODE=offline works. Command line and
+    environment capture are off, since either can carry a secret."""
     import wandb
 
+    assert cfg.log.wandb is not None
     settings = wandb.Settings(disable_code=True, disable_git=True, x_disable_meta=True, console="off")
     return wandb.init(
-        project=cfg.log.wandb_project,
+        project=cfg.log.wandb.project,
+        entity=cfg.log.wandb.entity,
+        group=cfg.log.wandb.group,
+        id=wandb_run_id(cfg.run_dir),
+        resume="allow",
         name=cfg.run_name,
         dir=str(cfg.run_dir),
         config=redact(cfg.model_dump(mode="json", by_alias=True)),

@@ -13,7 +13,8 @@ from trainyard.config import JobConfig
 def lr_lambda(cfg: JobConfig):
     """Linear warmup, then cosine / linear decay to min_lr_ratio, or constant. `step` counts
     optimizer steps from 0: the peak is first used at step warmup_steps (1-based), the minimum
-    at the last step."""
+    at the last step. max_steps is read at each step, not here: train.epochs sets it once the data is counted,
+    after the optimizer is built (trainer._size_by_epochs); the first step's factor does not depend on it."""
     train = cfg.train
 
     def factor(step: int) -> float:

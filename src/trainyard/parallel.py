@@ -60,14 +60,17 @@ def choose_strategy(requested: str, model: torch.nn.Module, info: DistInfo, cfg:
     return auto_strategy(model, info, cfg)[0]
 
 
-def auto_strategy(model: torch.nn.Module | None, info: DistInfo, cfg: JobConfig | None = None) -> tuple[str, str]:
+def auto_strategy(
+    model: torch.nn.Module | None, info: DistInfo, cfg: JobConfig | None = None, device: int | None = None
+) -> tuple[str, str]:
     """(strategy, why) for `dist.strategy: auto`: none alone; else the first of ddp, hsdp (several nodes:
     only gradients cross the slow link) and fsdp whose estimated peak per rank (weights, gradients, optimizer,
     activations, buffers: estimate.py) fits the device. Without a job the estimate can model, the replicated
-    training state decides: ddp while it fits half a device."""
+    training state decides: ddp while it fits half a device. `device`: bytes per rank of the target when it is
+    not this machine (a dry run for another cluster)."""
     if info.world_size == 1:
         return "none", "one process"
-    device = device_memory_bytes(info)
+    device = device or device_memory_bytes(info)
     nodes = math.ceil(info.world_size / max(info.local_world_size, 1))
     if cfg is not None:
         try:
@@ -85,7 +88,7 @@ def auto_strategy(model: torch.nn.Module | None, info: DistInfo, cfg: JobConfig 
         reason = "replicated state decides: "
     if model is None:
         return "auto", reason + "unknown before the model is built"
-    state, budget = replicated_state_bytes(model), _DDP_MEMORY_SHARE * device_memory_bytes(info)
+    state, budget = replicated_state_bytes(model), _DDP_MEMORY_SHARE * device
     reason += f"{state / 2**30:.2f} GiB of weights, gradients and AdamW state, budget {budget / 2**30:.1f} GiB"
     if state <= budget:
         return "ddp", reason

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import AutoConfig
 
-from trainyard import attention, diloco, dist, estimate, precision
+from trainyard import attention, diloco, dist, estimate, estimate_memory, precision
 from trainyard import model as model_room
-from trainyard.config import JobConfig, accumulation_steps
+from trainyard.config import JobConfig, accumulation_steps, steps_for_epochs
 from trainyard.dist import DistInfo
-from trainyard.errors import ModelError
-from trainyard.parallel import auto_strategy, choose_strategy
+from trainyard.checkpoint import latest_full
+from trainyard.data import survey as data_survey
+from trainyard.errors import ModelError, TrainyardError
+from trainyard.estimate_time import Lengths
+from trainyard.export import find_checkpoint
+from trainyard.preflight import check_source
+from trainyard.parallel import auto_strategy
 
 
 def _hf_config(cfg: JobConfig):
@@ -87,9 +97,163 @@ def _lora_words(cfg: JobConfig, model: torch.nn.Module | None) -> str:
     return f"{words} on {model_room.describe_lora_reach(model)}" if model is not None else words
 
 
-def describe_plan(cfg: JobConfig, world_size: int) -> str:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    info = DistInfo(0, world_size, 0, min(world_size, 8), device, None)
+@dataclass(frozen=True)
+class Target:
+    """Where a job is planned for: a device kind and the cluster's shape, not necessarily this machine."""
+
+    gpu: str
+    gpus_per_node: int
+    nodes: int
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @classmethod
+    def here(cls, world_size: int) -> Target:
+        """This machine's device kind, 8 ranks per node."""
+        per_node = min(world_size, 8)
+        return cls(estimate.this_gpu(), per_node, math.ceil(world_size / per_node))
+
+
+def dry_run(cfg: JobConfig, target: Target, read_data: bool = True) -> tuple[str, list[str]]:
+    """Everything that can be known before the nodes are allocated, for `target`: the plan, the data (read and
+    encoded as training will), the resume point and the fit. Raises PlanError, after the plan is printed by the
+    caller, when the job cannot run as planned."""
+    problems: list[str] = []
+    if read_data:
+        cfg = cfg.model_copy(deep=True)  # train.epochs sets max_steps from the rows the survey counts
+        data_lines, lengths = _data_lines(cfg, target, problems)
+    else:
+        data_lines, lengths = ["data             not read here (--skip-data-check)"], Lengths()
+    text = describe_plan(cfg, target.world, target, lengths, data_lines)
+    _, result = estimate.describe(cfg, _hardware(target), lengths)
+    if result is not None and not result.fits:
+        problems.append(
+            f"the plan does not fit: peak {result.memory.peak / 2**30:.1f} GiB per device, {target.gpu} has "
+            f"{result.device_bytes / 2**30:.1f} GiB (cheapest fix: {result.fix})"
+        )
+    lines = [text, f"resume           {_resume_words(cfg, problems)}"]
+    return "\n".join(lines), problems
+
+
+def _hardware(target: Target) -> estimate.Hardware:
+    return estimate.Hardware(target.gpu, target.gpus_per_node, target.nodes)
+
+
+def _data_lines(cfg: JobConfig, target: Target, problems: list[str]) -> tuple[list[str], Lengths]:
+    """The data survey's lines and the documents' lengths for the estimate; a problem when the data is unusable."""
+    if cfg.data.mixture:
+        return [], Lengths()
+    tokenizer, why = local_tokenizer(cfg)
+    try:
+        if tokenizer is None:
+            _check_files(cfg)
+            return [f"data             {cfg.data.path}: readable; rows not encoded: {why}"], Lengths()
+        found = data_survey.survey(cfg, tokenizer)
+    except TrainyardError as err:
+        problems.append(f"the data is unusable: {_problem(err)}")
+        return [f"data             unusable: {err.what}"], Lengths()
+    accum = accumulation_steps(cfg, target.world)
+    samples = cfg.train.micro_batch_size * accum * target.world
+    if cfg.train.epochs is not None:
+        rows = max(round(found.usable_rows_estimate()), 1)
+        cfg.train.epoch_rows, cfg.train.max_steps = rows, steps_for_epochs(cfg, rows, target.world)
+    cuts = data_survey.percentiles(found.lengths)
+    source = f"the data's {found.usable:,} documents, p50 {cuts['p50']:,} tokens"
+    return data_survey.describe(found, cfg, samples), Lengths(tuple(found.lengths), source)
+
+
+def _problem(err: TrainyardError) -> str:
+    where = f"{err.where}: " if err.where else ""
+    return f"{where}{err.what}" + (f" (fix: {err.fix})" if err.fix else "")
+
+
+def _check_files(cfg: JobConfig) -> None:
+    """Without the tokenizer, at least every data file exists and parses (preflight's checks)."""
+    for field, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
+        if value and not value.startswith("builtin:"):
+            check_source(Path(value), field, skip_bad_rows=cfg.data.on_bad_row == "skip")
+
+
+def data_lengths(cfg: JobConfig, world_size: int) -> Lengths:
+    """The documents' token lengths for `trainyard estimate`, when the data and tokenizer can be read here; with
+    train.epochs, `cfg`'s max_steps from the rows counted."""
+    if cfg.data.mixture:
+        return Lengths()
+    tokenizer, why = local_tokenizer(cfg)
+    if tokenizer is None:
+        return Lengths(source=f"data.max_length: {why}")
+    try:
+        found = data_survey.survey(cfg, tokenizer)
+    except TrainyardError as err:
+        return Lengths(source=f"data.max_length: the data is unusable ({err.what})")
+    if cfg.train.epochs is not None:
+        rows = max(round(found.usable_rows_estimate()), 1)
+        cfg.train.epoch_rows, cfg.train.max_steps = rows, steps_for_epochs(cfg, rows, world_size)
+    cuts = data_survey.percentiles(found.lengths)
+    return Lengths(tuple(found.lengths), f"the data's {found.usable:,} documents, p50 {cuts['p50']:,} tokens")
+
+
+def local_tokenizer(cfg: JobConfig) -> tuple[Any, str]:
+    """The job's tokenizer if it can be had without a download (a dry run fetches nothing), else why not."""
+    model_cfg = cfg.model
+    source = model_cfg.tokenizer or model_cfg.path
+    try:
+        if source in model_room.BUILTIN_MODELS or (source or "").endswith(".gguf"):
+            return model_room.load_tokenizer(model_cfg, model_room.resolve_model_path(model_cfg)), ""
+        if source == "builtin:bytes" or Path(source or "").expanduser().exists():
+            return model_room.load_tokenizer(model_cfg, model_cfg.path), ""
+        folder = snapshot_download(source, local_files_only=True)
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        return None, (f"the tokenizer of {source} is not on this machine (nothing is downloaded before launch; "
+                      f"`huggingface-cli download {source}` once lets it read the data)")
+    return model_room.load_tokenizer(model_cfg.model_copy(update={"tokenizer": folder}), folder), ""
+
+
+def _resume_words(cfg: JobConfig, problems: list[str]) -> str:
+    """What checkpoint.resume will start from, checked now rather than on the nodes."""
+    resume = cfg.checkpoint.resume
+    if resume == "never":
+        return "never: a fresh start"
+    if resume == "auto":
+        newest = latest_full(cfg.run_dir / "checkpoints") if (cfg.run_dir / "checkpoints").is_dir() else None
+        return f"auto: from {newest}" if newest else f"auto: nothing committed in {cfg.run_dir} yet, a fresh start"
+    try:
+        step = find_checkpoint(Path(resume))
+    except TrainyardError as err:
+        problems.append(f"checkpoint.resume ({cfg.where('checkpoint.resume') or 'override'}): {_problem(err)}, "
+                        "or use auto or never")
+        return f"{resume}: unusable"
+    return f"from {step}"
+
+
+def _steps_words(train: Any) -> str:
+    if train.epochs is None:
+        return str(train.max_steps)
+    if train.epoch_rows is None:
+        return f"from train.epochs {train.epochs:g} once the rows are counted (the data was not read)"
+    return f"{train.max_steps} (train.epochs {train.epochs:g} over {train.epoch_rows:,} rows)"
+
+
+def _precision_on(cfg: JobConfig, target: Target) -> precision.Precision:
+    """train.precision on the target's devices (a GPU kind never asked of this machine's torch)."""
+    if target.gpu == "cpu":
+        return precision.resolve(cfg, torch.device("cpu"))
+    return estimate_memory.resolve_precision(cfg, estimate_memory.gpu(target.gpu))
+
+
+def describe_plan(
+    cfg: JobConfig,
+    world_size: int,
+    target: Target | None = None,
+    lengths: Lengths = Lengths(),
+    data_lines: list[str] | None = None,
+) -> str:
+    """The plan's lines; `data_lines`: what a survey of the data found, in place of the data settings."""
+    target = target or Target.here(world_size)
+    info = DistInfo(0, world_size, 0, target.gpus_per_node, torch.device("cpu"), None)
+    device_bytes = estimate_memory.device_bytes(estimate_memory.gpu(target.gpu), target.gpus_per_node)
     accum = accumulation_steps(cfg, world_size)
     model = meta_model(cfg)
     samples = cfg.train.micro_batch_size * accum * world_size
@@ -99,8 +263,8 @@ def describe_plan(cfg: JobConfig, world_size: int) -> str:
         f"world size       {world_size}",
         f"micro batch      {cfg.train.micro_batch_size} samples x {accum} accumulation x {world_size} ranks",
         f"global batch     {samples} samples, up to {samples * cfg.data.max_length:,} tokens per step",
-        f"steps            {train.max_steps} (lr {train.lr:g}, {train.schedule}, warmup {train.warmup_steps})",
-        f"precision        {precision.describe(precision.resolve(cfg, device), cfg.lora.enabled)}",
+        f"steps            {_steps_words(train)} (lr {train.lr:g}, {train.schedule}, warmup {train.warmup_steps})",
+        f"precision        {precision.describe(_precision_on(cfg, target), cfg.lora.enabled)}",
         f"lora             {_lora_words(cfg, model)}",
         f"checkpoints      {checkpoint_policy(cfg)}",
     ]
@@ -108,15 +272,16 @@ def describe_plan(cfg: JobConfig, world_size: int) -> str:
         lines.append(
             f"parameters       unknown: {cfg.model.path} is not in the local HF cache (a dry run downloads nothing)"
         )
-        strategy, why = auto_strategy(None, info, cfg) if cfg.dist.strategy == "auto" else (cfg.dist.strategy, "")
+        strategy, why = (auto_strategy(None, info, cfg, device_bytes) if cfg.dist.strategy == "auto"
+                         else (cfg.dist.strategy, ""))
         lines.append(f"strategy         {strategy} (requested {cfg.dist.strategy}{': ' + why if why else ''})")
     else:
         total, trainable = model_room.parameter_counts(model)
         lines.append(f"parameters       {total:,} total, {trainable:,} trainable ({trainable / max(total, 1):.2%})")
-        strategy = choose_strategy(cfg.dist.strategy, model, info)
+        strategy = cfg.dist.strategy if world_size > 1 else "none"
         why = ""
         if cfg.dist.strategy == "auto":
-            strategy, why = auto_strategy(model, info, cfg)
+            strategy, why = auto_strategy(model, info, cfg, device_bytes)
             why = f": {why}"
         lines.append(f"strategy         {strategy} (requested {cfg.dist.strategy}{why})")
         if strategy == "diloco":
@@ -139,11 +304,13 @@ def describe_plan(cfg: JobConfig, world_size: int) -> str:
         )
         if cfg.train.total_tokens:
             lines.append(f"token budget     {cfg.train.total_tokens:,} tokens")
+    elif data_lines:
+        lines += data_lines
     else:
         lines.append(
             f"data             {data.path} ({data.format}, max_length {data.max_length}, packing {data.packing})"
         )
-    lines.append(estimate.describe(cfg, world_size))
+    lines.append(estimate.describe(cfg, _hardware(target), lengths)[0])
     return "\n".join(lines)
 
 

@@ -21,6 +21,9 @@ from trainyard.errors import RunDirError
 
 GIB = 1024**3
 DEFAULT_MULTI_RUN_OUT = "trainyard-report"
+SAMPLES_SHOWN = 5
+"""Generations of the last evaluation shown per run: enough to see what the model answers."""
+SAMPLE_CHARS = 80
 
 
 @dataclass
@@ -244,6 +247,39 @@ def notable_events(run: Run) -> list[str]:
     return notes
 
 
+def last_samples(run: Run) -> tuple[Path, list[dict[str, Any]]] | None:
+    """The last evaluation's generations (samples/step-XXXXXXXX.jsonl; rank-<r>.jsonl are data audits)."""
+    files = sorted((run.path / "samples").glob("step-*.jsonl"))
+    return (files[-1], read_events(files[-1])[0]) if files else None
+
+
+def _cell(value: Any) -> str:
+    """A table cell: one line, no pipe, cut to SAMPLE_CHARS."""
+    text = " ".join(str(value).split()).replace("|", "\\|")
+    return text if len(text) <= SAMPLE_CHARS else text[: SAMPLE_CHARS - 1] + "…"
+
+
+def samples_section(runs: list[Run]) -> list[str]:
+    """A few generations of each run's last evaluation, with how many of them were right."""
+    lines = ["## Samples", ""]
+    for run in runs:
+        found = last_samples(run)
+        if found is None:
+            lines += [f"- `{run.name}`: no generations kept (eval.generate is off, or no evaluation ran yet)", ""]
+            continue
+        path, samples = found
+        correct = sum(bool(sample.get("correct")) for sample in samples)
+        lines += [f"`{run.name}`, {path.stem}: {correct} of {len(samples)} correct; the first {SAMPLES_SHOWN}:", ""]
+        lines += ["| prompt | answer | reference | correct |", "|---|---|---|---|"]
+        lines += [
+            f"| {_cell(s.get('prompt'))} | {_cell(s.get('answer'))} | {_cell(s.get('reference'))} | "
+            f"{'yes' if s.get('correct') else 'no'} |"
+            for s in samples[:SAMPLES_SHOWN]
+        ]
+        lines.append("")
+    return lines
+
+
 def markdown(runs: list[Run], plots: list[Path]) -> str:
     lines = ["# trainyard report", ""]
     lines += [f"- `{run.name}`: {run.path}" for run in runs]
@@ -251,7 +287,7 @@ def markdown(runs: list[Run], plots: list[Path]) -> str:
     for run in runs:
         notes = notable_events(run)
         lines.append(f"- `{run.name}`: " + ("; ".join(notes) if notes else "nothing unusual"))
-    lines += ["", "## Plots", ""]
+    lines += ["", *samples_section(runs), "## Plots", ""]
     lines += [f"![{path.stem}]({path.name})" for path in plots]
     return "\n".join(lines) + "\n"
 

@@ -174,8 +174,16 @@ def _last_checkpoint(run_dir: Path) -> str | None:
         return None
 
 
+def _state(finished: bool, train_events: list[dict[str, Any]], beats: list[dict[str, Any]]) -> str:
+    """finished (summary.json), running, or not started: no rank ever logged a step or wrote a heartbeat (a run dir
+    holding only its config.yaml, or a job still queued or loading)."""
+    if finished:
+        return "finished"
+    return "running" if train_events or beats else "not started"
+
+
 def read_status(run_dir: Path | str, stale_after_s: float = STALE_AFTER_S, now: float | None = None) -> dict[str, Any]:
-    """Step, loss, tokens/s, ETA, last committed checkpoint and silent ranks of one run."""
+    """State, step, loss, tokens/s, ETA, last committed checkpoint and silent ranks of one run."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         what = "is a file, not a run dir" if run_dir.exists() else "does not exist"
@@ -197,6 +205,7 @@ def read_status(run_dir: Path | str, stale_after_s: float = STALE_AFTER_S, now: 
     stale = [] if finished else stale_heartbeats(beats, now, stale_after_s)
     status: dict[str, Any] = {
         "run_dir": str(run_dir),
+        "state": _state(finished, train, beats),
         "finished": finished,
         "step": last.get("step"),
         "max_steps": max_steps,
@@ -239,8 +248,9 @@ def format_status(status: dict[str, Any]) -> str:
     """A few lines a person reads at a glance."""
     step = status["step"]
     progress = "no train step logged yet" if step is None else f"step {step}/{status['max_steps'] or '?'}"
-    state = "finished" if status["finished"] else "running"
-    lines = [f"{status['run_dir']}: {state}, {progress}"]
+    if status["state"] == "not started":
+        progress = "no rank has logged a step or a heartbeat yet"
+    lines = [f"{status['run_dir']}: {status['state']}, {progress}"]
     if step is not None:
         lines.append(
             f"  loss {status['loss']:.4f}  lr {status['lr']:.2e}  {status['tokens_per_s'] or 0:.0f} tokens/s"

@@ -23,14 +23,14 @@ from torch.distributed.fsdp import FSDPModule
 from trainyard import build, checkpoint, diloco, dist, health, loop_state, parallel
 from trainyard import model as model_room
 from trainyard import precision as precision_room
-from trainyard.config import JobConfig, accumulation_steps
+from trainyard.config import JobConfig, accumulation_steps, steps_for_epochs
 from trainyard.config_file import dump_config
 from trainyard.data import PreparedData, ResumableSampler, micro_batches, prepare_datasets, sample_record_path
 from trainyard.data.loader import stream_batches
 from trainyard.data.mixture import MixtureStream, mixture_stream
 from trainyard.data.pretraining import prepare_pretraining
 from trainyard.errors import TrainyardError
-from trainyard.evaluate import evaluate, token_loss_sum
+from trainyard.evaluate import evaluate, samples_file, token_loss_sum
 from trainyard.files import write_atomically
 from trainyard.loop_state import LoopState
 from trainyard.metrics import (
@@ -109,7 +109,7 @@ def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
     interval = LogWindow(info.device, job.comm_timer, device_peak_flops(info.device, job.precision.compute_dtype))
     run_eval = _evaluator(job)
     if cfg.eval.baseline and run_eval and state.step == 0:
-        state.baseline_eval = run_eval()
+        state.baseline_eval = run_eval(0)
         job.sink.emit("eval", step=0, baseline=True, **state.baseline_eval)
     heartbeat = BackgroundHeartbeat(cfg.run_dir, info.rank)
     heartbeat.step = state.step
@@ -125,7 +125,7 @@ def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
     heartbeat.step = state.step
     heartbeat.stop()
     if run_eval and cfg.eval.at_end and not (cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0):
-        state.last_eval = run_eval()
+        state.last_eval = run_eval(state.step)
         job.sink.emit("eval", step=state.step, **state.last_eval)
     if cfg.checkpoint.at_end:
         loop_state.save_full(job, state, async_save=False)
@@ -203,7 +203,7 @@ def _train_steps(
         if step % cfg.log.every_steps == 0 or step == cfg.train.max_steps:
             _log_interval(state, job, interval, lr, grad_norm)
         if run_eval and cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
-            state.last_eval = run_eval()
+            state.last_eval = run_eval(step)
             job.sink.emit("eval", step=step, **state.last_eval)
         full_due = (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or votes.timed_save > 0
         if full_due and step < cfg.train.max_steps:
@@ -257,7 +257,26 @@ def _log_interval(state: LoopState, job: Job, interval: LogWindow, lr: float, gr
         "train", step=state.step, lr=lr, grad_norm=float(grad_norm), **figures,
         peak_memory_bytes=peak_memory_bytes(job.info.device), tokens=state.tokens,
         **({"tokens_per_source": _per_source(job)} if isinstance(job.sampler, MixtureStream) else {}),
+        **({"epoch": _epoch(job.sampler)} if isinstance(job.sampler, ResumableSampler) else {}),
     )
+
+
+def _epoch(sampler: ResumableSampler) -> float:
+    """Passes over the training rows so far: the rows all ranks took (the sampler's global position) / rows."""
+    return round(sampler.consumed / sampler.num_samples, 6)
+
+
+def _size_by_epochs(job: Job, state: LoopState) -> None:
+    """train.epochs becomes max_steps here, once: the rows are known (bad rows dropped) and the global batch settled
+    (a resume keeps the checkpoint's, so the steps). The schedule and the ETA read max_steps as they go; status
+    reads it from config.yaml, written next."""
+    train, rows = job.cfg.train, len(job.data.train)
+    samples = job.facts["global_batch_samples"]
+    steps = steps_for_epochs(job.cfg, rows, job.info.world_size, saved_samples=samples)
+    train.epoch_rows = rows  # first: max_steps next to epochs needs it (TrainConfig._one_length)
+    train.max_steps = steps
+    job.sink.emit("system", step=state.step, event="steps_from_epochs", epochs=train.epochs, rows=rows,
+                  global_batch_samples=samples, max_steps=steps)
 
 
 def _per_source(job: Job) -> dict[str, int] | None:
@@ -270,7 +289,8 @@ def _evaluator(job: Job):
     if job.data.eval is None or len(job.data.eval) == 0:
         return None
 
-    def run_eval() -> dict[str, float]:
+    def run_eval(step: int) -> dict[str, float]:
+        """One evaluation; with eval.generate its generations are kept in samples/ under its step."""
         started = time.monotonic()
         figures = evaluate(
             job.model,
@@ -284,6 +304,7 @@ def _evaluator(job: Job):
             max_new_tokens=cfg.eval.max_new_tokens,
             autocast=job.autocast,
             padding_free=cfg.data.padding_free,
+            samples_path=samples_file(cfg.run_dir, step) if cfg.eval.generate else None,
         )
         return {**figures, "eval_s": round(time.monotonic() - started, 3)}
 
@@ -366,6 +387,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         job.saves.arrange = job.outer.arrangement()
         job.facts["diloco_sites"] = job.outer.sites
     state = loop_state.resume(job)
+    if cfg.train.epochs is not None:
+        _size_by_epochs(job, state)
     if info.is_main:  # after resume's checks: a rejected job never replaces the run's config
         write_atomically(run_dir / "config.yaml", dump_config(cfg))
     loop_state.install_preemption_handlers(cfg.checkpoint.preemption_signals)
@@ -401,6 +424,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         "data_fingerprint": data.fingerprint,
         "data_stats": data.stats,
         **({"tokens_per_source": _per_source(job)} if isinstance(sampler, MixtureStream) else {}),
+        **({"epoch": _epoch(sampler)} if isinstance(sampler, ResumableSampler) else {}),
         "params": total_params,
         "trainable_params": trainable_params,
         "first_train_loss": state.first_loss,

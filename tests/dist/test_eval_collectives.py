@@ -64,3 +64,19 @@ def test_generation_stops_at_each_sequences_end_and_equals_one_process(ranks: tu
     for rank, report in enumerate(reports):
         assert len(report["answers"]) == len(report["expected"]) == [19, 18][rank]
         assert report["answers"] == report["expected"], (strategy, rank)
+
+
+def test_kept_generations_cost_one_gather_and_rank_0_writes_them_all(ranks: tuple[str, list[dict]]) -> None:
+    """Each evaluation's generations land in samples/step-XXXXXXXX.jsonl: one all-reduce (carrying each rank's
+    byte count) and one gather, however many batches (FSDP's generation adds its per-token all-reduces, as
+    without samples); the file holds every example once, in the subset's order."""
+    strategy, reports = ranks
+    assert [r["kept_collectives"]["gather"] for r in reports] == [1, 1]
+    if strategy == "ddp":
+        assert [r["kept_collectives"] for r in reports] == [{"all_reduce": 1, "gather": 1}] * 2
+    assert reports[0]["kept"] == reports[0]["with_answers"]
+    lines = [json.loads(line) for line in Path(reports[0]["samples"]).read_text().splitlines()]
+    assert Path(reports[0]["samples"]).name == "step-00000007.jsonl"
+    assert [line["index"] for line in lines] == list(range(37))
+    assert {"prompt", "answer", "reference", "correct"} <= lines[0].keys()
+    assert sum(line["correct"] for line in lines) == sum(r["correct"] for r in reports)

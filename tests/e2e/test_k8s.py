@@ -67,6 +67,7 @@ def generate(tmp_path: Path, *options: str) -> tuple[str, dict[str, dict[str, An
         "ml",
         "--out",
         str(out),
+        "--skip-data-check",  # the data lives on the cluster's volume, not here
         *options,
         cwd=tmp_path,
         env=PLANTED_ENV,

@@ -206,7 +206,9 @@ CASES: list[tuple[str, Args, list[str], str]] = [
     ("status-stale-after-negative", cli("status", "{in}/run", "--stale-after", "-1"), ["--stale-after"], "new"),
     ("status-not-a-run-dir", cli("status", "{in}/not_a_run"), ["not_a_run", "not a run dir"], "new"),
     ("status-a-file", cli("status", "{in}/a_file"), ["a_file", "is a file"], "new"),
-    ("slurm-cpus-per-task-0", cli("slurm", "{tiny}", "--cpus-per-task", "0"), ["--cpus-per-task"], "new"),
+    ("slurm-cpus-per-task-0", cli("slurm", "{tiny}", "--gpus-per-node", "0", "--cpus-per-task", "0"),
+     ["--cpus-per-task"], "new"),
+    ("slurm-gpus-per-node-missing", cli("slurm", "{tiny}", "--nodes", "2"), ["--gpus-per-node"], "new"),
     ("slurm-nodes-0", cli("slurm", "{tiny}", "--nodes", "0"), ["--nodes"], "guard"),
     ("slurm-gpus-negative", cli("slurm", "{tiny}", "--gpus-per-node", "-1"), ["--gpus-per-node"], "guard"),
     ("k8s-nproc-per-node-0", cli("k8s", "{tiny}", "--image", "img:1", "--nproc-per-node", "0"),
@@ -226,7 +228,8 @@ CASES: list[tuple[str, Args, list[str], str]] = [
      ["--out", "a_file is a file"], "new"),
     ("k8s-out-is-folder", cli("k8s", "{tiny}", "--image", "img:1", "--out", "{in}/not_a_run"),
      ["--out", "folder"], "new"),
-    ("slurm-out-under-file", cli("slurm", "{tiny}", "output_dir={in}/../runs", "--out", "{in}/a_file/job.sbatch"),
+    ("slurm-out-under-file", cli("slurm", "{tiny}", "output_dir={in}/../runs", "--gpus-per-node", "0", "--out",
+                                 "{in}/a_file/job.sbatch"),
      ["--out", "a_file is a file"], "new"),
     ("report-not-a-run-dir", cli("report", "{in}/not_a_run"), ["not_a_run", "metrics.jsonl"], "guard"),
     ("export-not-a-checkpoint", cli("export", "{in}/not_a_run", "--out", "{in}/exported"),
@@ -258,7 +261,7 @@ def test_bad_input_exits_2_names_the_culprit_and_keeps_files(
 
 GENERATORS = {
     "k8s": (["k8s", "--image", "img:1"], "kind: PyTorchJob"),
-    "slurm": (["slurm", "--nodes", "1"], "#SBATCH"),
+    "slurm": (["slurm", "--nodes", "1", "--gpus-per-node", "0"], "#SBATCH"),
 }
 
 

@@ -45,30 +45,42 @@ def test_global_batch_that_does_not_divide_exits_2(tmp_path: Path) -> None:
     assert_user_error(result, "train.global_batch_size=12")
 
 
+ALPACA = '{"instruction": "Say hi", "output": "hi"}\n'
+CHAT = '{"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi"}]}\n'
+
+
 @pytest.mark.parametrize(
-    ("config", "world", "needles"),
+    ("config", "target", "needles"),
     [
-        ("mistral7b-lora-ddp.yaml", 8, ["world size       8", "strategy         ddp", "lora             r=16"]),
-        ("glm45air-fsdp-lora.yaml", 16,
-         ["world size       16", "strategy         hsdp", "x 4 accumulation x 16 ranks"]),
-        ("scratch-1.5b.yaml", 16,
+        ("mistral7b-lora-ddp.yaml", ["--gpu", "h100-80gb"],
+         ["world size       8", "strategy         ddp", "lora             r=16", "on 1 x 8 h100-80gb (fits)"]),
+        ("glm45air-fsdp-lora.yaml", ["--gpu", "h200", "--nodes", "2"],
+         ["world size       16", "strategy         hsdp", "x 4 accumulation x 16 ranks", "on 2 x 8 h200 (fits)",
+          "network 100 Gb/s per node (TCP sockets (dist.network: socket))"]),
+        ("scratch-1.5b.yaml", ["--gpu", "h100-80gb", "--nodes", "2"],
          ["524,288 tokens per step", "strategy         diloco",
           "diloco           2 sites x 8 ranks (ddp within a site), sync every 50",
           "off (full fine-tuning)", "parameters       1,", "steps            190735",
           "fineweb-edu/sample/100BT/*.parquet 65%", "token budget     100,000,000,000 tokens"]),
-        ("scratch-stdlib.yaml", 2,
+        ("scratch-stdlib.yaml", ["--world-size", "2"],
          ["steps            300", "builtin:python-stdlib 70%, builtin:pydoc-topics 30%", "rows of 256 tokens"]),
-        ("tiny.yaml", 2, ["parameters       90,816 total, 90,816 trainable", "strategy         ddp"]),
-        ("tiny-moe.yaml", 2,
+        ("tiny.yaml", ["--world-size", "2"],
+         ["parameters       90,816 total, 90,816 trainable", "strategy         ddp"]),
+        ("tiny-moe.yaml", ["--world-size", "2"],
          ["strategy         fsdp", "lora             r=8 alpha=16 on 12 modules, 4 expert parameters"]),
     ],
 )
-def test_dry_run_prints_the_plan_without_weights(config: str, world: int, needles: list[str]) -> None:
+def test_dry_run_prints_the_plan_without_weights(
+    config: str, target: list[str], needles: list[str], tmp_path: Path
+) -> None:
     from typer.testing import CliRunner
 
     from trainyard.cli import app
 
-    result = CliRunner().invoke(app, ["train", str(REPO / "configs" / config), "--dry-run", "--world-size", str(world)])
+    data = tmp_path / "rows.jsonl"
+    data.write_text(CHAT if "glm" in config else ALPACA)
+    local = [f"data.path={data}", f"output_dir={tmp_path}"] if "scratch" not in config else []
+    result = CliRunner().invoke(app, ["train", str(REPO / "configs" / config), *local, "--dry-run", *target])
     assert result.exit_code == 0, result.output
     for needle in needles:
         assert needle in result.output, result.output

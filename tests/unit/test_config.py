@@ -209,3 +209,82 @@ def test_the_config_remembers_where_each_field_was_set(tmp_path):
     assert cfg.where("data.cache_dir") == f"{job}:2"  # unset: its section's line
     assert cfg.where("output_dir") == "override 'output_dir=/elsewhere'"
     assert cfg.where("train.lr") is None
+
+
+@pytest.mark.parametrize(
+    ("override", "suggestion"),
+    [
+        ("lr=1e-4", "did you mean 'train.lr'?"),  # said 'lora'
+        ("lora.lr=1e-4", "did you mean 'train.lr'?"),
+        ("max_stepz=3", "did you mean 'train.max_steps'?"),
+        ("train.every_steps=5", "did you mean 'eval.every_steps', 'checkpoint.every_steps' or 'log.every_steps'?"),
+        ("train.max_step=5", "did you mean 'train.max_steps'?"),  # its own section first
+    ],
+)
+def test_did_you_mean_searches_every_section(override: str, suggestion: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", [override])
+    assert err.value.fix == suggestion
+    assert err.value.where == f"override '{override}'"
+
+
+def list_hint(field: str, value: str) -> tuple[str, str]:
+    """The override and the YAML line the error's fix shows for a scalar given to a list field."""
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", [f"{field}={value}"])
+    assert "Input should be a valid list" in err.value.what and f"(got '{value}')" in err.value.what
+    fix = err.value.fix or ""
+    override = fix.split("as an override ", 1)[1].split(" ", 1)[0]
+    yaml_line = fix.split("in the YAML file ", 1)[1]
+    return override, yaml_line
+
+
+def test_a_scalar_for_a_list_shows_the_list_syntax_that_loads(tmp_path: Path) -> None:
+    override, yaml_line = list_hint("lora.target_modules", "q_proj,v_proj")
+    assert (override, yaml_line) == ("lora.target_modules=[q_proj,v_proj]", "target_modules: [q_proj, v_proj]")
+    assert load_config("tiny", [override]).lora.target_modules == ["q_proj", "v_proj"]
+    job = tmp_path / "job.yaml"
+    job.write_text(f"lora:\n  {yaml_line}\n")
+    assert load_config(str(job)).lora.target_modules == ["q_proj", "v_proj"]
+    override, _ = list_hint("checkpoint.preemption_signals", "SIGTERM")
+    assert load_config("tiny", [override]).checkpoint.preemption_signals == ["SIGTERM"]
+
+
+def test_a_list_of_sections_gets_no_scalar_list_hint() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", ["data.mixture=a.jsonl"])
+    assert "data.mixture: Input should be a valid list" in err.value.what and "[a.jsonl]" not in str(err.value.fix)
+
+
+def test_every_error_of_a_file_and_its_overrides_is_reported_at_once(tmp_path: Path) -> None:
+    job = write(tmp_path, "run_name: x\ntrain:\n  micro_batch: 3\n  lr: fast\nlora:\n  r: 0\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(job, ["eval.every_steps=-1", "lr=1e-4"])
+    text = err.value.render()
+    assert text.startswith("5 problems in the job config:"), text
+    for line in [
+        f"  {job}:3: unknown key 'train.micro_batch'\n    Fix: did you mean 'train.micro_batch_size'?",
+        "  override 'lr=1e-4': unknown key 'lr'\n    Fix: did you mean 'train.lr'?",
+        f"  {job}:4: train.lr: Input should be a valid number",
+        f"  {job}:6: lora.r: Input should be greater than or equal to 1 (got 0)",
+        "  override 'eval.every_steps=-1': eval.every_steps: Input should be greater than or equal to 0 (got -1)",
+    ]:
+        assert line in text, text
+    assert "Extra inputs are not permitted" not in text  # pydantic's copy of the unknown keys
+    assert err.value.fix == "change those values in the file, or override them with key=value"
+
+
+def test_the_cli_prints_every_error_and_exits_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from trainyard.cli import main
+
+    job = write(tmp_path, "train:\n  lr: fast\n  micro_batch_size: 0\n")
+    monkeypatch.setattr("sys.argv", ["trainyard", "train", job, "lora.target_modules=q_proj"])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "Traceback" not in err and "3 problems in the job config" in err
+    for needle in [f"{job}:2: train.lr", f"{job}:3: train.micro_batch_size", "lora.target_modules=[q_proj]"]:
+        assert needle in err, err

@@ -145,6 +145,56 @@ def test_chat_masking_keeps_multibyte_characters_whole(tok):
     assert target_runs(tok, encode(row, "chat", tok)["labels"]) == ["ü ñ<|eos|>"]
 
 
+SHAREGPT = {
+    "conversations": [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "Hi"},
+        {"from": "gpt", "value": "Hello!"},
+        {"from": "human", "value": "Name a colour"},
+        {"from": "gpt", "value": "Blue"},
+    ]
+}
+
+
+def test_sharegpt_conversations_are_chat_rows(tmp_path, tok):
+    assert detect_format(SHAREGPT, "f:1") == "chat"
+    assert encode(SHAREGPT, "chat", tok) == encode(CHAT, "chat", tok)
+    path = write_jsonl(tmp_path / "d.jsonl", [SHAREGPT])
+    labels = prepare(tmp_path, tok, path=str(path)).train[0]["labels"]
+    assert target_runs(tok, labels) == ["Hello!<|eos|>", "Blue<|eos|>"]
+
+
+def test_openai_text_parts_are_joined_into_the_message(tok):
+    row = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Name"}, {"type": "text", "text": "a colour"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Blue"}]},
+        ]
+    }
+    example = encode(row, "chat", tok)
+    assert tok.decode(example["input_ids"]) == "<|user|>Name\na colour<|assistant|>Blue<|eos|>"
+    assert target_runs(tok, example["labels"]) == ["Blue<|eos|>"]
+
+
+@pytest.mark.parametrize(
+    "row,reason",
+    [
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "url": "x.png"}]}, CHAT["messages"][2]]},
+            "unsupported content part: message 0 has a content part of type 'image'",
+        ),
+        ({"conversations": [{"from": "bot", "value": "hi"}]}, "unknown role: conversation turn 0 is from 'bot'"),
+    ],
+)
+def test_a_chat_row_that_cannot_be_text_names_its_line_or_is_skipped(tmp_path, tok, row, reason):
+    path = write_jsonl(tmp_path / "d.jsonl", [CHAT, row])
+    with pytest.raises(DataError) as err:
+        prepare(tmp_path, tok, path=str(path))
+    assert str(err.value).startswith(f"{path}:2: {reason}")
+    prepared = prepare(tmp_path, tok, path=str(path), on_bad_row="skip")
+    assert prepared.stats["skipped"] == {reason.split(":")[0]: 1} and len(prepared.train) == 1
+
+
 def test_text_targets_everything_but_the_first_token(tok):
     example = encode(TEXT, "text", tok)
     assert tok.decode(example["input_ids"]) == "The cat sat.<|eos|>"

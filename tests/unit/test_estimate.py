@@ -176,6 +176,7 @@ def test_dry_run_prints_the_estimate() -> None:
 
 def test_unknown_hub_model_is_a_model_error_naming_the_known_ones() -> None:
     cfg = load_config(TINY, ["model.config=null", "model.path=nobody/unknown-model-xyz"])
-    line = estimate.describe(cfg, 1)
+    line, result = estimate.describe(cfg, estimate.Hardware("cpu"))
+    assert result is None
     assert line.startswith("estimate         unknown") and "mistralai/Mistral-7B-v0.1" in line
     assert estimate_memory.GPUS["h200"].memory_bytes > estimate_memory.GPUS["h100-80gb"].memory_bytes

@@ -5,13 +5,15 @@ Validation against the CRD and core schemas is in tests/e2e/test_k8s.py.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
-from tests.conftest import TINY
+from tests.conftest import TINY, trainyard
 from trainyard.config_file import load_config
 from trainyard.dist import network_env
-from trainyard.errors import ConfigError
+from trainyard.errors import ConfigError, OptionError
 from trainyard.launch.k8s import (
     RETRYABLE_PREEMPTED_EXIT_CODE,
     K8sJob,
@@ -126,9 +128,62 @@ def test_trainjob_can_use_a_cluster_runtime() -> None:
     assert docs["TrainJob"]["spec"]["runtimeRef"]["kind"] == "ClusterTrainingRuntime"
 
 
-def test_cluster_config_keeps_absolute_paths() -> None:
-    cfg = cluster_config(load_config(TINY, ["output_dir=/data/runs", "data.cache_dir=cache"]))
-    assert cfg.output_dir == "/data/runs" and cfg.data.cache_dir == "/mnt/trainyard/cache"
+def test_every_run_path_lands_on_the_shared_volume(tmp_path: Path) -> None:
+    """An absolute output_dir used to stay as it was: checkpoints went to the pod's disk and died with it."""
+    model = tmp_path / "my-model"
+    model.mkdir()
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        f"output_dir: /data/runs\nmodel: {{path: {model}, tokenizer: HuggingFaceTB/SmolLM2-135M}}\n"
+        "data: {path: /srv/train.jsonl, eval_path: evals/dev.jsonl, cache_dir: /tmp/cache, shards_dir: shards}\n"
+    )
+    cfg = cluster_config(load_config(str(config)))
+    assert cfg.output_dir == "/mnt/trainyard/data/runs" and cfg.model.path == f"/mnt/trainyard{model}"
+    assert cfg.data.path == "/mnt/trainyard/srv/train.jsonl" and cfg.data.eval_path == "/mnt/trainyard/evals/dev.jsonl"
+    assert cfg.data.cache_dir == "/mnt/trainyard/tmp/cache" and cfg.data.shards_dir == "/mnt/trainyard/shards"
+    assert cfg.model.tokenizer == "HuggingFaceTB/SmolLM2-135M"  # a hub id, downloaded into HF_HOME on the volume
+    assert cfg.model.cache_dir == "/mnt/trainyard/cache/models"
+
+
+def test_paths_on_the_volume_and_sources_that_are_not_paths_stay() -> None:
+    overrides = ["output_dir=/mnt/trainyard/team/runs", "model.cache_dir=/mnt/trainyard/models", "data.path=hf://x/y"]
+    cfg = cluster_config(load_config(TINY, overrides))
+    assert cfg.output_dir == "/mnt/trainyard/team/runs" and cfg.model.cache_dir == "/mnt/trainyard/models"
+    assert cfg.data.path == "hf://x/y" and cfg.model.tokenizer == "builtin:bytes"
+
+
+def test_the_manifest_says_which_paths_moved_and_what_to_copy() -> None:
+    text = render_manifests(load_config(TINY, ["output_dir=/data/runs", "data.eval_path=/srv/dev.jsonl"]),
+                            K8sJob(nodes=1, gpus_per_node=0, image="img:1"))
+    assert "#   output_dir: /data/runs -> /mnt/trainyard/data/runs\n" in text
+    moved = "data.eval_path: /srv/dev.jsonl -> /mnt/trainyard/srv/dev.jsonl (copy it onto the claim as srv/dev.jsonl)"
+    assert moved in text
+    job = yaml.safe_load(documents(text)["ConfigMap"]["data"]["job.yaml"])
+    assert job["output_dir"] == "/mnt/trainyard/data/runs"
+    assert job["data"]["eval_path"] == "/mnt/trainyard/srv/dev.jsonl"
+
+
+@pytest.mark.parametrize("path", ["~/cache", "../shared/cache"])
+def test_a_path_that_cannot_be_on_the_volume_is_refused_with_its_line(tmp_path: Path, path: str) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text(f"run_name: tiny\ndata:\n  cache_dir: {path}\n")
+    with pytest.raises(ConfigError) as err:
+        render_manifests(load_config(str(config)), K8sJob(nodes=1, gpus_per_node=0, image="img:1"))
+    assert err.value.where == f"{config}:3" and f"data.cache_dir '{path}'" in err.value.what
+    result = trainyard("k8s", str(config), "--image", "img:1", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr and f"{config}:3" in result.stderr
+
+
+def test_every_form_the_secret_help_shows_is_accepted() -> None:
+    help_text = " ".join(trainyard("k8s", "--help").stdout.split())
+    assert "WANDB_API_KEY=wandb:api-key" in help_text
+    assert {entry["name"] for entry in secret_env(("team-tokens", "WANDB_API_KEY=wandb:api-key"))} == {
+        "WANDB_API_KEY",
+        "HF_TOKEN",
+    }
+    with pytest.raises(OptionError) as err:
+        secret_env(("WANDB_API_KEY",))  # a variable where the Secret's name belongs
+    assert "--secret WANDB_API_KEY=wandb:api-key" in err.value.render()
 
 
 @pytest.mark.parametrize(("run_name", "name"), [("tiny", "tiny"), ("My_Run.v2", "my-run-v2"), ("x" * 80, "x" * 40)])
@@ -144,9 +199,11 @@ def test_names_are_dns_labels(run_name: str, name: str) -> None:
         ({"grace_s": 5}, "--grace 5"),
         ({"secrets": ("Bad Name",)}, "--secret 'Bad Name'"),
         ({"nodes": 0}, "--nodes 0"),
+        ({"runtime": "torch-distributed"}, "--runtime torch-distributed is for --kind trainjob"),
+        ({"pvc": "team", "storage_class": "fast"}, "--storage-class fast"),
     ],
 )
 def test_bad_options_are_user_errors(options: dict, needle: str) -> None:
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(OptionError) as err:
         render(**options)
     assert needle in err.value.render()

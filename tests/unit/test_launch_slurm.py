@@ -11,8 +11,20 @@ import pytest
 from tests.conftest import REPO, TINY, trainyard
 from trainyard.config_file import load_config
 from trainyard.dist import network_env
-from trainyard.errors import ConfigError
-from trainyard.launch.slurm import SlurmJob, render_sbatch
+from trainyard.errors import ConfigError, OptionError
+from trainyard.launch.slurm import SlurmJob, render_sbatch, resolve, sinfo_node_shape
+
+LLAMA_70B = """\
+run_name: big
+model:
+  config: {model_type: llama, hidden_size: 8192, intermediate_size: 28672, num_hidden_layers: 80,
+           num_attention_heads: 64, num_key_value_heads: 8, vocab_size: 128256}
+  tokenizer: builtin:bytes
+lora: {enabled: false}
+data: {max_length: 4096}
+train: {micro_batch_size: 1}
+dist: {strategy: fsdp}
+"""
 
 
 def render(tmp_path: Path, overrides: tuple[str, ...] = (), **options) -> str:
@@ -43,7 +55,9 @@ def test_gpu_script_runs_one_launcher_per_node_with_c10d(tmp_path: Path) -> None
         "#SBATCH --cpus-per-task=16",
     ]:
         assert line in text, line
-    assert "#SBATCH --ntasks-per-node=1" in text and "srun --ntasks-per-node=1 bash -c run_node" in text
+    assert "#SBATCH --ntasks-per-node=1" in text
+    assert 'srun --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" bash -c run_node' in text
+    assert "--exclusive" not in text
     assert f"trainyard launch {TINY} train.max_steps=5" in text
     assert '--node-rank "$SLURM_NODEID" --nproc 8' in text
     assert '--rdzv c10d --rdzv-id "$SLURM_JOB_ID" --master "$MASTER_ADDR:$MASTER_PORT"' in text
@@ -83,7 +97,7 @@ def test_config_network_reaches_the_environment_srun_passes_on(tmp_path: Path) -
     before srun starts the nodes, and one the user exported before sbatch keeps its value."""
     text = render(tmp_path, ("dist.network=wan", "dist.nic=eth0"))
     exports = [line for line in text.splitlines() if line.startswith("export ") and ":-" in line]
-    assert text.index(exports[-1]) < text.index("srun --ntasks-per-node=1 bash -c run_node")
+    assert text.index(exports[-1]) < text.index("srun --ntasks-per-node=1")
     shell = "\n".join([*exports, "env"])
     user_env = {"PATH": "/usr/bin:/bin", "NCCL_SOCKET_IFNAME": "ib0"}
     result = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, check=True, env=user_env)
@@ -132,10 +146,13 @@ def test_script_is_valid_bash(tmp_path: Path) -> None:
         ({"gpus_per_node": -1}, "--gpus-per-node -1"),
         ({"partition": "gpu; rm -rf /"}, "--partition"),
         ({"nproc_per_node": 0}, "--nproc-per-node 0"),
+        ({"signal_lead": 10}, "--signal-lead 10"),
+        ({"cpus_per_task": 0}, "--cpus-per-task 0"),
+        ({"gpu": "tpu-v9"}, "--gpu tpu-v9"),
     ],
 )
 def test_bad_options_are_user_errors(tmp_path: Path, options: dict, needle: str) -> None:
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(OptionError) as err:
         render(tmp_path, **options)
     assert needle in err.value.render()
 
@@ -166,3 +183,52 @@ def test_a_diloco_job_across_four_sites_is_written_with_one_launcher_per_site(tm
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --nodes=4" in result.stdout and f"trainyard launch {config}" in result.stdout
     assert '--node-rank "$SLURM_NODEID" --nproc 4' in result.stdout
+
+
+def test_without_cpus_per_task_each_node_is_taken_whole_and_srun_passes_its_cpus_on(tmp_path: Path) -> None:
+    """Slurm's default is 1 CPU per task: the launcher and all its workers would share one core."""
+    text = render(tmp_path)
+    assert "#SBATCH --exclusive" in text and "--cpus-per-task=" not in text.split("srun")[0]
+    assert 'srun --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" bash -c run_node' in text
+
+
+def test_a_missing_gpus_per_node_is_exit_2_not_a_cpu_only_job(tmp_path: Path) -> None:
+    with pytest.raises(OptionError, match="--gpus-per-node is missing") as err:
+        render(tmp_path, gpus_per_node=None)
+    assert "--gpus-per-node 0 for CPU-only nodes" in err.value.render()
+    result = trainyard("slurm", TINY, "--nodes", "2", cwd=tmp_path)
+    assert result.returncode == 2 and "--gpus-per-node N" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_sinfo_node_shape_is_the_smallest_node_of_the_partition() -> None:
+    text = "64 gpu:h100:8(S:0-1)\n48 gpu:h100:8(S:0-1),shard:16\n64 gpu:4,gpu:a100:2\n"
+    assert sinfo_node_shape(text) == (48, 6)
+    assert sinfo_node_shape("16 (null)\n") == (16, 0)
+
+
+def test_small_job_keeps_the_floor_and_says_where_the_lead_came_from(tmp_path: Path) -> None:
+    text = render(tmp_path, gpus_per_node=0, nproc_per_node=2)
+    assert "#SBATCH --signal=USR1@90" in text and "--shutdown-timeout 80" in text
+    assert "estimated by trainyard for 2 x 2 cpu" in text and "--signal-lead N overrides" in text
+
+
+def test_signal_lead_covers_the_estimated_full_save_of_a_70b_model(tmp_path: Path) -> None:
+    """The fixed 90 s lead gave a 70B job 80 s to write a checkpoint that takes 423 s: it was killed mid-save."""
+    from trainyard.estimate import Hardware, estimate
+
+    config = tmp_path / "big.yaml"
+    config.write_text(LLAMA_70B)
+    cfg = load_config(str(config))
+    job = SlurmJob(config=str(config), overrides=(), nodes=4, gpus_per_node=8, gpu="h100-80gb")
+    timing = estimate(cfg, Hardware("h100-80gb", 8, 4), suggest=False).timing
+    _, lead = resolve(job, cfg)
+    assert timing.save_s > 400 and lead.save_window_s > timing.save_s + timing.step_s
+    text = render_sbatch(job, cfg)
+    assert f"#SBATCH --signal=USR1@{lead.seconds}" in text and f"--shutdown-timeout {lead.save_window_s}" in text
+    assert f"a full save {timing.save_s:.3g} s" in text
+
+
+def test_signal_lead_flag_overrides_the_estimate(tmp_path: Path) -> None:
+    text = render(tmp_path, signal_lead=1200)
+    assert "#SBATCH --signal=USR1@1200" in text and "--shutdown-timeout 1190" in text
+    assert "1200 s: --signal-lead." in text

@@ -63,7 +63,7 @@ def test_progress_eta_and_checkpoint(tmp_path: Path) -> None:
     assert status["seconds_per_step"] == pytest.approx(2.0)
     assert status["eta_s"] == pytest.approx(60 * 2.0)
     assert status["last_checkpoint"] == "step-00000040" and status["last_eval"]["eval_loss"] == 2.5
-    assert status["finished"] is False
+    assert status["finished"] is False and status["state"] == "running"
     text = format_status(status)
     assert (
         "running, step 40/100" in text and "ETA 2m00s" in text and "step-00000040" in text and "1234 tokens/s" in text
@@ -88,15 +88,39 @@ def test_finished_run_reports_no_silent_ranks(tmp_path: Path) -> None:
     beat(tmp_path, 0, 2, 1.0)
     (tmp_path / "summary.json").write_text(json.dumps({"steps": 2}))
     status = read_status(tmp_path)
-    assert status["finished"] and status["stale_ranks"] == [] and status["eta_s"] is None
+    assert status["finished"] and status["state"] == "finished"
+    assert status["stale_ranks"] == [] and status["eta_s"] is None
     assert "finished, step 2/100" in format_status(status)
 
 
-def test_run_without_steps_yet(tmp_path: Path) -> None:
+def test_a_run_no_rank_ever_logged_is_not_started(tmp_path: Path) -> None:
+    """It said "running" for a run dir holding only the config the job wrote before it failed or was queued."""
     (tmp_path / "config.yaml").write_text("train:\n  max_steps: 5\n")
     status = read_status(tmp_path)
-    assert status["step"] is None and status["last_checkpoint"] is None
-    assert "no train step logged yet" in format_status(status)
+    assert status["state"] == "not started" and status["step"] is None and status["last_checkpoint"] is None
+    assert "not started, no rank has logged a step or a heartbeat yet" in format_status(status)
+    assert "running" not in format_status(status)
+
+
+def test_a_heartbeat_before_the_first_step_is_running(tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text("train:\n  max_steps: 5\n")
+    beat(tmp_path, 0, 0, time.time())
+    status = read_status(tmp_path)
+    assert status["state"] == "running" and status["step"] is None
+    assert "running, no train step logged yet" in format_status(status)
+
+
+def test_cli_json_says_not_started(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from trainyard.cli import app
+
+    (tmp_path / "config.yaml").write_text("train:\n  max_steps: 5\n")
+    result = CliRunner().invoke(app, ["status", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["state"] == "not started"
+    result = CliRunner().invoke(app, ["status", str(tmp_path)])
+    assert "not started" in result.output
 
 
 def test_missing_run_dir_is_a_user_error(tmp_path: Path) -> None:

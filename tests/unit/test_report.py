@@ -175,3 +175,24 @@ def test_missing_run_dir_is_a_user_error(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(RunDirError, match="metrics.jsonl is missing"):
         write_report([tmp_path / "empty"], tmp_path / "out")
+
+
+def test_report_shows_a_few_generations_of_the_last_evaluation(two_runs: list[Path]) -> None:
+    """Evaluation keeps its generations in samples/step-XXXXXXXX.jsonl; the report shows the newest file's first few."""
+    samples = two_runs[0] / "samples"
+    samples.mkdir()
+    for step, answer in ((10, "June 1, 2024"), (40, "March 3, 2021")):
+        rows = [
+            {"index": i, "prompt": f"Rewrite 2021-03-0{i} | as words", "answer": answer, "reference": "March 3, 2021",
+             "correct": answer == "March 3, 2021" and i == 3}
+            for i in range(8)
+        ]
+        (samples / f"step-{step:08d}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (samples / "rank-0.jsonl").write_text('{"rows": [1, 2]}\n')  # the data-order audit, not generations
+    report = next(p for p in write_report(two_runs, two_runs[0].parent / "report") if p.name == "report.md")
+    text = report.read_text()
+    section = text[text.index("## Samples") : text.index("## Plots")]
+    assert "`baseline`, step-00000040: 1 of 8 correct" in section
+    assert "| Rewrite 2021-03-00 \\| as words | March 3, 2021 | March 3, 2021 | no |" in section
+    assert section.count("| Rewrite") == 5 and "June 1, 2024" not in section
+    assert "`high-lr`: no generations kept" in section

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -17,6 +17,10 @@ from trainyard.cli.app import (
     err_console,
 )
 from trainyard.redaction import redact_text
+
+if TYPE_CHECKING:
+    from trainyard.config import JobConfig
+    from trainyard.plan import Target
 
 
 @app.command()
@@ -113,19 +117,59 @@ def launch(
         _fail(code, message or fallback, preempt_exit_code)
 
 
+def _check_before_writing(cfg: "JobConfig", target: "Target", skip_data: bool) -> None:
+    """`train --dry-run`'s check for the cluster the script asks for: a job that does not fit, or whose data or
+    resume point is unusable, fails here (exit 2) rather than once the nodes are allocated."""
+    from trainyard import plan
+    from trainyard.errors import PlanError
+    from trainyard.estimate_memory import gpu as known_gpu
+
+    known_gpu(target.gpu)
+    text, problems = plan.dry_run(cfg, target, read_data=not skip_data)
+    if problems:
+        err_console.print(text, highlight=False, markup=False, soft_wrap=True)
+        raise PlanError("the job cannot run as planned:\n- " + "\n- ".join(problems),
+                        fix="change what each line names; --skip-data-check if the data is only on the cluster")
+
+
 @app.command()
 def slurm(
     args: Annotated[list[str], typer.Argument(help="CONFIG then key=value overrides")],
     nodes: Annotated[int, typer.Option("--nodes", help="nodes to allocate")] = 1,
-    gpus_per_node: Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node; 0 for CPU-only nodes")] = 0,
+    gpus_per_node: Annotated[
+        Optional[int],
+        typer.Option(
+            "--gpus-per-node",
+            help="GPUs per node, 0 for CPU-only nodes; required unless read from --partition (Slurm installed here)",
+        ),
+    ] = None,
     nproc_per_node: Annotated[
         Optional[int], typer.Option("--nproc-per-node", help="processes per node (default: one per GPU, or 1)")
     ] = None,
-    partition: Annotated[Optional[str], typer.Option("--partition")] = None,
+    partition: Annotated[
+        Optional[str], typer.Option("--partition", help="Slurm partition; sinfo reads missing GPUs and CPUs from it")
+    ] = None,
     time_limit: Annotated[Optional[str], typer.Option("--time", help="time limit, e.g. 24:00:00")] = None,
-    account: Annotated[Optional[str], typer.Option("--account")] = None,
-    cpus_per_task: Annotated[Optional[int], typer.Option("--cpus-per-task", min=1)] = None,
+    account: Annotated[Optional[str], typer.Option("--account", help="Slurm account to charge")] = None,
+    cpus_per_task: Annotated[
+        Optional[int],
+        typer.Option(
+            "--cpus-per-task",
+            help="CPUs of each node's one task (launcher and workers) (default: the partition's, else whole nodes)",
+        ),
+    ] = None,
     mem: Annotated[Optional[str], typer.Option("--mem", help="memory per node, e.g. 0 (all) or 500G")] = None,
+    signal_lead: Annotated[
+        Optional[int],
+        typer.Option(
+            "--signal-lead",
+            help="seconds between SIGUSR1 and the time limit, to save (default: estimated step + full save, x1.5)",
+        ),
+    ] = None,
+    gpu: Annotated[
+        Optional[str],
+        typer.Option("--gpu", help="device kind the signal lead is estimated for, as in `trainyard estimate --gpu`"),
+    ] = None,
     nic: Annotated[
         Optional[str],
         typer.Option("--nic", help="network interface for the rendezvous and collectives (default: dist.nic)"),
@@ -139,6 +183,9 @@ def slurm(
     out: Annotated[Optional[Path], typer.Option("--out", help="write the script here (default: stdout)")] = None,
     force: Annotated[bool, typer.Option("--force", help="replace the file at --out if it exists")] = False,
     submit: Annotated[bool, typer.Option("--submit", help="run sbatch on the script and print the job id")] = False,
+    skip_data_check: Annotated[
+        bool, typer.Option("--skip-data-check", help="do not read the data here (it exists only on the cluster)")
+    ] = False,
 ) -> None:
     """Write an sbatch script: one `trainyard launch` per node, requeued when preempted."""
     from trainyard import config_file as config_room
@@ -164,9 +211,17 @@ def slurm(
         env_file=str(env_file.resolve()) if env_file else None,
         venv=str(venv.resolve()) if venv else slurm_room.default_venv(),
         workdir=str(Path.cwd()),
+        signal_lead=signal_lead,
+        gpu=gpu,
     )
-    text = slurm_room.render_sbatch(job, cfg)  # checks the options first
+    job, lead = slurm_room.resolve(job, cfg)  # checks the options first
     plan.check_world(cfg, nodes, slurm_room.nproc_per_node(job))
+    kind = job.gpu or (slurm_room.DEFAULT_GPU if job.gpus_per_node else "cpu")
+    _check_before_writing(cfg, plan.Target(kind, slurm_room.nproc_per_node(job), nodes), skip_data_check)
+    text = slurm_room.render_sbatch(job, cfg, lead)
+    notes = [job.node_source] if job.node_source else []
+    notes.append(f"SIGUSR1 {lead.seconds} s before the time limit: {lead.reason}")
+    err_console.print("\n".join(notes), highlight=False, markup=False, soft_wrap=True)
     if out is None and not submit:
         print(text, end="")
         return
@@ -181,26 +236,36 @@ def k8s(
     args: Annotated[list[str], typer.Argument(help="CONFIG then key=value overrides")],
     nodes: Annotated[int, typer.Option("--nodes", help="pods, one per node")] = 1,
     gpus_per_node: Annotated[int, typer.Option("--gpus-per-node", help="GPUs per pod; 0 for CPU-only")] = 0,
-    image: Annotated[str, typer.Option("--image", help="container image with trainyard installed")] = "",
+    image: Annotated[str, typer.Option("--image", help="container image with trainyard installed (required)")] = "",
     kind: Annotated[
         str, typer.Option("--kind", help="pytorchjob (Kubeflow Training Operator) or trainjob (Kubeflow Trainer v2)")
     ] = "pytorchjob",
-    namespace: Annotated[str, typer.Option("--namespace")] = "default",
+    namespace: Annotated[str, typer.Option("--namespace", help="namespace of every object written")] = "default",
     pvc: Annotated[
         Optional[str], typer.Option("--pvc", help="existing ReadWriteMany claim (default: write one)")
     ] = None,
-    storage: Annotated[str, typer.Option("--storage", help="size of the written claim")] = "100Gi",
-    storage_class: Annotated[Optional[str], typer.Option("--storage-class")] = None,
+    storage: Annotated[str, typer.Option("--storage", help="size of the written claim (not with --pvc)")] = "100Gi",
+    storage_class: Annotated[
+        Optional[str],
+        typer.Option(
+            "--storage-class", help="StorageClass of the written claim (default: the cluster's; not with --pvc)"
+        ),
+    ] = None,
     secret: Annotated[
         Optional[list[str]],
-        typer.Option("--secret", help="Secret NAME (WANDB_API_KEY, HF_TOKEN), or VAR=NAME:KEY; repeatable"),
+        typer.Option(
+            "--secret",
+            help="a Secret's name (lower case), whose keys WANDB_API_KEY and HF_TOKEN become those variables; "
+            "or VAR=SECRET:KEY, e.g. WANDB_API_KEY=wandb:api-key; repeatable",
+        ),
     ] = None,
     nproc_per_node: Annotated[
         Optional[int],
         typer.Option("--nproc-per-node", min=1, help="processes per pod (default: one per GPU, or 1)"),
     ] = None,
     grace: Annotated[
-        int, typer.Option("--grace", help="seconds between SIGTERM and SIGKILL, for the preemption save")
+        int,
+        typer.Option("--grace", help="seconds between SIGTERM and SIGKILL, for the preemption save (more than 15)"),
     ] = 300,
     runtime: Annotated[
         Optional[str],
@@ -208,6 +273,13 @@ def k8s(
     ] = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="write the YAML here (default: stdout)")] = None,
     force: Annotated[bool, typer.Option("--force", help="replace the file at --out if it exists")] = False,
+    gpu: Annotated[
+        Optional[str],
+        typer.Option("--gpu", help="device kind the job is checked to fit (default: h100-80gb, or cpu without GPUs)"),
+    ] = None,
+    skip_data_check: Annotated[
+        bool, typer.Option("--skip-data-check", help="do not read the data here (it exists only on the cluster)")
+    ] = False,
 ) -> None:
     """Write Kubernetes manifests: the job, its ConfigMap, a shared volume, secret references."""
     from trainyard import config_file as config_room
@@ -234,6 +306,12 @@ def k8s(
     )
     text = k8s_room.render_manifests(cfg, job)  # checks the options first
     plan.check_world(cfg, nodes, k8s_room.nproc_per_node(job))
+    kind = gpu or ("h100-80gb" if gpus_per_node else "cpu")
+    _check_before_writing(cfg, plan.Target(kind, k8s_room.nproc_per_node(job), nodes), skip_data_check)
+    moves = [f"  {move.describe()}" for move in k8s_room.volume_moves(cfg)]
+    if moves:
+        notes = [f"paths moved onto the shared volume at {k8s_room.DATA_MOUNT}:", *moves]
+        err_console.print(redact_text("\n".join(notes)), highlight=False, markup=False, soft_wrap=True)
     if out is None:
         print(text, end="")
         return

@@ -18,7 +18,11 @@ def estimate_command(
     gpu: Annotated[str, typer.Option("--gpu", help=_GPU_HELP)] = "h100-80gb",
     gpus_per_node: Annotated[int, typer.Option("--gpus-per-node", help="processes (GPUs) per node")] = 1,
     nodes: Annotated[int, typer.Option("--nodes", help="nodes")] = 1,
-    network_gbps: Annotated[float, typer.Option("--network-gbps", help="inter-node link per node, Gb/s")] = 100.0,
+    network_gbps: Annotated[
+        Optional[float],
+        typer.Option("--network-gbps", help="inter-node link per node, Gb/s (default: what dist.network and --gpu "
+                     "imply, e.g. 3200 for h100-80gb nodes, 100 for dist.network: socket)"),
+    ] = None,
     mfu: Annotated[float, typer.Option("--mfu", help="model FLOPs utilisation assumed for step time")] = 0.4,
     diloco_h: Annotated[int, typer.Option("--diloco-h", help="cross-node gradient sync every H steps")] = 1,
     disk_gbytes_s: Annotated[
@@ -41,5 +45,8 @@ def estimate_command(
     assumptions = estimate.Assumptions(mfu, diloco_h, disk_gbytes_s, price_per_gpu_hour, spot_discount)
     estimate.check_options(hardware, assumptions)  # before the model is built: bad options fail at once
     cfg = config_room.load_config(config_path, overrides)
-    result = estimate.estimate(cfg, hardware, assumptions)
+    from trainyard.plan import data_lengths
+
+    lengths = data_lengths(cfg, gpus_per_node * nodes)
+    result = estimate.estimate(cfg, hardware, assumptions, lengths=lengths)
     print(json.dumps(estimate.to_json(result), indent=2) if as_json else estimate.render(result))

@@ -33,21 +33,42 @@ def train(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the resolved plan without loading weights")] = False,
     world_size: Annotated[
         Optional[int],
-        typer.Option("--world-size", min=1, help="plan for this many ranks (dry run)"),
+        typer.Option("--world-size", min=1, help="plan for this many ranks on this machine's kind (dry run)"),
+    ] = None,
+    gpu: Annotated[
+        Optional[str], typer.Option("--gpu", help=f"plan for nodes of this device kind (dry run): {GPU_KINDS}")
+    ] = None,
+    gpus_per_node: Annotated[
+        Optional[int], typer.Option("--gpus-per-node", min=1, help="with --gpu: ranks per node (default 8)")
+    ] = None,
+    nodes: Annotated[Optional[int], typer.Option("--nodes", min=1, help="with --gpu: nodes (default 1)")] = None,
+    resume: Annotated[
+        Optional[str],
+        typer.Option("--resume", help="auto (newest committed checkpoint of the run), never, or a checkpoint path; "
+                     "the same as checkpoint.resume"),
     ] = None,
 ) -> None:
-    """Train. No CONFIG runs the built-in quickstart."""
+    """Train. No CONFIG runs the built-in quickstart. --dry-run reads the data and plans for the target."""
     from trainyard import config_file as config_room
     from trainyard.preflight import check_job_inputs
 
     config_path, overrides = _split_config_and_overrides(list(args or []))
+    if resume is not None:
+        overrides = [*overrides, f"checkpoint.resume={resume}"]
     cfg = config_room.load_config(config_path, overrides)
     if nproc is None:
         nproc = 2 if config_path is None else 1  # the quickstart is a 2-process DDP job
     if dry_run:
-        from trainyard.plan import describe_plan
+        from trainyard.plan import dry_run as plan_dry_run
 
-        print(describe_plan(cfg, world_size or nproc))
+        text, problems = plan_dry_run(cfg, _target(gpu, gpus_per_node, nodes, world_size or nproc))
+        print(text)
+        if problems:
+            from trainyard.errors import PlanError
+
+            elsewhere = "" if gpu else " (this plan is for this machine: pass --gpu KIND --gpus-per-node N --nodes M)"
+            raise PlanError("the job cannot run as planned:\n- " + "\n- ".join(problems),
+                            fix=f"change what each line names, then run the dry run again{elsewhere}")
         return
     check_job_inputs(cfg)  # before torch is imported: bad input fails in seconds
     from trainyard.dist import launched_by_torchrun
@@ -66,6 +87,25 @@ def train(
 
     summary = run(cfg)
     _print_outcome(summary, cfg.run_dir)
+
+
+GPU_KINDS = "h100-80gb, h100-pcie, h200, a100-80gb, a100-40gb, l4, cpu"
+
+
+def _target(gpu: str | None, gpus_per_node: int | None, nodes: int | None, world_size: int):  # -> plan.Target
+    """The cluster a dry run plans for: --gpu with its shape, or this machine's kind with --world-size ranks."""
+    from trainyard.errors import OptionError
+    from trainyard.plan import Target
+
+    if gpu is None:
+        if gpus_per_node is not None or nodes is not None:
+            raise OptionError("--gpus-per-node and --nodes describe --gpu nodes", fix="add --gpu, e.g. --gpu h100-80gb")
+        return Target.here(world_size)
+    from trainyard.estimate_memory import gpu as known_gpu
+
+    known_gpu(gpu)
+    target = Target(gpu, gpus_per_node or 8, nodes or 1)
+    return target
 
 
 def _print_outcome(summary: dict, run_dir: Path) -> None:

@@ -1,39 +1,32 @@
 """Rows of a data file -> token ids, with labels masked to the response.
 
-Three shapes are understood: chat (`messages`, rendered by the tokenizer's own chat template),
-alpaca (`instruction` + `output`, optional `input`) and plain `text`. Every row carries where it
-came from ("file:line" for JSONL, "file:row N" with N counted from 0 otherwise), so an error
-points at the exact row to fix.
+Three shapes are understood: chat (`messages`, or ShareGPT `conversations`, rendered by data.chat_template or
+the tokenizer's own chat template; see chat.py), alpaca (`instruction` + `output`, optional `input`) and plain
+`text`. Every row carries where it came from ("file:line" for JSONL, "file:row N" with N counted from 0
+otherwise), so an error points at the exact row to fix.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from trainyard.config import DataConfig
+from trainyard.data.chat import IGNORE_INDEX, BadRow, ChatTemplate, chat_template_for, check_chat_tokenizer, encode_chat
 from trainyard.errors import DataError
 from trainyard.preflight import DATA_FIX, SNIFF_BYTES, check_text, parquet_file
 
-IGNORE_INDEX = -100
+__all__ = ["IGNORE_INDEX", "BadRow", "detect_format", "encode_row", "encode_rows", "read_rows"]
+
 FORMATS = ("chat", "alpaca", "text")
 SKIP_FIX = "fix or remove the row, or set data.on_bad_row: skip to skip bad rows (they are counted)"
 FORMAT_FIX = (
-    "give each row `messages` (chat), `instruction` + `output` (alpaca) or `text`, "
+    "give each row `messages` or `conversations` (chat), `instruction` + `output` (alpaca) or `text`, "
     "or set data.format to chat, alpaca or text"
 )
-
-
-class BadRow(Exception):
-    """A row that cannot become a training example; `reason` is its key in the skip counts."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        self.reason = reason
-        self.detail = detail
-        super().__init__(f"{reason}: {detail}" if detail else reason)
 
 
 # ---------------------------------------------------------------- readers
@@ -157,7 +150,7 @@ def _read_saved_dataset(path: Path, field: str) -> Iterator[tuple[str, dict[str,
 
 def detect_format(row: dict[str, Any], where: str) -> str:
     """The format a row's keys announce; a shape we do not know is an error, not a guess."""
-    if "messages" in row:
+    if "messages" in row or "conversations" in row:
         return "chat"
     if "instruction" in row and "output" in row:
         return "alpaca"
@@ -220,116 +213,28 @@ def _encode_text(row: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     return {"input_ids": ids, "labels": list(ids)}
 
 
-def _checked_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
-    """The conversation; a prompt-only one with a string `answer` gets it as the reply."""
-    messages = row.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRow("missing field", "'messages' must be a non-empty list")
-    last = messages[-1]
-    if (
-        isinstance(row.get("answer"), str)
-        and isinstance(last, dict)
-        and last.get("role") != "assistant"
-    ):
-        messages = [*messages, {"role": "assistant", "content": row["answer"]}]
-    for number, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise BadRow("missing field", f"message {number} has no 'role'")
-        if not isinstance(message.get("content"), str):
-            raise BadRow("missing field", f"message {number} has no text 'content'")
-    assistant = [m for m in messages if m["role"] == "assistant"]
-    if not assistant:
-        raise BadRow("empty response", "no assistant message")
-    if any(not m["content"].strip() for m in assistant):
-        raise BadRow("empty response", "an assistant message is empty")
-    return messages
-
-
-def _render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-    try:
-        return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt
-        )
-    except Exception as err:  # jinja raises its own errors (e.g. "roles must alternate")
-        raise BadRow("chat template failed", str(err)) from None
-
-
-def _assistant_spans(tokenizer: Any, messages: list[dict[str, Any]], full: str) -> list[range]:
-    """Character spans of the assistant turns, end-of-turn text included.
-
-    A turn is what rendering message i adds to the generation prompt of messages[:i]; that only
-    means something when every prefix renders as a prefix of the whole conversation.
-    """
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = _render(tokenizer, messages[:i], generation_prompt=True)
-        through = _render(tokenizer, messages[: i + 1], generation_prompt=False)
-        if not (full.startswith(through) and through.startswith(before)):
-            raise DataError(
-                f"the chat template is not prefix-stable: rendering the first {i + 1} messages "
-                "is not a prefix of rendering the whole conversation, so the assistant turns "
-                "cannot be located",
-                fix="use a tokenizer whose chat template renders earlier turns the same way in "
-                "every prefix, or set data.train_on_prompt: true",
-            )
-        spans.append(range(len(before), len(through)))
-    return spans
-
-
-def _token_in_spans(start: int, end: int, spans: list[range]) -> bool:
-    end = max(end, start + 1)  # zero-width offsets still sit at a position
-    return any(start < span.stop and end > span.start for span in spans)
-
-
-def _encode_chat(row: dict[str, Any], tokenizer: Any, train_on_prompt: bool) -> dict[str, Any]:
-    messages = _checked_messages(row)
-    full = _render(tokenizer, messages, generation_prompt=False)
-    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids = encoded["input_ids"]
-    if train_on_prompt:
-        labels = list(ids)
-    else:
-        spans = _assistant_spans(tokenizer, messages, full)
-        labels = [
-            token if _token_in_spans(start, end, spans) else IGNORE_INDEX
-            for token, (start, end) in zip(ids, encoded["offset_mapping"], strict=True)
-        ]
-    example: dict[str, Any] = {"input_ids": ids, "labels": labels}
-    if messages[-1]["role"] == "assistant":
-        prompt = _render(tokenizer, messages[:-1], generation_prompt=True)
-        example["prompt_ids"] = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        example["response"] = messages[-1]["content"]
-    return example
-
-
-def check_tokenizer_for(fmt: str, tokenizer: Any) -> None:
+def check_tokenizer_for(fmt: str, tokenizer: Any, template: ChatTemplate) -> None:
     """Fail once, before the first row, when the tokenizer cannot encode this format."""
-    if fmt != "chat":
-        return
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError(
-            "the data is in chat format but the tokenizer has no chat template",
-            fix="use an instruction-tuned model's tokenizer (set model.tokenizer), "
-            "or convert the data to alpaca or text format",
-        )
-    if not tokenizer.is_fast:
-        raise DataError(
-            "chat data needs a fast tokenizer (offset mappings locate the assistant turns)",
-            fix="use a tokenizer with a tokenizer.json (PreTrainedTokenizerFast)",
-        )
+    if fmt == "chat":
+        check_chat_tokenizer(tokenizer, template)
 
 
 def encode_row(
-    row: dict[str, Any], fmt: str, tokenizer: Any, *, max_length: int, train_on_prompt: bool
+    row: dict[str, Any],
+    fmt: str,
+    tokenizer: Any,
+    *,
+    max_length: int,
+    train_on_prompt: bool,
+    template: ChatTemplate | None = None,
 ) -> dict[str, Any]:
     """One row -> input_ids, labels (and prompt_ids + answer when the row can be graded).
 
-    Raises BadRow when the row cannot give at least one target token.
+    `template` renders chat rows (default: the tokenizer's own). Raises BadRow when the row cannot give at least
+    one target token.
     """
     if fmt == "chat":
-        example = _encode_chat(row, tokenizer, train_on_prompt)
+        example = encode_chat(row, tokenizer, template or ChatTemplate(), train_on_prompt)
     elif fmt == "alpaca":
         example = _encode_alpaca(row, tokenizer, train_on_prompt)
     else:
@@ -355,29 +260,35 @@ def encode_rows(
     tokenizer: Any,
     cfg: DataConfig,
     skipped: Counter[str],
+    on_skip: Callable[[str, str], None] | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Encode rows in order; bad rows raise, or are skipped and counted by reason in `skipped`.
+    """Encode rows in order; bad rows raise, or are skipped and counted by reason in `skipped` (and `on_skip` is
+    told where and why).
 
     The format is `cfg.format`, or what the first readable row's keys announce.
     """
     fmt = None if cfg.format == "auto" else cfg.format
+    template = chat_template_for(cfg)
     if fmt is not None:
-        check_tokenizer_for(fmt, tokenizer)
+        check_tokenizer_for(fmt, tokenizer, template)
     for where, row in rows:
         try:
             if isinstance(row, BadRow):
                 raise row
             if fmt is None:
                 fmt = detect_format(row, where)
-                check_tokenizer_for(fmt, tokenizer)
+                check_tokenizer_for(fmt, tokenizer, template)
             yield encode_row(
                 row,
                 fmt,
                 tokenizer,
                 max_length=cfg.max_length,
                 train_on_prompt=cfg.train_on_prompt,
+                template=template,
             )
         except BadRow as bad:
             if cfg.on_bad_row == "error":
                 raise DataError(str(bad), where=where, fix=SKIP_FIX) from None
             skipped[bad.reason] += 1
+            if on_skip is not None:
+                on_skip(where, bad.reason)

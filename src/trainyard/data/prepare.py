@@ -22,11 +22,12 @@ import numpy as np
 
 from trainyard.config import DataConfig
 from trainyard.data.cache import build_once
+from trainyard.data.chat import chat_template_for
 from trainyard.data.formats import IGNORE_INDEX, BadRow, encode_rows, read_rows
 from trainyard.data.synthetic import builtin_rows, is_builtin
 from trainyard.errors import DataError
 
-CODE_VERSION = 1
+CODE_VERSION = 2
 """Bump when a change here or in formats.py changes the tokens of the same input."""
 SEED = 0
 """Fixed, not train.seed: the split, packing order and built-in rows do not change with the
@@ -121,6 +122,8 @@ def data_fingerprint(cfg: DataConfig, tokenizer: Any) -> str:
         "max_length": cfg.max_length,
         "packing": cfg.packing,
         "train_on_prompt": cfg.train_on_prompt,
+        "chat_template": chat_template_for(cfg).text,
+        "chat_template_kwargs": cfg.chat_template_kwargs,
         "on_bad_row": cfg.on_bad_row,
         "eval_fraction": cfg.eval_fraction,
         "synthetic_train_size": cfg.synthetic_train_size,
@@ -154,7 +157,7 @@ def _counted(rows: Source, counter: Counter[str]) -> Source:
         yield row
 
 
-def _sources(cfg: DataConfig) -> tuple[Source, Source | None]:
+def sources(cfg: DataConfig) -> tuple[Source, Source | None]:
     """(train rows, eval rows or None) with their locations."""
     train_rows: Source
     eval_rows: Source | None = None
@@ -267,7 +270,7 @@ def tokenize_into(folder: Path, cfg: DataConfig, tokenizer: Any, fingerprint: st
     """Write train/, eval/ (when there is an eval split) and meta.json into `folder`."""
     read: Counter[str] = Counter()
     skipped: Counter[str] = Counter()
-    train_rows, eval_rows = _sources(cfg)
+    train_rows, eval_rows = sources(cfg)
     train = _encode(train_rows, cfg.path, tokenizer, cfg, read, skipped)
     eval_docs = None
     if eval_rows is not None:

@@ -7,8 +7,8 @@ from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
 
-# Role markers are special tokens, so the rendered prompt of a conversation is a
-# prefix of the rendered conversation: the masking code relies on that.
+# Role markers are special tokens. Family templates (data.chat_template) work too: their
+# control tokens (<|im_start|>, <|eot_id|>, ...) are encoded as plain text bytes.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>' + message['content'] }}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
@@ -19,8 +20,9 @@ import yaml
 from trainyard.config import JobConfig
 from trainyard.config_file import dump_config
 from trainyard.dist import network_env
-from trainyard.errors import ConfigError
+from trainyard.errors import ConfigError, OptionError
 from trainyard.launch.torchrun import PREEMPTED_EXIT_CODE
+from trainyard.redaction import redact_text
 
 KINDS = ("pytorchjob", "trainjob")
 CONFIG_DIR = "/etc/trainyard"
@@ -34,6 +36,9 @@ RETRYABLE_PREEMPTED_EXIT_CODE = 128 + PREEMPTED_EXIT_CODE
 PYTORCHJOB_PORT = 23456
 SHUTDOWN_MARGIN_S = 15
 """The agent stops waiting for workers this long before the kubelet's SIGKILL."""
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+"""builtin:NAME, hf://NAME, s3://...: sources that are not a path on a disk."""
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 
 @dataclass(frozen=True)
@@ -65,22 +70,33 @@ def k8s_name(run_name: str) -> str:
 
 def _check(job: K8sJob) -> None:
     if job.kind not in KINDS:
-        raise ConfigError(
+        raise OptionError(
             f"--kind '{job.kind}' is not one of {', '.join(KINDS)}", fix="use --kind pytorchjob or --kind trainjob"
         )
     if job.nodes < 1:
-        raise ConfigError(f"--nodes {job.nodes} must be at least 1", fix="for example --nodes 2")
+        raise OptionError(f"--nodes {job.nodes} must be at least 1", fix="for example --nodes 2")
     if job.gpus_per_node < 0:
-        raise ConfigError(f"--gpus-per-node {job.gpus_per_node} is negative", fix="use 0 for CPU-only nodes")
+        raise OptionError(f"--gpus-per-node {job.gpus_per_node} is negative", fix="use 0 for CPU-only nodes")
     if job.grace_s <= SHUTDOWN_MARGIN_S:
-        raise ConfigError(
+        raise OptionError(
             f"--grace {job.grace_s} leaves no time to save",
             fix=f"give more than {SHUTDOWN_MARGIN_S} seconds, e.g. --grace 300",
         )
     if not job.image or any(c.isspace() for c in job.image):
-        raise ConfigError(
+        raise OptionError(
             f"--image '{job.image}' is not an image reference",
             fix="for example --image registry.example.com/team/trainyard:1.0",
+        )
+    if job.runtime is not None and job.kind != "trainjob":
+        raise OptionError(
+            f"--runtime {job.runtime} is for --kind trainjob; a PyTorchJob has no runtime",
+            fix="add --kind trainjob, or leave --runtime out",
+        )
+    if job.storage_class is not None and job.pvc is not None:
+        raise OptionError(
+            f"--storage-class {job.storage_class} is for the claim trainyard writes, and --pvc {job.pvc} is used "
+            "instead of one",
+            fix="leave --storage-class out with --pvc",
         )
 
 
@@ -94,9 +110,10 @@ def secret_env(specs: tuple[str, ...]) -> list[dict[str, Any]]:
     for spec in specs:
         match = re.fullmatch(r"(?:([A-Za-z_][A-Za-z0-9_]*)=)?([a-z0-9][a-z0-9.-]*)(?::([A-Za-z0-9._-]+))?", spec)
         if not match:
-            raise ConfigError(
-                f"--secret '{spec}' is not NAME or VAR=NAME:KEY",
-                fix="e.g. --secret team-tokens, or --secret WANDB_API_KEY=wandb:api-key",
+            raise OptionError(
+                f"--secret '{spec}' is not a Secret's NAME or VAR=NAME:KEY (a Secret's name is lower case)",
+                fix=f"e.g. --secret team-tokens (its keys {' and '.join(DEFAULT_SECRET_KEYS)} become those "
+                f"variables), or --secret {spec if _is_variable(spec) else 'WANDB_API_KEY'}=wandb:api-key",
             )
         var, secret, key = match.groups()
         pairs = [(var, key or var)] if var else [(name, key or name) for name in DEFAULT_SECRET_KEYS]
@@ -107,16 +124,85 @@ def secret_env(specs: tuple[str, ...]) -> list[dict[str, Any]]:
     return list(entries.values())
 
 
+def _is_variable(spec: str) -> bool:
+    """`--secret WANDB_API_KEY`: a variable's name where a Secret's name belongs."""
+    return re.fullmatch(r"[A-Z_][A-Z0-9_]*", spec) is not None
+
+
+@dataclass(frozen=True)
+class Move:
+    """A path of the job moved onto the shared volume for the pods."""
+
+    field: str
+    before: str
+    after: str
+    is_input: bool
+    """An input (data, model) must be copied onto the claim; an output is written there."""
+
+    def describe(self) -> str:
+        if not self.is_input:
+            return f"{self.field}: {self.before} -> {self.after}"
+        on_claim = PurePosixPath(self.after).relative_to(DATA_MOUNT)
+        return f"{self.field}: {self.before} -> {self.after} (copy it onto the claim as {on_claim})"
+
+
+def _on_volume(cfg: JobConfig, field: str, path: str) -> str:
+    """The path on the shared volume: relative ones under it, absolute ones outside it re-rooted under it.
+    A home folder (~) or a path climbing out with .. is refused: the pod would resolve it on its own disk."""
+    pure = PurePosixPath(path)
+    if pure.is_relative_to(DATA_MOUNT):
+        return path
+    if path.startswith("~") or ".." in pure.parts:
+        raise ConfigError(
+            f"{field} '{path}' cannot be placed on the shared volume ({DATA_MOUNT}): "
+            + ("a home folder is each pod's own" if path.startswith("~") else ".. climbs out of it"),
+            where=cfg.where(field),
+            fix=f"write it relative to the volume (e.g. runs) or as a path under {DATA_MOUNT}",
+        )
+    return str(PurePosixPath(DATA_MOUNT) / (pure.relative_to("/") if pure.is_absolute() else pure))
+
+
+def _is_local_model(path: str) -> bool:
+    """A folder or file rather than a hub id: it exists here, or could not be a hub id (owner/name)."""
+    return Path(path).expanduser().exists() or path.endswith(".gguf") or not _HUB_ID.fullmatch(path)
+
+
+def _path_fields(cfg: JobConfig) -> list[tuple[str, str, bool]]:
+    """(field, path, is_input) of every path a pod reads or writes; URLs, built-ins and hub ids are not paths."""
+    data, model = cfg.data, cfg.model
+    outputs = [("output_dir", cfg.output_dir), ("data.cache_dir", data.cache_dir), ("data.shards_dir", data.shards_dir),
+               ("model.cache_dir", model.cache_dir)]
+    inputs = [("data.eval_path", data.eval_path)]
+    inputs += [(f"data.mixture[{i}].path", source.path) for i, source in enumerate(data.mixture or [])]
+    inputs += [] if data.mixture else [("data.path", data.path)]
+    inputs += [(name, path) for name, path in (("model.path", model.path), ("model.tokenizer", model.tokenizer))
+               if path and _is_local_model(path)]
+    return [(field, path, False) for field, path in outputs if path] + [
+        (field, path, True) for field, path in inputs if path and not _URL.match(path)
+    ]
+
+
+def volume_moves(cfg: JobConfig) -> list[Move]:
+    """Every run path that is not on the shared volume yet, and where it goes: never the pod's own disk."""
+    moves = [Move(field, path, _on_volume(cfg, field, path), is_input) for field, path, is_input in _path_fields(cfg)]
+    return [move for move in moves if move.after != move.before]
+
+
 def cluster_config(cfg: JobConfig) -> JobConfig:
-    """The job as the pods see it: outputs and caches on the shared volume."""
-    update: dict[str, Any] = {}
-    if not cfg.output_dir.startswith("/"):
-        update["output_dir"] = f"{DATA_MOUNT}/{cfg.output_dir}"
-    model = cfg.model.model_copy(update={"cache_dir": cfg.model.cache_dir or f"{DATA_MOUNT}/cache/models"})
-    data = cfg.data
-    if data.cache_dir and not data.cache_dir.startswith("/"):
-        data = data.model_copy(update={"cache_dir": f"{DATA_MOUNT}/{data.cache_dir}"})
-    return cfg.model_copy(update={**update, "model": model, "data": data})
+    """The job as the pods see it: every run path on the shared volume, the model cache too by default."""
+    after = {move.field: move.after for move in volume_moves(cfg)}
+    mixture = [
+        source.model_copy(update={"path": after.get(f"data.mixture[{i}].path", source.path)})
+        for i, source in enumerate(cfg.data.mixture or [])
+    ]
+    data_update = {name: after[f"data.{name}"] for name in ("path", "eval_path", "cache_dir", "shards_dir")
+                   if f"data.{name}" in after}
+    data = cfg.data.model_copy(update={**data_update, **({"mixture": mixture} if mixture else {})})
+    model_update = {name: after[f"model.{name}"] for name in ("path", "tokenizer") if f"model.{name}" in after}
+    cache_dir = after.get("model.cache_dir", cfg.model.cache_dir or f"{DATA_MOUNT}/cache/models")
+    model = cfg.model.model_copy(update={**model_update, "cache_dir": cache_dir})
+    output_dir = after.get("output_dir", cfg.output_dir)
+    return cfg.model_copy(update={"output_dir": output_dir, "model": model, "data": data})
 
 
 def _container_env(cfg: JobConfig, job: K8sJob) -> list[dict[str, Any]]:
@@ -321,16 +407,26 @@ _Dumper.add_representer(
 
 
 def _document(comment: str, obj: dict[str, Any]) -> str:
-    lines = [f"# {line}" if line else "#" for line in comment.strip().splitlines()]
+    """One YAML document under its comment; the comment is redacted (paths may hold a token's value)."""
+    lines = [f"# {line}" if line else "#" for line in redact_text(comment).strip().splitlines()]
     return "\n".join(lines) + "\n" + yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=100)
+
+
+def _moves_note(cfg: JobConfig) -> str:
+    moves = volume_moves(cfg)
+    if not moves:
+        return f"Every path of the job was already on the shared volume at {DATA_MOUNT}."
+    lines = [f"Paths moved onto the shared volume at {DATA_MOUNT} (a pod's own disk dies with it):"]
+    return "\n".join(lines + [f"  {move.describe()}" for move in moves])
 
 
 def _comments(name: str, cfg: JobConfig, job: K8sJob) -> dict[str, str]:
     grace = job.grace_s
     return {
         "config": f"""
-The job as every pod reads it ({CONFIG_FILE}): overrides applied, outputs and caches moved
-onto the shared volume at {DATA_MOUNT}, secret-looking values redacted.""",
+The job as every pod reads it ({CONFIG_FILE}): overrides applied, every run path (outputs, caches,
+data and a local model) on the shared volume, secret-looking values redacted.
+{_moves_note(cfg)}""",
         "pvc": f"""
 Checkpoints, the run dir and the data/model caches: ReadWriteMany, so every node reads and
 writes the same run dir ({cfg.output_dir}/{cfg.run_name} becomes {cluster_config(cfg).run_dir}).

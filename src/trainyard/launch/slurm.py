@@ -8,24 +8,34 @@ script from the job config, commented so it can be read and edited before submit
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
+import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+import textwrap
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from trainyard.config import JobConfig
 from trainyard.dist import network_env
-from trainyard.errors import ConfigError
+from trainyard.errors import ConfigError, ModelError, OptionError
 from trainyard.launch.torchrun import PREEMPTED_EXIT_CODE
 from trainyard.redaction import is_secret_name, redact_text
 
-SIGNAL_LEAD_S = 90
-"""Slurm sends SIGUSR1 this long before the time limit; workers save and exit 75."""
 SHUTDOWN_MARGIN_S = 10
 """The agent kills workers this long before Slurm would, so its own exit is clean."""
+MIN_SAVE_WINDOW_S = 80
+"""The least time workers get to finish a step and save after SIGUSR1, however small the job."""
+SAVE_MARGIN = 1.5
+SAVE_MARGIN_S = 30
+"""The save window is the estimated step + full save times this factor, plus these seconds: the estimate assumes
+a disk bandwidth it has not measured."""
+DEFAULT_GPU = "h100-80gb"
+"""The device kind the signal lead is estimated for when --gpu is not given (CPU-only nodes: cpu)."""
 _SAFE_VALUE = re.compile(r"[A-Za-z0-9_.:,@%+=/\-\[\]]+")
+_GRES_GPUS = re.compile(r"\bgpu(?::[^:,(]+)?:(\d+)")
 
 
 @dataclass(frozen=True)
@@ -33,7 +43,7 @@ class SlurmJob:
     config: str
     overrides: tuple[str, ...]
     nodes: int
-    gpus_per_node: int
+    gpus_per_node: int | None
     nproc_per_node: int | None = None
     partition: str | None = None
     time: str | None = None
@@ -45,19 +55,43 @@ class SlurmJob:
     venv: str | None = None
     workdir: str = "."
     master_port_base: int = 29500
+    signal_lead: int | None = None
+    """Seconds between SIGUSR1 and the time limit; None: from the estimated step and full-save time."""
+    gpu: str | None = None
+    """The device kind (`trainyard estimate --gpu`) the signal lead is estimated for."""
+    node_source: str | None = None
+    """Where gpus_per_node / cpus_per_task came from when not from the command line (e.g. sinfo)."""
+
+
+@dataclass(frozen=True)
+class SignalLead:
+    seconds: int
+    reason: str
+
+    @property
+    def save_window_s(self) -> int:
+        """What the workers get (torchrun's shutdown timeout): the lead less the agent's own margin."""
+        return self.seconds - SHUTDOWN_MARGIN_S
 
 
 def _check(job: SlurmJob) -> None:
     if job.nodes < 1:
-        raise ConfigError(f"--nodes {job.nodes} must be at least 1", fix="for example --nodes 2")
-    if job.gpus_per_node < 0:
-        raise ConfigError(f"--gpus-per-node {job.gpus_per_node} is negative", fix="use 0 for CPU-only nodes")
+        raise OptionError(f"--nodes {job.nodes} must be at least 1", fix="for example --nodes 2")
+    if job.gpus_per_node is not None and job.gpus_per_node < 0:
+        raise OptionError(f"--gpus-per-node {job.gpus_per_node} is negative", fix="use 0 for CPU-only nodes")
     if job.nproc_per_node is not None and job.nproc_per_node < 1:
-        raise ConfigError(
+        raise OptionError(
             f"--nproc-per-node {job.nproc_per_node} must be at least 1", fix="for example --nproc-per-node 2"
         )
+    if job.cpus_per_task is not None and job.cpus_per_task < 1:
+        raise OptionError(f"--cpus-per-task {job.cpus_per_task} must be at least 1", fix="for example 32")
+    if job.signal_lead is not None and job.signal_lead <= SHUTDOWN_MARGIN_S:
+        raise OptionError(
+            f"--signal-lead {job.signal_lead} leaves the workers no time to save",
+            fix=f"give more than {SHUTDOWN_MARGIN_S} seconds, or leave it out to use the estimated save time",
+        )
     if job.env_file is not None and not Path(job.env_file).is_file():
-        raise ConfigError(
+        raise OptionError(
             f"--env-file {job.env_file} does not exist",
             fix="write VAR=value lines (e.g. WANDB_API_KEY=...) to a file every node can read",
         )
@@ -76,9 +110,87 @@ def _check(job: SlurmJob) -> None:
         ("--nic", job.nic),
     ):
         if value is not None and not _SAFE_VALUE.fullmatch(value):
-            raise ConfigError(
+            raise OptionError(
                 f"{option} '{value}' has characters Slurm does not take here", fix=f"pass {option} as one plain word"
             )
+
+
+def sinfo_node_shape(text: str) -> tuple[int, int]:
+    """(CPUs, GPUs) of the smallest node in `sinfo --Node --format '%c %G'` output: a job sized for it fits all."""
+    nodes = [line.split(maxsplit=1) for line in text.splitlines() if line.strip()]
+    cpus = min(int(fields[0].rstrip("+")) for fields in nodes)
+    gpus = min(sum(int(n) for n in _GRES_GPUS.findall(fields[1] if len(fields) > 1 else "")) for fields in nodes)
+    return cpus, gpus
+
+
+def partition_node_shape(partition: str) -> tuple[int, int] | None:
+    """The partition's (CPUs, GPUs) per node as Slurm reports them; None where Slurm is not installed here."""
+    if shutil.which("sinfo") is None:
+        return None
+    command = ["sinfo", "--noheader", "--Node", "--partition", partition, "--format", "%c %G"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    if result.returncode != 0 or not result.stdout.strip():
+        raise OptionError(
+            f"--partition {partition}: sinfo lists no node in it ({result.stderr.strip() or 'empty'})",
+            fix="check the name with `sinfo -s`, or pass --gpus-per-node and --cpus-per-task yourself",
+        )
+    return sinfo_node_shape(result.stdout)
+
+
+def with_node_defaults(job: SlurmJob) -> SlurmJob:
+    """GPUs and CPUs per node from the partition when the command line leaves them out.
+
+    A missing --gpus-per-node used to mean 0: a GPU job then ran CPU-only with one process per node."""
+    if job.gpus_per_node is not None and job.cpus_per_task is not None:
+        return job
+    shape = partition_node_shape(job.partition) if job.partition else None
+    if shape is None:
+        if job.gpus_per_node is None:
+            raise OptionError(
+                "--gpus-per-node is missing: it says how many processes each node runs and whether on GPUs",
+                fix="pass --gpus-per-node N (each node's GPUs), or --gpus-per-node 0 for CPU-only nodes "
+                "(with Slurm installed here, --partition NAME reads it from the partition)",
+            )
+        return job
+    cpus, gpus = shape
+    read = [f"--gpus-per-node {gpus}"] if job.gpus_per_node is None else []
+    read += [f"--cpus-per-task {cpus}"] if job.cpus_per_task is None else []
+    return replace(
+        job,
+        gpus_per_node=gpus if job.gpus_per_node is None else job.gpus_per_node,
+        cpus_per_task=cpus if job.cpus_per_task is None else job.cpus_per_task,
+        node_source=f"{' and '.join(read)} read from partition {job.partition}'s smallest node (sinfo)",
+    )
+
+
+def signal_lead(job: SlurmJob, cfg: JobConfig) -> SignalLead:
+    """How long before the time limit SIGUSR1 comes: enough to finish a step and commit a full checkpoint.
+
+    From trainyard's estimate of this job at this world size and device kind (a 70B full save takes minutes,
+    not the 80 s a fixed lead gave), with a margin; --signal-lead overrides it."""
+    if job.signal_lead is not None:
+        return SignalLead(job.signal_lead, "--signal-lead")
+    from trainyard.estimate import Hardware, estimate
+    from trainyard.estimate_time import DEFAULT_DISK_GBYTES_S
+
+    kind = job.gpu or (DEFAULT_GPU if job.gpus_per_node else "cpu")
+    hardware = Hardware(kind, nproc_per_node(job), job.nodes)
+    try:
+        timing = estimate(cfg, hardware, suggest=False).timing
+    except (ModelError, ConfigError) as err:
+        raise OptionError(
+            f"cannot estimate the full checkpoint's save time for the preemption signal: {err.what}",
+            fix="pass --signal-lead SECONDS: more than one step plus one full save",
+        ) from None
+    window = max(MIN_SAVE_WINDOW_S, math.ceil(SAVE_MARGIN * (timing.step_s + timing.save_s)) + SAVE_MARGIN_S)
+    assumed = "" if job.gpu or kind == "cpu" else " (assumed: pass --gpu KIND)"
+    reason = (
+        f"estimated by trainyard for {job.nodes} x {nproc_per_node(job)} {kind}{assumed}: a step "
+        f"{timing.step_s:.3g} s + a full save {timing.save_s:.3g} s ({timing.checkpoint_bytes / 1e9:.3g} GB at "
+        f"{DEFAULT_DISK_GBYTES_S:g} GB/s), x{SAVE_MARGIN:g} + {SAVE_MARGIN_S} s (at least {MIN_SAVE_WINDOW_S} s) "
+        f"for the workers, + {SHUTDOWN_MARGIN_S} s for the agent; --signal-lead N overrides"
+    )
+    return SignalLead(window + SHUTDOWN_MARGIN_S, reason)
 
 
 def nproc_per_node(job: SlurmJob) -> int:
@@ -93,7 +205,17 @@ def default_venv() -> str | None:
     return sys.prefix if sys.prefix != sys.base_prefix else None
 
 
-def _sbatch_lines(job: SlurmJob, cfg: JobConfig, log_dir: Path) -> list[str]:
+def _cpu_lines(job: SlurmJob) -> list[str]:
+    """The CPUs of each node's one task: torchrun and all its workers share them, so never Slurm's default of 1."""
+    if job.cpus_per_task is None:
+        return [
+            "#SBATCH --exclusive                     # whole nodes: every CPU for the launcher and its workers",
+            "#                                         (pass --cpus-per-task N to share nodes instead)",
+        ]
+    return [f"#SBATCH --cpus-per-task={job.cpus_per_task}        # the launcher and its workers share these"]
+
+
+def _sbatch_lines(job: SlurmJob, cfg: JobConfig, log_dir: Path, lead: SignalLead) -> list[str]:
     lines = [
         f"#SBATCH --job-name={cfg.run_name}",
         f"#SBATCH --nodes={job.nodes}",
@@ -101,8 +223,10 @@ def _sbatch_lines(job: SlurmJob, cfg: JobConfig, log_dir: Path) -> list[str]:
     ]
     if job.gpus_per_node:
         lines.append(f"#SBATCH --gres=gpu:{job.gpus_per_node}")
+    if job.node_source:
+        lines.append(f"# {job.node_source}")
+    lines += _cpu_lines(job)
     optional = (
-        ("cpus-per-task", job.cpus_per_task),
         ("mem", job.mem),
         ("time", job.time),
         ("partition", job.partition),
@@ -113,8 +237,9 @@ def _sbatch_lines(job: SlurmJob, cfg: JobConfig, log_dir: Path) -> list[str]:
         f"#SBATCH --chdir={job.workdir}",
         f"#SBATCH --output={log_dir}/slurm-%j.out   # one log per job; a requeued run appends",
         "#SBATCH --open-mode=append",
-        f"#SBATCH --signal=USR1@{SIGNAL_LEAD_S}              "
-        f"# before the time limit: save, exit {PREEMPTED_EXIT_CODE}, requeue",
+        f"# SIGUSR1 {lead.seconds} s before the time limit: end the step, save, exit {PREEMPTED_EXIT_CODE}, requeue.",
+        *textwrap.wrap(f"{lead.seconds} s: {lead.reason}.", 110, initial_indent="# ", subsequent_indent="#   "),
+        f"#SBATCH --signal=USR1@{lead.seconds}",
         "#SBATCH --requeue",
     ]
     return lines
@@ -149,7 +274,7 @@ def _master_lines(nic: str | None, port_base: int) -> list[str]:
     ]
 
 
-def _node_function(job: SlurmJob) -> list[str]:
+def _node_function(job: SlurmJob, lead: SignalLead) -> list[str]:
     job_args = shlex.join([job.config, *job.overrides])
     activate = [f"  source {shlex.quote(job.venv + '/bin/activate')}   # on every node"] if job.venv else []
     return [
@@ -160,15 +285,24 @@ def _node_function(job: SlurmJob) -> list[str]:
         f"  exec trainyard launch {job_args} \\",
         f'    --nnodes "$SLURM_JOB_NUM_NODES" --node-rank "$SLURM_NODEID" --nproc {nproc_per_node(job)} \\',
         '    --rdzv c10d --rdzv-id "$SLURM_JOB_ID" --master "$MASTER_ADDR:$MASTER_PORT" \\',
-        f"    --shutdown-timeout {SIGNAL_LEAD_S - SHUTDOWN_MARGIN_S}",
+        f"    --shutdown-timeout {lead.save_window_s}",
         "}",
         "export -f run_node",
     ]
 
 
-def render_sbatch(job: SlurmJob, cfg: JobConfig) -> str:
-    """The whole script, as text. Secrets stay in --env-file, read on the nodes at run time."""
+def resolve(job: SlurmJob, cfg: JobConfig) -> tuple[SlurmJob, SignalLead]:
+    """The options checked, the node's GPUs and CPUs filled in, and the preemption signal's lead."""
     _check(job)
+    job = with_node_defaults(job)
+    return job, signal_lead(job, cfg)
+
+
+def render_sbatch(job: SlurmJob, cfg: JobConfig, lead: SignalLead | None = None) -> str:
+    """The whole script, as text. Secrets stay in --env-file, read on the nodes at run time.
+    `lead`: from `resolve` (which `job` then came from), else resolved here."""
+    if lead is None:
+        job, lead = resolve(job, cfg)
     nic = job.nic or cfg.dist.nic
     log_dir = Path(job.workdir) / cfg.run_dir / "logs"
     nproc = nproc_per_node(job)
@@ -190,7 +324,8 @@ def render_sbatch(job: SlurmJob, cfg: JobConfig) -> str:
             f"set -a; source {shlex.quote(job.env_file)}; set +a",
         ]
     run = [
-        "srun --ntasks-per-node=1 bash -c run_node",
+        "# srun does not pass the job's CPUs on to its one task per node (Slurm >= 22.05): say it.",
+        'srun --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" bash -c run_node',
         "status=$?",
         "",
         f"# {PREEMPTED_EXIT_CODE}: stopped by the USR1 above (or a preemption) after a checkpoint was committed;",
@@ -203,11 +338,11 @@ def render_sbatch(job: SlurmJob, cfg: JobConfig) -> str:
         'exit "$status"',
     ]
     blocks = [
-        header + _sbatch_lines(job, cfg, log_dir),
+        header + _sbatch_lines(job, cfg, log_dir, lead),
         setup,
         _network_lines(cfg, nic),
         _master_lines(nic, job.master_port_base),
-        _node_function(job),
+        _node_function(job, lead),
         run,
     ]
     return "\n\n".join("\n".join(block) for block in blocks) + "\n"
@@ -228,11 +363,11 @@ def submit(path: Path) -> str:
             ["sbatch", "--parsable", str(path)], capture_output=True, text=True, timeout=60, check=False
         )
     except FileNotFoundError:
-        raise ConfigError(
+        raise OptionError(
             "sbatch is not on PATH", fix="run --submit on a Slurm login node, or submit the written script there"
         ) from None
     if result.returncode != 0:
-        raise ConfigError(
+        raise OptionError(
             f"sbatch refused {path}: {result.stderr.strip()}",
             fix="check the #SBATCH lines (partition, account, time) and submit again",
         )

@@ -111,6 +111,11 @@ def main() -> None:
     counted = dict(counts)
     with_answers = eval_room.evaluate(wrapped, data.eval, subset_size=100, seed=1, batch_size=BATCH, info=info,
                                       tokenizer=tokenizer, generate=True, max_new_tokens=NEW_TOKENS)
+    samples = eval_room.samples_file(out_dir / "run", 7)
+    counts.clear()
+    kept = eval_room.evaluate(wrapped, data.eval, subset_size=100, seed=1, batch_size=BATCH, info=info,
+                              tokenizer=tokenizer, generate=True, max_new_tokens=NEW_TOKENS, samples_path=samples)
+    kept_collectives = dict(counts)
 
     # This rank's batches as evaluate cuts them, answered under the strategy and by one process.
     lockstep = strategy == "fsdp"
@@ -131,6 +136,7 @@ def main() -> None:
         "single_loss_sum": loss_sum, "single_targets": targets, "subset": len(rows),
         "answers": answers, "expected": expected, "raw": raw, "eos": eos, "swapped": swapped,
         "correct": sum(int(a.strip() == rows[i]["answer"].strip()) for a, i in zip(expected, asked)),
+        "kept": kept, "kept_collectives": kept_collectives, "samples": str(samples),
     }))
     teardown()
     exit_process(0)

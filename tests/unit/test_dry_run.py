@@ -1,0 +1,141 @@
+"""One check before the nodes: `train --dry-run` reads the data and the tokenizer, plans for the target cluster (not
+this machine), and exits 2 when the plan does not fit, the data is unusable or the resume point does not exist."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.conftest import TINY, trainyard
+from trainyard import estimate_time
+from trainyard.cli import app
+from trainyard.config_file import load_config
+from trainyard.errors import TrainyardError
+
+TURN = {"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi there"}]}
+
+
+def dry_run(*args: str) -> tuple[int, str]:
+    """In process (the subprocess test below proves the real exit code and the absence of a traceback)."""
+    result = CliRunner().invoke(app, ["train", TINY, *args, "--dry-run"])
+    if isinstance(result.exception, TrainyardError):  # what trainyard.cli.main turns into its exit code
+        return result.exception.exit_code, result.output + result.exception.render()
+    return result.exit_code, result.output
+
+
+def chat_file(tmp_path: Path, rows: list[object]) -> Path:
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return path
+
+
+def test_the_data_is_read_its_lengths_epochs_and_one_marked_example_shown(tmp_path: Path) -> None:
+    data = chat_file(tmp_path, [TURN] * 20)
+    code, output = dry_run(f"data.path={data}", f"output_dir={tmp_path}", "train.max_steps=10",
+                           "train.micro_batch_size=4", "--world-size", "1")
+    assert code == 0, output
+    assert f"data             {data} (chat): 20 rows, 20 usable" in output
+    assert "tokens           per document p50 " in output and "0 truncated" in output
+    assert "epochs           10 steps x 4 samples = 2 epochs of 20 documents" in output
+    assert "\u00abhi there" in output  # the answer is trained, marked
+    assert "\u00abSay hi" not in output  # the prompt is not
+    assert "(the data's 20 documents, p50" in output  # the estimate uses the real lengths
+
+
+def test_a_bad_row_is_named_by_file_and_line_or_counted_when_skipped(tmp_path: Path) -> None:
+    data = chat_file(tmp_path, [TURN, TURN, "{not json", TURN])
+    code, output = dry_run(f"data.path={data}", f"output_dir={tmp_path}")
+    assert code == 2
+    assert f"{data}:3" in output and "Traceback" not in output
+    code, output = dry_run(f"data.path={data}", f"output_dir={tmp_path}", "data.on_bad_row=skip")
+    assert code == 0, output
+    assert "3 usable" in output
+    assert f"(first at {data}:3)" in output
+
+
+def test_missing_data_exits_2_before_any_node(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.jsonl"
+    result = trainyard("train", TINY, f"data.path={missing}", f"output_dir={tmp_path}", "--dry-run")
+    assert result.returncode == 2
+    assert str(missing) in result.stderr and "the data is unusable" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_the_plan_is_for_the_target_cluster_and_a_plan_that_does_not_fit_exits_2(tmp_path: Path) -> None:
+    code, output = dry_run(f"output_dir={tmp_path}", "--gpu", "h100-80gb", "--gpus-per-node", "8", "--nodes", "2")
+    assert code == 0, output
+    assert "world size       16" in output and "on 2 x 8 h100-80gb (fits)" in output
+    assert "network 3200 Gb/s per node (8 x 400 Gb/s InfiniBand" in output
+    too_big = ["model.config.hidden_size=8192", "model.config.intermediate_size=28672",
+               "model.config.num_hidden_layers=60", "model.config.num_attention_heads=64",
+               "model.config.num_key_value_heads=8", "dist.strategy=ddp"]
+    code, output = dry_run(f"output_dir={tmp_path}", *too_big, "--gpu", "l4", "--gpus-per-node", "2")
+    assert code == 2
+    assert "does NOT fit" in output and "the plan does not fit" in output and "cheapest fix" in output
+
+
+@pytest.mark.parametrize(
+    ("resume", "code", "needle"),
+    [("never", 0, "never: a fresh start"), ("auto", 0, "auto: nothing committed"),
+     ("latest", 2, "checkpoint.resume (override")],
+)
+def test_resume_is_a_flag_checked_at_dry_run(resume: str, code: int, needle: str, tmp_path: Path) -> None:
+    got, output = dry_run(f"output_dir={tmp_path}", "--resume", resume)
+    assert got == code, output
+    assert needle in output
+
+
+def test_gpu_shape_options_need_a_gpu_kind() -> None:
+    code, output = dry_run("--nodes", "2")
+    assert code == 2 and "--gpus-per-node and --nodes describe --gpu nodes" in output
+    code, output = dry_run("--gpu", "tpu-v9")
+    assert code == 2 and "--gpu tpu-v9 is not a known device" in output
+
+
+def test_step_tokens_follow_how_the_job_batches_its_real_lengths() -> None:
+    lengths = estimate_time.Lengths((10, 20, 30, 100), "test")
+    free = load_config(TINY, ["train.micro_batch_size=2", "data.max_length=128"])
+    assert lengths.per_row(free) == (40.0, (100 + 400 + 900 + 10000) / 160)
+    packed = load_config(TINY, ["data.packing=true", "data.max_length=128"])
+    assert lengths.per_row(packed) == (128, 128)
+    padded = load_config(TINY, ["data.padding_free=false", "train.micro_batch_size=2", "data.max_length=128"])
+    # E[max of 2 draws] over {10, 20, 30, 100}: 10/16 + 20*3/16 + 30*5/16 + 100*7/16
+    assert lengths.per_row(padded)[0] == pytest.approx((10 + 60 + 150 + 700) / 16)
+    assert estimate_time.Lengths().per_row(free) == (128, 128)
+
+
+def test_estimate_reads_the_data_and_says_what_it_assumed(tmp_path: Path) -> None:
+    data = chat_file(tmp_path, [TURN] * 8)
+    result = CliRunner().invoke(app, ["estimate", TINY, f"data.path={data}", "--gpu", "a100-80gb", "--nodes", "2"])
+    assert result.exit_code == 0, result.output
+    assert "the data's 8 documents" in result.output
+    assert "1600 Gb/s per node (8 x 200 Gb/s InfiniBand, usual for a100-80gb nodes)" in result.output
+    result = CliRunner().invoke(app, ["estimate", TINY, "dist.network=wan", "--nodes", "2"])
+    assert "1 Gb/s per node (a WAN (dist.network: wan))" in result.output
+
+
+@pytest.mark.parametrize("command", ["slurm", "k8s"])
+def test_cluster_scripts_run_the_same_check_before_writing(command: str, tmp_path: Path) -> None:
+    out = tmp_path / "job.out"
+    shape = ["--nodes", "2", "--gpus-per-node", "8", "--out", str(out), *(["--image", "img:1"] * (command == "k8s"))]
+    missing = [f"data.path={tmp_path / 'missing.jsonl'}", f"output_dir={tmp_path}"]
+    result = trainyard(command, TINY, *missing, *shape)
+    assert result.returncode == 2, result.stderr
+    assert "the data is unusable" in result.stderr and not out.exists()
+    result = trainyard(command, TINY, *missing, *shape, "--skip-data-check")
+    assert result.returncode == 0, result.stderr
+    assert out.is_file()
+
+
+def test_epochs_become_steps_from_the_rows_the_dry_run_counts(tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text(Path(TINY).read_text().replace("  max_steps: 30\n", "  epochs: 2\n"))
+    data = chat_file(tmp_path, [TURN] * 50)
+    result = CliRunner().invoke(app, ["train", str(job), f"data.path={data}", f"output_dir={tmp_path}",
+                                      "--dry-run", "--world-size", "2"])
+    assert result.exit_code == 0, result.output
+    assert "steps            7 (train.epochs 2 over 50 rows)" in result.output  # ceil(2 x 50 / 16)
+    assert "epochs           7 steps x 16 samples = 2.24 epochs of 50 documents" in result.output
