@@ -15,7 +15,8 @@ import torch
 
 from trainyard import estimate_memory as mem
 from trainyard import estimate_time
-from trainyard.config import JobConfig, accumulation_steps
+from trainyard.batch import accumulation_steps
+from trainyard.config import JobConfig
 from trainyard.errors import ConfigError, ModelError, OptionError
 
 # How far "more GPUs" looks for a layout that fits, in nodes.

@@ -18,7 +18,8 @@ import torch
 
 from trainyard import estimate_arch, metrics
 from trainyard import precision as precision_room
-from trainyard.config import JobConfig, accumulation_steps
+from trainyard.batch import accumulation_steps
+from trainyard.config import JobConfig
 from trainyard.errors import OptionError
 from trainyard.estimate_arch import Counts, Shape
 

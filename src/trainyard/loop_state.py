@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
 from trainyard import checkpoint, dist
-from trainyard.config import accumulation_steps
+from trainyard.batch import accumulation_steps
 from trainyard.data.mixture import MixtureStream
 from trainyard.errors import CheckpointError, TrainyardError
 from trainyard.estimate_time import young_daly_interval_s

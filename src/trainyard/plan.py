@@ -14,15 +14,16 @@ from transformers import AutoConfig
 
 from trainyard import attention, diloco, dist, estimate, estimate_memory, precision
 from trainyard import model as model_room
-from trainyard.config import JobConfig, accumulation_steps, steps_for_epochs
-from trainyard.dist import DistInfo
+from trainyard.batch import accumulation_steps, steps_for_epochs
 from trainyard.checkpoint import latest_full
+from trainyard.config import JobConfig
 from trainyard.data import survey as data_survey
+from trainyard.dist import DistInfo
 from trainyard.errors import ModelError, TrainyardError
 from trainyard.estimate_time import Lengths
 from trainyard.export import find_checkpoint
-from trainyard.preflight import check_source
 from trainyard.parallel import auto_strategy
+from trainyard.preflight import check_source
 
 
 def _hf_config(cfg: JobConfig):

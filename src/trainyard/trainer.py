@@ -23,7 +23,8 @@ from torch.distributed.fsdp import FSDPModule
 from trainyard import build, checkpoint, diloco, dist, health, loop_state, parallel
 from trainyard import model as model_room
 from trainyard import precision as precision_room
-from trainyard.config import JobConfig, accumulation_steps, steps_for_epochs
+from trainyard.batch import accumulation_steps, steps_for_epochs
+from trainyard.config import JobConfig
 from trainyard.config_file import dump_config
 from trainyard.data import PreparedData, ResumableSampler, micro_batches, prepare_datasets, sample_record_path
 from trainyard.data.loader import stream_batches

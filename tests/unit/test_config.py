@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainyard.config import JobConfig, accumulation_steps
+from trainyard.batch import accumulation_steps
+from trainyard.config import JobConfig
 from trainyard.config_file import dump_config, load_config
 from trainyard.errors import ConfigError
 from trainyard.redaction import REDACTED, is_secret_name, redact

@@ -10,7 +10,7 @@ import yaml
 
 from tests.conftest import TINY, events
 from trainyard import trainer
-from trainyard.config import steps_for_epochs
+from trainyard.batch import steps_for_epochs
 from trainyard.config_file import load_config
 from trainyard.errors import ConfigError
 from trainyard.status import read_status

@@ -17,8 +17,8 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 from tests.conftest import TINY, trainyard
 from tests.unit.families import FAMILIES, build, documents, settings
 from trainyard import attention, dist, export, precision, weights
-from trainyard.build import build_and_wrap
 from trainyard import model as model_room
+from trainyard.build import build_and_wrap
 from trainyard.config_file import load_config
 from trainyard.errors import ModelError
 
