@@ -34,8 +34,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from trainyard import model as model_room
 from trainyard.config import LoraConfig, ModelConfig
+from trainyard.model import build as model_room
+from trainyard.model import lora as lora_room
+from trainyard.model import source as source_room
+from trainyard.parallel import checkpointing
 
 MODEL = "builtin:smollm2-135m-instruct"
 MODES: dict[str, bool | str] = {"off": False, "full": True, "selective": "selective"}
@@ -64,14 +67,14 @@ class ForwardStorages(TorchDispatchMode):
 def build(model_path: str, mode: str) -> torch.nn.Module:
     """A fresh fp32 model with seeded adapters (B drawn too, so every adapter's gradient is real work)."""
     cfg = ModelConfig(path=model_path)
-    tokenizer = model_room.load_tokenizer(cfg, model_path)
+    tokenizer = source_room.load_tokenizer(cfg, model_path)
     model = model_room.load_model(cfg, model_path, tokenizer, torch.float32, seed=0)
-    model = model_room.apply_lora(model, LoraConfig(r=RANK, alpha=2 * RANK), seed=0)
+    model = lora_room.apply_lora(model, LoraConfig(r=RANK, alpha=2 * RANK), seed=0)
     for name, param in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.02)
     if MODES[mode]:
-        model_room.enable_activation_checkpointing(model, selective=MODES[mode] == "selective")
+        checkpointing.enable_activation_checkpointing(model, selective=MODES[mode] == "selective")
     return model.train()
 
 
@@ -140,7 +143,7 @@ def main() -> None:
     args = parser.parse_args()
     start = time.perf_counter()
     torch.set_num_threads(1)
-    model_path = model_room.resolve_model_path(ModelConfig(path=MODEL))
+    model_path = source_room.resolve_model_path(ModelConfig(path=MODEL))
     print(json.dumps({"cpu": cpu_name(), "torch": torch.__version__, "loadavg": os.getloadavg()}), flush=True)
     models = {mode: build(model_path, mode) for mode in args.mode}
     for precision in args.precision:

@@ -267,7 +267,7 @@ def main() -> None:
     import torch
 
     from trainyard.config import ModelConfig
-    from trainyard.model import resolve_model_path
+    from trainyard.model.source import resolve_model_path
 
     gpu = torch.cuda.is_available()
     nproc = 1 if gpu else args.nproc

@@ -248,7 +248,7 @@ def main() -> None:
     os.chdir(REPO)
     if any(RUNS[name][0] == "quickstart" for name in args.only):  # convert the GGUF once, untimed
         from trainyard.config import ModelConfig
-        from trainyard.model import resolve_model_path
+        from trainyard.model.source import resolve_model_path
 
         resolve_model_path(ModelConfig(path="builtin:smollm2-135m-instruct"))
     out_dir = REPO / "runs" / "benchmarks" / time.strftime("checkpoint-stall-%Y%m%dT%H%M%SZ", time.gmtime())

@@ -144,9 +144,9 @@ def measure_rank(rank: int, world: int, args: list[str], out: str) -> None:
 
     from trainyard import build, dist
     from trainyard import config_file as config_room
-    from trainyard import model as model_room
     from trainyard import precision as precision_room
     from trainyard.evaluate import token_loss_sum
+    from trainyard.model import source as source_room
     from trainyard.optim import build_optimizer
 
     device = torch.device("cpu")
@@ -155,8 +155,8 @@ def measure_rank(rank: int, world: int, args: list[str], out: str) -> None:
     cfg = config_room.load_config(args[0], args[1:])
     precision = precision_room.resolve(cfg, device)
     info = dist.DistInfo(rank, world, rank, world, device, "gloo" if world > 1 else None)
-    model_path = model_room.resolve_model_path(cfg.model) if cfg.model.path else None
-    tokenizer = model_room.load_tokenizer(cfg.model, model_path)
+    model_path = source_room.resolve_model_path(cfg.model) if cfg.model.path else None
+    tokenizer = source_room.load_tokenizer(cfg.model, model_path)
     tracker = LiveBytes()
     follow_fsdp_storage_resizes(tracker)
     with tracker:

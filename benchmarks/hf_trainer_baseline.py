@@ -40,7 +40,7 @@ from transformers import (
 )
 
 from trainyard.config import ModelConfig
-from trainyard.model import resolve_model_path
+from trainyard.model.source import resolve_model_path
 
 IGNORE_INDEX = -100
 MODES = {"seeds": 1, "best": 4}  # per-device batch

@@ -33,11 +33,11 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from trainyard import attention
 from trainyard import evaluate as evaluate_room
 from trainyard.config import ModelConfig
 from trainyard.data import collate
-from trainyard.model import resolve_model_path
+from trainyard.model import attention
+from trainyard.model.source import resolve_model_path
 
 CASES = ["today", "padded-sdpa", "dense-mask", "flash-kernel", "all-logits", "fp32", "foreach-adamw",
          "compiled-mlp"]

@@ -185,12 +185,12 @@ def model_bytes(folder: Path) -> tuple[int, int]:
 def worker(case: str, folder: str, out: Path) -> None:
     """One rank under torchrun: dist.init, tokenizer and precision first, then build_and_wrap measured."""
     from trainyard import build, dist, precision
-    from trainyard import model as model_room
     from trainyard.config_file import load_config
+    from trainyard.model import source as source_room
 
     spec = CASES[case]
     if spec.get("skip_fit_check"):
-        build.parallel.check_fits = lambda *args, **kwargs: None
+        build.plan.check_fits = lambda *args, **kwargs: None
     overrides = [
         "model.config=null",
         f"model.path={folder}",
@@ -201,7 +201,7 @@ def worker(case: str, folder: str, out: Path) -> None:
     ]
     cfg = load_config(str(REPO / "configs" / "tiny.yaml"), overrides)
     info = dist.init(cfg.dist)
-    tokenizer = model_room.load_tokenizer(cfg.model, folder)
+    tokenizer = source_room.load_tokenizer(cfg.model, folder)
     resolved = precision.resolve(cfg, info.device)
     (model, strategy, _), figures = measure(lambda: build.build_and_wrap(cfg, info, resolved, folder, tokenizer))
     held = sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in model.parameters())

@@ -36,7 +36,7 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from trainyard.config import ModelConfig
 from trainyard.data.formats import alpaca_prompt
-from trainyard.model import resolve_model_path
+from trainyard.model.source import resolve_model_path
 
 TOLERANCE = 1e-3
 

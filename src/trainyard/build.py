@@ -12,9 +12,13 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainyard import diloco, dist, parallel, weights
-from trainyard import model as model_room
+from trainyard import diloco, dist, plan
 from trainyard.config import JobConfig
+from trainyard.model import build as model_room
+from trainyard.model import lora as lora_room
+from trainyard.model import source as source_room
+from trainyard.model import weights
+from trainyard.parallel import parallelize as parallel
 from trainyard.precision import Precision
 
 
@@ -28,26 +32,20 @@ def build_and_wrap(
 ) -> tuple[torch.nn.Module, str, DeviceMesh | None]:
     """Meta-device model (+ LoRA) → strategy, checked to fit → mesh → wrap → each rank's own weights.
     Forward only (evaluation), DDP's replicas add nothing: FSDP stays, as it lets a big model fit."""
-    config = model_room.hf_config(cfg.model, model_path, tokenizer)
+    config = source_room.architecture(cfg.model, tokenizer, model_path)
     trainable_dtype = precision.trainable_dtype
     base_dtype = precision.frozen_dtype if cfg.lora.enabled else trainable_dtype
     where = cfg.where("model.attn_implementation")
     model = model_room.build_meta_model(cfg.model, config, base_dtype, info.device, not forward_only, where)
     if cfg.lora.enabled:
-        with model_room.real_stand_ins(model, trainable_dtype):
-            model = model_room.apply_lora(model, cfg.lora, cfg.train.seed)
+        with lora_room.real_stand_ins(model, trainable_dtype):
+            model = lora_room.apply_lora(model, cfg.lora, cfg.train.seed)
         logging.getLogger("trainyard").info(
-            "lora r=%d alpha=%g on %s", cfg.lora.r, cfg.lora.alpha, model_room.describe_lora_reach(model)
+            "lora r=%d alpha=%g on %s", cfg.lora.r, cfg.lora.alpha, lora_room.describe_lora_reach(model)
         )
-    if cfg.model.gradient_checkpointing:
-        selective = cfg.model.gradient_checkpointing == "selective"
-        model_room.enable_activation_checkpointing(model, selective=selective)
-        logging.getLogger("trainyard").info("activation checkpointing: %s", "selective" if selective else "full")
-    if cfg.train.compile:
-        logging.getLogger("trainyard").info("torch.compile on %d blocks' MLPs", model_room.compile_blocks(model))
-    strategy = parallel.choose_strategy(cfg.dist.strategy, model, info)
+    strategy = plan.choose_strategy(cfg.dist.strategy, model, info)
     if cfg.dist.strategy == "auto" and info.distributed:
-        strategy, why = parallel.auto_strategy(model, info, cfg)
+        strategy, why = plan.auto_strategy(model, info, cfg)
         logging.getLogger("trainyard").info("dist.strategy auto -> %s: %s", strategy, why)
     if forward_only and strategy == "diloco":
         strategy = cfg.diloco.inner
@@ -56,7 +54,7 @@ def build_and_wrap(
     sites = diloco.site_count(cfg, info) if strategy == "diloco" else None
     mesh = dist.build_mesh(info, strategy, cfg.dist.shard_size, sites, cfg.diloco.inner)
     shards = mesh.size(-1) if mesh is not None and parallel.shards_within(strategy, cfg.diloco.inner) else 1
-    parallel.check_fits(strategy, cfg.dist.strategy, shards, model, info, cfg.where("dist.strategy"))
+    plan.check_fits(strategy, cfg.dist.strategy, shards, model, info, cfg.where("dist.strategy"))
     if cfg.model.config is not None:
         source: weights.SafetensorsFolder | weights.InMemory = weights.InMemory(
             model_room.random_init(cfg.model, config, cfg.train.seed)
@@ -64,4 +62,6 @@ def build_and_wrap(
     else:
         assert model_path is not None
         source = weights.SafetensorsFolder.open(model_path, model)
-    return parallel.apply(model, strategy, info, precision, source, mesh, cfg.diloco.inner), strategy, mesh
+    wrapped = parallel.apply(model, strategy, info, precision, source, mesh, cfg.diloco.inner,
+                             cfg.model.gradient_checkpointing, cfg.train.compile)
+    return wrapped, strategy, mesh

@@ -60,7 +60,7 @@ from trainyard.config import CheckpointConfig
 from trainyard.dist import DistInfo, all_reduce_sum, broadcast_text
 from trainyard.errors import CheckpointError
 from trainyard.files import fsync_dir, write_atomically
-from trainyard.parallel import unwrap
+from trainyard.parallel.parallelize import unwrap
 
 DISK_FIX = "check free space and permissions of the checkpoint dir; the previous checkpoint is intact"
 

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from trainyard.config import DilocoConfig, JobConfig
 from trainyard.dist import DistInfo
 from trainyard.errors import ConfigError
-from trainyard.parallel import unwrap
+from trainyard.parallel.parallelize import unwrap
 
 
 def site_count(cfg: JobConfig, info: DistInfo) -> int:

@@ -15,14 +15,15 @@ from pathlib import Path
 import transformers
 from torch.distributed.fsdp import FSDPModule
 
-from trainyard import dist, precision, weights
-from trainyard import model as model_room
+from trainyard import dist, precision
 from trainyard.build import build_and_wrap
 from trainyard.config import JobConfig
 from trainyard.data import prepare_datasets
 from trainyard.errors import DataError
 from trainyard.evaluate import evaluate
 from trainyard.export import adapter_dir, check_model_matches, find_checkpoint, load_full_weights
+from trainyard.model import source as source_room
+from trainyard.model import weights
 
 
 def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path) -> dict[str, object]:
@@ -35,8 +36,8 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path) -> dict[str, object]:
     model_path = None
     with dist.first_on_node(info):
         if cfg.model.path is not None:
-            model_path = model_room.resolve_model_path(cfg.model)
-        tokenizer = model_room.load_tokenizer(cfg.model, model_path)
+            model_path = source_room.resolve_model_path(cfg.model)
+        tokenizer = source_room.load_tokenizer(cfg.model, model_path)
     cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output_dir) / ".cache" / "data"
     data = prepare_datasets(cfg.data, tokenizer, cache_root, log=log)
     if data.eval is None or len(data.eval) == 0:

@@ -33,7 +33,7 @@ from transformers import modeling_utils
 from trainyard.data import IGNORE_INDEX, collate
 from trainyard.dist import DistInfo, all_reduce_sum
 from trainyard.files import write_atomically
-from trainyard.parallel import unwrap
+from trainyard.parallel.parallelize import unwrap
 from trainyard.redaction import redact
 
 _MASK_KEEP = hasattr(modeling_utils, "slice_logits_to_keep")  # boolean logits_to_keep masks (transformers 5)

@@ -21,12 +21,14 @@ from peft import PeftModel
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from trainyard import model as model_room
 from trainyard.checkpoint import MARKER, STEP_DIR, committed_kind, latest_full, model_signature, read_trainer_state
 from trainyard.config import JobConfig
 from trainyard.config_file import load_config
 from trainyard.errors import CheckpointError, OptionError
 from trainyard.files import publish_folder, temp_sibling
+from trainyard.model import build as model_room
+from trainyard.model import lora as lora_room
+from trainyard.model import source as source_room
 
 
 def find_checkpoint(path: Path) -> Path:
@@ -70,13 +72,13 @@ def training_dtype(cfg: JobConfig, run_dir: Path) -> torch.dtype:
         device = json.loads((run_dir / "env.json").read_text()).get("device", "cpu")
     except (OSError, ValueError):
         device = "cpu"
-    return model_room.resolve_dtype(cfg.model, torch.device(device))
+    return source_room.resolve_dtype(cfg.model, torch.device(device))
 
 
 def build_base(cfg: JobConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
     """The job's base model and tokenizer, as `trainer.run` builds them before LoRA."""
-    model_path = model_room.resolve_model_path(cfg.model) if cfg.model.path is not None else None
-    tokenizer = model_room.load_tokenizer(cfg.model, model_path)
+    model_path = source_room.resolve_model_path(cfg.model) if cfg.model.path is not None else None
+    tokenizer = source_room.load_tokenizer(cfg.model, model_path)
     model = model_room.load_model(cfg.model, model_path, tokenizer, dtype, cfg.train.seed)
     return model, tokenizer
 
@@ -172,7 +174,7 @@ def _export_lora(base: torch.nn.Module, step: Path, out: Path, merge: bool) -> N
     """Merged: one plain model. Unmerged: the base, and the adapter PEFT loads onto it."""
     if not merge:
         base.save_pretrained(out)  # before PEFT injects its layers into the same modules
-    with model_room.fused_expert_rank_warnings_ignored():
+    with lora_room.fused_expert_rank_warnings_ignored():
         peft_model = PeftModel.from_pretrained(base, str(adapter_dir(step)))
     if merge:
         peft_model.merge_and_unload().save_pretrained(out)

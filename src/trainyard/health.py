@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from trainyard.dist import FLIGHT_DIR, DistInfo, flight_recorder_enabled
 from trainyard.errors import DistError
-from trainyard.parallel import unwrap
+from trainyard.parallel.parallelize import unwrap
 from trainyard.status import describe_ranks, silent_ranks
 
 FAULT_ENV = "TRAINYARD_FAULT"

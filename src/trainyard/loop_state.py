@@ -16,7 +16,7 @@ from trainyard import checkpoint, dist
 from trainyard.batch import accumulation_steps
 from trainyard.data.mixture import MixtureStream
 from trainyard.errors import CheckpointError, TrainyardError
-from trainyard.estimate_time import young_daly_interval_s
+from trainyard.estimate.timing import young_daly_interval_s
 
 if TYPE_CHECKING:
     from trainyard.trainer import Job

@@ -30,7 +30,7 @@ from trainyard.files import write_atomically
 from trainyard.redaction import redact, redact_text
 
 if TYPE_CHECKING:
-    from trainyard.parallel import CommTimer
+    from trainyard.parallel.comm import CommTimer
 
 # Dense (no sparsity) tensor-core peaks in FLOP/s, keyed by the exact name CUDA reports, then by
 # the precision the matmuls run in. Substrings would mistake an L40 for an L4 and a PCIe H100 for

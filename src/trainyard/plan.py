@@ -7,70 +7,38 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
-from huggingface_hub import snapshot_download
-from huggingface_hub.errors import LocalEntryNotFoundError
-from transformers import AutoConfig
+import torch.distributed as torch_dist
 
-from trainyard import attention, diloco, dist, estimate, estimate_memory, precision
-from trainyard import model as model_room
+from trainyard import diloco, dist, estimate, precision
 from trainyard.batch import accumulation_steps, steps_for_epochs
 from trainyard.checkpoint import latest_full
 from trainyard.config import JobConfig
 from trainyard.data import survey as data_survey
 from trainyard.dist import DistInfo
-from trainyard.errors import ModelError, TrainyardError
-from trainyard.estimate_time import Lengths
+from trainyard.errors import ConfigError, ModelError, OptionError, TrainyardError
+from trainyard.estimate import arch as estimate_arch
+from trainyard.estimate import memory as estimate_memory
+from trainyard.estimate.timing import Lengths
 from trainyard.export import find_checkpoint
-from trainyard.parallel import auto_strategy
+from trainyard.model import attention
+from trainyard.model import build as model_room
+from trainyard.model import lora as lora_room
+from trainyard.model import source as source_room
 from trainyard.preflight import check_source
 
 
-def _hf_config(cfg: JobConfig):
-    """The architecture, from the job, a local folder, a GGUF header or the local HF cache."""
-    model_cfg = cfg.model
-    if model_cfg.config is not None:
-        settings = dict(model_cfg.config)
-        if "vocab_size" not in settings:
-            settings["vocab_size"] = _tokenizer_size(cfg)
-        return model_room.config_for_model(settings.pop("model_type"), settings, cfg.where("model.config"))
-    assert model_cfg.path is not None
-    gguf = None
-    if model_cfg.path in model_room.BUILTIN_MODELS:
-        gguf = model_room.builtin_gguf_file(model_cfg.path)
-    elif model_cfg.path.endswith(".gguf"):
-        gguf = Path(model_cfg.path)
-    try:
-        if gguf is not None:
-            return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        # A dry run downloads nothing: only a local folder or the local HF cache.
-        return AutoConfig.from_pretrained(
-            model_cfg.path, trust_remote_code=model_cfg.trust_remote_code, local_files_only=True
-        )
-    except (OSError, ValueError):
-        return None
-
-
-def _tokenizer_size(cfg: JobConfig) -> int:
-    """The vocabulary a config-built model will get; a common size if the tokenizer is remote."""
-    try:
-        return len(model_room.load_tokenizer(cfg.model, None))
-    except (ModelError, OSError, ValueError):
-        return 32000
-
-
 def meta_model(cfg: JobConfig) -> torch.nn.Module | None:
-    """The job's model (with LoRA) on the meta device: shapes and counts, no memory."""
-    hf_config = _hf_config(cfg)
-    if hf_config is None:
-        return None
-    if hasattr(hf_config, "quantization_config"):
-        del hf_config.quantization_config
-    with torch.device("meta"):
-        model = model_room.causal_lm(hf_config, cfg.model.trust_remote_code)
-        attention.refuse_dropped(cfg.model.attn_implementation, model, cfg.where("model.attn_implementation"))
-        if cfg.lora.enabled:
-            model = model_room.apply_lora(model, cfg.lora, cfg.train.seed)
+    """The job's model (with LoRA) on the meta device, as the estimate builds it; None when its architecture is
+    neither on this machine nor in the estimator's table."""
+    try:
+        model = estimate_arch.meta_model(cfg, estimate_arch.hf_config(cfg))
+    except ModelError as err:
+        if "not available offline" in err.what:
+            return None
+        raise
+    attention.refuse_dropped(cfg.model.attn_implementation, model, cfg.where("model.attn_implementation"))
     return model
 
 
@@ -95,7 +63,100 @@ def _lora_words(cfg: JobConfig, model: torch.nn.Module | None) -> str:
     if not lora.enabled:
         return "off (full fine-tuning)"
     words = f"r={lora.r} alpha={lora.alpha:g}"
-    return f"{words} on {model_room.describe_lora_reach(model)}" if model is not None else words
+    return f"{words} on {lora_room.describe_lora_reach(model)}" if model is not None else words
+
+
+# AdamW keeps two fp32 moments per trainable parameter.
+_ADAM_BYTES_PER_PARAM = 8
+# Replicated state may use at most this share of a device; the rest is activations.
+_DDP_MEMORY_SHARE = 0.5
+
+
+def device_memory_bytes(info: DistInfo) -> int:
+    if info.device.type == "cuda":
+        return torch.cuda.get_device_properties(info.device).total_memory
+    return psutil.virtual_memory().total // max(info.local_world_size, 1)
+
+
+def replicated_state_bytes(model: torch.nn.Module) -> int:
+    """Weights + gradients + AdamW moments, as each DDP rank would hold them."""
+    total = 0
+    for param in model.parameters():
+        size = param.numel() * param.element_size()
+        total += size
+        if param.requires_grad:
+            total += size + param.numel() * _ADAM_BYTES_PER_PARAM
+    return total
+
+
+def choose_strategy(requested: str, model: torch.nn.Module, info: DistInfo, cfg: JobConfig | None = None) -> str:
+    """The strategy to run; for `auto`, see auto_strategy. A strategy asked for by name is kept in a
+    1-process group (one GPU still tests its wrapper)."""
+    if requested != "auto":
+        return requested if info.distributed or torch_dist.is_initialized() else "none"
+    return auto_strategy(model, info, cfg)[0]
+
+
+def auto_strategy(
+    model: torch.nn.Module | None, info: DistInfo, cfg: JobConfig | None = None, device: int | None = None
+) -> tuple[str, str]:
+    """(strategy, why) for `dist.strategy: auto`: none alone; else the first of ddp, hsdp (several nodes:
+    only gradients cross the slow link) and fsdp whose estimated peak per rank (weights, gradients, optimizer,
+    activations, buffers: estimate.py) fits the device. Without a job the estimate can model, the replicated
+    training state decides: ddp while it fits half a device. `device`: bytes per rank of the target when it is
+    not this machine (a dry run for another cluster)."""
+    if info.world_size == 1:
+        return "none", "one process"
+    device = device or device_memory_bytes(info)
+    nodes = math.ceil(info.world_size / max(info.local_world_size, 1))
+    if cfg is not None:
+        try:
+            peaks: list[tuple[str, int]] = []
+            for candidate in ["ddp", *(["hsdp"] if nodes > 1 else []), "fsdp"]:
+                peak = estimate.planned_peak(cfg, candidate, info.world_size, info.local_world_size, device)
+                peaks.append((candidate, peak))
+                if peak <= device:
+                    break
+            said = ", ".join(f"{name} {peak / 2**30:.1f} GiB" for name, peak in peaks)
+            return peaks[-1][0], f"estimated peak per rank {said}, of {device / 2**30:.1f} GiB"
+        except (ModelError, ConfigError, OptionError, OSError, ValueError) as err:
+            reason = f"no estimate ({str(err).splitlines()[0]}); replicated state decides: "
+    else:
+        reason = "replicated state decides: "
+    if model is None:
+        return "auto", reason + "unknown before the model is built"
+    state, budget = replicated_state_bytes(model), _DDP_MEMORY_SHARE * device
+    reason += f"{state / 2**30:.2f} GiB of weights, gradients and AdamW state, budget {budget / 2**30:.1f} GiB"
+    if state <= budget:
+        return "ddp", reason
+    several_nodes = info.world_size > info.local_world_size
+    return ("hsdp" if several_nodes and state / info.local_world_size <= budget else "fsdp"), reason
+
+
+def check_fits(
+    strategy: str, requested: str, shards: int, model: torch.nn.Module, info: DistInfo, where: str | None
+) -> None:
+    """Refuse, before any weight is read, a plan whose training state cannot fit a device.
+    `shards`: how many ranks the state is divided over (1 for ddp, the shard group for hsdp)."""
+    state = replicated_state_bytes(model)
+    per_rank = state / shards
+    device = device_memory_bytes(info)
+    if per_rank <= device:
+        return
+    gib = 2**30
+    sharded = state / info.world_size
+    fix = (
+        f"use dist.strategy: fsdp (about {sharded / gib:.1f} GiB per rank over {info.world_size} ranks)"
+        if sharded <= device
+        else f"use more ranks (at least {int(state // device) + 1} for fsdp), LoRA, or a smaller model"
+    )
+    raise ConfigError(
+        f"dist.strategy {requested}{f' ({strategy} on {info.world_size} rank)' if strategy != requested else ''}: "
+        f"weights, gradients and AdamW state need about {per_rank / gib:.1f} GiB per rank, "
+        f"more than the {device / gib:.1f} GiB of {info.device.type} memory each rank has",
+        where=where,
+        fix=fix,
+    )
 
 
 @dataclass(frozen=True)
@@ -146,7 +207,7 @@ def _data_lines(cfg: JobConfig, target: Target, problems: list[str]) -> tuple[li
     """The data survey's lines and the documents' lengths for the estimate; a problem when the data is unusable."""
     if cfg.data.mixture:
         return [], Lengths()
-    tokenizer, why = local_tokenizer(cfg)
+    tokenizer, why = source_room.offline_tokenizer(cfg.model)
     try:
         if tokenizer is None:
             _check_files(cfg)
@@ -182,7 +243,7 @@ def data_lengths(cfg: JobConfig, world_size: int) -> Lengths:
     train.epochs, `cfg`'s max_steps from the rows counted."""
     if cfg.data.mixture:
         return Lengths()
-    tokenizer, why = local_tokenizer(cfg)
+    tokenizer, why = source_room.offline_tokenizer(cfg.model)
     if tokenizer is None:
         return Lengths(source=f"data.max_length: {why}")
     try:
@@ -194,22 +255,6 @@ def data_lengths(cfg: JobConfig, world_size: int) -> Lengths:
         cfg.train.epoch_rows, cfg.train.max_steps = rows, steps_for_epochs(cfg, rows, world_size)
     cuts = data_survey.percentiles(found.lengths)
     return Lengths(tuple(found.lengths), f"the data's {found.usable:,} documents, p50 {cuts['p50']:,} tokens")
-
-
-def local_tokenizer(cfg: JobConfig) -> tuple[Any, str]:
-    """The job's tokenizer if it can be had without a download (a dry run fetches nothing), else why not."""
-    model_cfg = cfg.model
-    source = model_cfg.tokenizer or model_cfg.path
-    try:
-        if source in model_room.BUILTIN_MODELS or (source or "").endswith(".gguf"):
-            return model_room.load_tokenizer(model_cfg, model_room.resolve_model_path(model_cfg)), ""
-        if source == "builtin:bytes" or Path(source or "").expanduser().exists():
-            return model_room.load_tokenizer(model_cfg, model_cfg.path), ""
-        folder = snapshot_download(source, local_files_only=True)
-    except (LocalEntryNotFoundError, OSError, ValueError):
-        return None, (f"the tokenizer of {source} is not on this machine (nothing is downloaded before launch; "
-                      f"`huggingface-cli download {source}` once lets it read the data)")
-    return model_room.load_tokenizer(model_cfg.model_copy(update={"tokenizer": folder}), folder), ""
 
 
 def _resume_words(cfg: JobConfig, problems: list[str]) -> str:

@@ -20,8 +20,7 @@ import torch
 import transformers
 from torch.distributed.fsdp import FSDPModule
 
-from trainyard import build, checkpoint, diloco, dist, health, loop_state, parallel
-from trainyard import model as model_room
+from trainyard import build, checkpoint, diloco, dist, health, loop_state
 from trainyard import precision as precision_room
 from trainyard.batch import accumulation_steps, steps_for_epochs
 from trainyard.config import JobConfig
@@ -44,7 +43,11 @@ from trainyard.metrics import (
     setup_logging,
     write_json,
 )
+from trainyard.model import build as model_room
+from trainyard.model import source as source_room
 from trainyard.optim import build_optimizer, grad_norm_and_clip
+from trainyard.parallel import comm
+from trainyard.parallel import parallelize as parallel
 from trainyard.status import BackgroundHeartbeat
 
 
@@ -72,7 +75,7 @@ class Job:
     """What a checkpoint must match to be resumed by this job (see checkpoint.check_compatible)."""
     saves: checkpoint.Checkpointer
     precision: precision_room.Precision
-    comm_timer: parallel.CommTimer | None = None
+    comm_timer: comm.CommTimer | None = None
     outer: diloco.OuterSync | None = None
     """dist.strategy diloco: the round-start weights and outer momentum, synced every diloco.sync_every steps."""
 
@@ -335,8 +338,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     model_path = None
     with dist.first_on_node(info):  # one process per node converts/loads caches first
         if cfg.model.path is not None:
-            model_path = model_room.resolve_model_path(cfg.model)
-        tokenizer = model_room.load_tokenizer(cfg.model, model_path)
+            model_path = source_room.resolve_model_path(cfg.model)
+        tokenizer = source_room.load_tokenizer(cfg.model, model_path)
     cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output_dir) / ".cache" / "data"
     if cfg.data.mixture:
         data, shards = prepare_pretraining(cfg, tokenizer, cache_root, logger.info, show_progress=info.is_main)
@@ -381,7 +384,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         saves=checkpoint.Checkpointer(cfg.checkpoint, cfg.run_dir / "checkpoints", info, sink.emit),
         precision=precision,
     )
-    job.comm_timer = parallel.attach_comm_timer(model)
+    job.comm_timer = comm.attach_comm_timer(model)
     if strategy == "diloco":
         assert mesh is not None
         job.outer = diloco.OuterSync(model, cfg.diloco, mesh, info)

@@ -12,7 +12,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import assert_ok, events, trainyard
 from tests.dist.checkpoint_helpers import COMMON, FULL_FSDP, LORA_DDP, STEPS, model_tensors
-from trainyard import model as model_room
+from trainyard.model import build as model_room
+from trainyard.model import lora as lora_room
+from trainyard.model import source as source_room
 from trainyard.checkpoint import step_dir
 from trainyard.config_file import load_config
 from trainyard.export import export
@@ -26,10 +28,10 @@ def trained_model(run_dir: Path) -> tuple[torch.nn.Module, object]:
     """The model as training holds it at the end: the job's base, LoRA as the trainer adds
     it, and every trained tensor of the final full (DCP) checkpoint loaded on top."""
     cfg = load_config(str(run_dir / "config.yaml"))
-    tokenizer = model_room.load_tokenizer(cfg.model, None)
+    tokenizer = source_room.load_tokenizer(cfg.model, None)
     model = model_room.load_model(cfg.model, None, tokenizer, torch.float32, cfg.train.seed)
     if cfg.lora.enabled:
-        model = model_room.apply_lora(model, cfg.lora, cfg.train.seed)
+        model = lora_room.apply_lora(model, cfg.lora, cfg.train.seed)
     trained = model_tensors(step_dir(run_dir / "checkpoints", STEPS))
     result = model.load_state_dict(trained, strict=False)
     assert not result.unexpected_keys

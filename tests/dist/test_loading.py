@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.conftest import REPO
-from trainyard import weights
+from trainyard.model import weights
 from trainyard.errors import ModelError
 
 SCRIPT = REPO / "tests" / "dist" / "scripts" / "load_shards.py"

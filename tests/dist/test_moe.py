@@ -34,7 +34,7 @@ from tests.dist.test_checkpoint_export import greedy, logits, trained_model
 from tests.dist.test_checkpoint_resume import assert_same_final_weights
 from trainyard.checkpoint import committed, latest_full, step_dir
 from trainyard.export import export
-from trainyard.model import describe_lora_reach
+from trainyard.model.lora import describe_lora_reach
 
 pytestmark = pytest.mark.dist
 

@@ -10,7 +10,8 @@ import torch
 
 from tests.conftest import TINY, assert_ok, events, trainyard
 from tests.dist.checkpoint_helpers import model_tensors
-from trainyard import model as model_room
+from trainyard.model import build as model_room
+from trainyard.model import source as source_room
 from trainyard import precision
 from trainyard.config_file import load_config
 
@@ -29,8 +30,8 @@ def _one_small_step(out: Path, name: str) -> dict[str, torch.Tensor]:
 
 def _initial_weights() -> dict[str, torch.Tensor]:
     cfg = load_config(TINY)
-    tokenizer = model_room.load_tokenizer(cfg.model, None)
-    return model_room.random_init(cfg.model, model_room.hf_config(cfg.model, None, tokenizer), cfg.train.seed)
+    tokenizer = source_room.load_tokenizer(cfg.model, None)
+    return model_room.random_init(cfg.model, source_room.architecture(cfg.model, tokenizer), cfg.train.seed)
 
 
 def _changed_share(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> float:

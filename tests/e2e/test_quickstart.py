@@ -30,7 +30,7 @@ def test_quickstart_learns_the_task_and_saves_a_peft_adapter(tmp_path: Path) -> 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainyard.model import default_model_cache
+    from trainyard.model.source import default_model_cache
 
     adapter = run_dir / "checkpoints" / f"step-{summary['steps']:08d}" / "adapter"
     assert (adapter / "adapter_model.safetensors").is_file()

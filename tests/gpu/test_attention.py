@@ -7,8 +7,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.gpu.conftest import Device
-from trainyard import attention
 from trainyard.data import collate
+from trainyard.model import attention
 
 pytestmark = pytest.mark.gpu
 

@@ -12,8 +12,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tests.conftest import TINY, trainyard
-from trainyard import model as model_room
 from trainyard.config_file import load_config
+from trainyard.model import build as model_room
+from trainyard.model import lora as lora_room
+from trainyard.model import source as source_room
+from trainyard.parallel import checkpointing
 
 MODES: dict[str, bool | str] = {"none": False, "full": True, "selective": "selective"}
 
@@ -43,16 +46,16 @@ def tiny_model(mode: str, lora: bool) -> torch.nn.Module:
     """The tiny preset's Llama in fp32, the same seeded weights for every mode; with LoRA, B is drawn too
     (PEFT starts it at 0, which would leave every A's gradient 0 and compare nothing)."""
     cfg = load_config(TINY, [f"model.gradient_checkpointing={str(MODES[mode]).lower()}"])
-    tokenizer = model_room.load_tokenizer(cfg.model, None)
+    tokenizer = source_room.load_tokenizer(cfg.model, None)
     model = model_room.load_model(cfg.model, None, tokenizer, torch.float32, cfg.train.seed)
     if lora:
-        model = model_room.apply_lora(model, cfg.lora, cfg.train.seed)
+        model = lora_room.apply_lora(model, cfg.lora, cfg.train.seed)
         torch.manual_seed(1)
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 torch.nn.init.normal_(param, std=0.02)
     if cfg.model.gradient_checkpointing:
-        model_room.enable_activation_checkpointing(model, selective=cfg.model.gradient_checkpointing == "selective")
+        checkpointing.enable_activation_checkpointing(model, selective=cfg.model.gradient_checkpointing == "selective")
     return model.train()
 
 

@@ -7,10 +7,10 @@ import copy
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainyard.attention import VARLEN
 from trainyard.data import collate
 from trainyard.evaluate import token_loss_sum
-from trainyard.model import compile_blocks
+from trainyard.model.attention import VARLEN
+from trainyard.parallel.checkpointing import compile_blocks
 
 
 def test_compiled_mlps_match_eager():

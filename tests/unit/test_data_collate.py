@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainyard.attention import VARLEN, document_bounds
 from trainyard.data import ResumableSampler, collate, micro_batches
+from trainyard.model.attention import VARLEN, document_bounds
 
 PAD = 0
 

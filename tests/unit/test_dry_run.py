@@ -10,10 +10,10 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.conftest import TINY, trainyard
-from trainyard import estimate_time
 from trainyard.cli import app
 from trainyard.config_file import load_config
 from trainyard.errors import TrainyardError
+from trainyard.estimate import timing as estimate_time
 
 TURN = {"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi there"}]}
 

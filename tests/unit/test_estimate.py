@@ -10,9 +10,11 @@ import math
 import pytest
 
 from tests.conftest import REPO, TINY, trainyard
-from trainyard import estimate, estimate_memory, estimate_time
+from trainyard import estimate
 from trainyard.config_file import load_config
 from trainyard.errors import OptionError
+from trainyard.estimate import memory as estimate_memory
+from trainyard.estimate import timing as estimate_time
 
 MISTRAL = str(REPO / "configs" / "mistral7b-lora-ddp.yaml")
 TINY_PARAMS = 90_816  # tiny.yaml's Llama with the byte tokenizer (as `train --dry-run` prints it)

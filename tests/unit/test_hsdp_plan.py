@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import trainyard.parallel as parallel
+import trainyard.parallel.parallelize as parallel
 from trainyard.config_file import load_config
 from trainyard.dist import DistInfo, hsdp_shape
 from trainyard.errors import ConfigError
-from trainyard.parallel import choose_strategy, replicated_state_bytes
+from trainyard.plan import choose_strategy, replicated_state_bytes
 
 
 def _info(world: int, per_node: int) -> DistInfo:

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-from trainyard import model as model_room
 from trainyard.config_file import PRESETS, load_config, preset_path
+from trainyard.model import build as model_room
+from trainyard.model import lora as lora_room
+from trainyard.model import source as source_room
 from trainyard.plan import describe_plan
 
 EXPERTS = "4 expert parameters (2 layers × mlp.experts.down_proj, mlp.experts.gate_up_proj)"
@@ -37,9 +39,9 @@ def test_a_dense_model_gets_no_parameter_adapters() -> None:
 
 def test_gradients_reach_every_layers_expert_adapters() -> None:
     cfg = load_config("tiny-moe")
-    tokenizer = model_room.load_tokenizer(cfg.model, None)
+    tokenizer = source_room.load_tokenizer(cfg.model, None)
     model = model_room.load_model(cfg.model, None, tokenizer, torch.float32, cfg.train.seed)
-    model = model_room.apply_lora(model, cfg.lora, cfg.train.seed)
+    model = lora_room.apply_lora(model, cfg.lora, cfg.train.seed)
     batch = tokenizer(["<|user|>2024-02-29<|assistant|>February 29, 2024"] * 4, return_tensors="pt")
     model(**batch, labels=batch["input_ids"]).loss.backward()
     expert_b = {name: p.grad for name, p in model.named_parameters() if ".mlp.experts." in name and "lora_B" in name}

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainyard.attention import VARLEN
 from trainyard.data import collate
 from trainyard.evaluate import token_loss_sum
+from trainyard.model.attention import VARLEN
 
 
 def tiny_llama() -> LlamaForCausalLM:

@@ -21,7 +21,7 @@ from trainyard.metrics import (
     peak_flops,
     write_json,
 )
-from trainyard.parallel import CommTimer
+from trainyard.parallel.comm import CommTimer
 from trainyard.report import load_run, notable_events
 
 # name CUDA reports -> (dense bf16, dense tf32, fp32) in TFLOP/s, from the vendors' datasheets

@@ -16,11 +16,13 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 
 from tests.conftest import TINY, trainyard
 from tests.unit.families import FAMILIES, build, documents, settings
-from trainyard import attention, dist, export, precision, weights
-from trainyard import model as model_room
+from trainyard import dist, export, precision
 from trainyard.build import build_and_wrap
 from trainyard.config_file import load_config
 from trainyard.errors import ModelError
+from trainyard.model import attention, weights
+from trainyard.model import build as model_room
+from trainyard.model import source as source_room
 
 TOLERANCE = 1e-5
 CPU = torch.device("cpu")
@@ -167,7 +169,7 @@ def test_hub_folder_loads_each_tensor_as_from_pretrained_does(family: str, tmp_p
     want = _hub_folder(family, tmp_path).state_dict()
     cfg = _job(tmp_path, lora=True)
     info = dist.DistInfo(0, 1, 0, 1, CPU, None)
-    tokenizer = model_room.load_tokenizer(cfg.model, str(tmp_path))
+    tokenizer = source_room.load_tokenizer(cfg.model, str(tmp_path))
     model, _, _ = build_and_wrap(cfg, info, precision.resolve(cfg, CPU), str(tmp_path), tokenizer)
     got = {weights.checkpoint_key(name): tensor for name, tensor in model.state_dict().items() if "lora_" not in name}
     assert set(got) == set(want)
@@ -212,7 +214,7 @@ def test_a_hub_folder_trains_and_exports_what_from_pretrained_loads(
     """The whole way as a user goes: a folder in the hub's layout (Mixtral's per-expert w1/w3/w2; Gemma 2, for which
     transformers refuses sdpa), one step at a negligible learning rate, exported, loaded back equal."""
     hub = tmp_path / "hub"
-    tokenizer = model_room.load_tokenizer(load_config(TINY).model, None)
+    tokenizer = source_room.load_tokenizer(load_config(TINY).model, None)
     base = build(family, "eager", seed=5, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     base.save_pretrained(hub)

@@ -10,8 +10,7 @@ import torch
 from trainyard.config_file import load_config
 from trainyard.dist import DistInfo
 from trainyard.optim import lr_lambda
-from trainyard.parallel import choose_strategy, replicated_state_bytes
-from trainyard.plan import checkpoint_policy
+from trainyard.plan import checkpoint_policy, choose_strategy, replicated_state_bytes
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
@@ -48,7 +47,7 @@ def test_replicated_state_counts_adam_only_for_trainable() -> None:
 
 
 def test_auto_picks_fsdp_when_replicated_state_exceeds_half_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    import trainyard.parallel as parallel
+    import trainyard.parallel.parallelize as parallel
 
     model = torch.nn.Linear(100, 100, bias=False)
     monkeypatch.setattr(parallel, "device_memory_bytes", lambda info: 2 * replicated_state_bytes(model) - 1)

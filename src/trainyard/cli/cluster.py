@@ -122,7 +122,7 @@ def _check_before_writing(cfg: "JobConfig", target: "Target", skip_data: bool) -
     resume point is unusable, fails here (exit 2) rather than once the nodes are allocated."""
     from trainyard import plan
     from trainyard.errors import PlanError
-    from trainyard.estimate_memory import gpu as known_gpu
+    from trainyard.estimate.memory import gpu as known_gpu
 
     known_gpu(target.gpu)
     text, problems = plan.dry_run(cfg, target, read_data=not skip_data)

@@ -101,7 +101,7 @@ def _target(gpu: str | None, gpus_per_node: int | None, nodes: int | None, world
         if gpus_per_node is not None or nodes is not None:
             raise OptionError("--gpus-per-node and --nodes describe --gpu nodes", fix="add --gpu, e.g. --gpu h100-80gb")
         return Target.here(world_size)
-    from trainyard.estimate_memory import gpu as known_gpu
+    from trainyard.estimate.memory import gpu as known_gpu
 
     known_gpu(gpu)
     target = Target(gpu, gpus_per_node or 8, nodes or 1)
@@ -166,15 +166,15 @@ def prepare(
 ) -> None:
     """Tokenize the job's data.mixture once into memory-mapped token shards (reused by every later run)."""
     from trainyard import config_file as config_room
-    from trainyard import model as model_room
     from trainyard.data.mixture import unigram_entropy
     from trainyard.data.shards import check_sources, prepare
+    from trainyard.model import source as source_room
 
     config_path, overrides = _config_and_overrides(args)
     cfg = config_room.load_config(config_path, overrides)
     check_sources(cfg)  # no mixture, or a path that matches nothing, fails before the tokenizer is loaded
-    model_path = model_room.resolve_model_path(cfg.model) if cfg.model.path is not None else None
-    tokenizer = model_room.load_tokenizer(cfg.model, model_path)
+    model_path = source_room.resolve_model_path(cfg.model) if cfg.model.path is not None else None
+    tokenizer = source_room.load_tokenizer(cfg.model, model_path)
     prepared = prepare(cfg, tokenizer, log=lambda line: err_console.print(line, markup=False, soft_wrap=True))
     print(prepared.folder)
     for i, source in enumerate(prepared.sources):

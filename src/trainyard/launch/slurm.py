@@ -171,7 +171,7 @@ def signal_lead(job: SlurmJob, cfg: JobConfig) -> SignalLead:
     if job.signal_lead is not None:
         return SignalLead(job.signal_lead, "--signal-lead")
     from trainyard.estimate import Hardware, estimate
-    from trainyard.estimate_time import DEFAULT_DISK_GBYTES_S
+    from trainyard.estimate.timing import DEFAULT_DISK_GBYTES_S
 
     kind = job.gpu or (DEFAULT_GPU if job.gpus_per_node else "cpu")
     hardware = Hardware(kind, nproc_per_node(job), job.nodes)

@@ -19,11 +19,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from trainyard import evaluate as eval_room
-from trainyard import parallel
+from trainyard.parallel import parallelize as parallel
 from trainyard.config_file import load_config
 from trainyard.data import prepare_datasets
 from trainyard.dist import exit_process, init, teardown
-from trainyard.model import load_model, load_tokenizer
+from trainyard.model.build import load_model
+from trainyard.model.source import load_tokenizer
 from wrapping import wrap_in_memory  # beside this script
 
 COLLECTIVES = ["all_reduce", "all_gather", "all_gather_object", "broadcast", "reduce", "barrier",

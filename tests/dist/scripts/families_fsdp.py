@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainyard import build, dist, precision
-from trainyard import model as model_room
+from trainyard.model import source as source_room
 from trainyard.config_file import load_config
 from trainyard.data.collate import padding_free_batch
 from trainyard.data.formats import IGNORE_INDEX
@@ -73,7 +73,7 @@ def perturb_adapters(model: torch.nn.Module) -> None:
 
 def build_model(overrides: list[str], info: dist.DistInfo) -> torch.nn.Module:
     cfg = load_config(TINY, overrides)
-    tokenizer = model_room.load_tokenizer(cfg.model, None)
+    tokenizer = source_room.load_tokenizer(cfg.model, None)
     model, strategy, _ = build.build_and_wrap(cfg, info, precision.resolve(cfg, info.device), None, tokenizer)
     expected = "fsdp" if info.distributed else "none"
     assert strategy == expected, f"built with strategy {strategy}, not {expected}"

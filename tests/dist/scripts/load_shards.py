@@ -19,8 +19,10 @@ from peft import get_peft_model
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from trainyard import build, dist, parallel, precision, weights
-from trainyard import model as model_room
+from trainyard import build, dist, precision
+from trainyard.model import weights
+from trainyard.parallel import parallelize as parallel
+from trainyard.model import source as source_room
 from trainyard.config_file import load_config
 
 TINY = str(Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml")
@@ -31,7 +33,7 @@ def reference(cfg, folder: str, tokenizer) -> torch.nn.Module:  # type: ignore[n
     if folder:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     else:
-        config = model_room.hf_config(cfg.model, None, tokenizer)
+        config = source_room.architecture(cfg.model, tokenizer)
         torch.manual_seed(cfg.train.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if cfg.lora.enabled:
@@ -49,7 +51,7 @@ def _key(name: str) -> str:
 def compare(label: str, overrides: list[str], folder: str, strategy: str, out: Path) -> None:
     cfg = load_config(TINY, [*overrides, f"dist.strategy={strategy}", "train.precision=fp32"])
     info = dist.init(cfg.dist)
-    tokenizer = model_room.load_tokenizer(cfg.model, folder or None)
+    tokenizer = source_room.load_tokenizer(cfg.model, folder or None)
     model, _, _ = build.build_and_wrap(cfg, info, precision.resolve(cfg, info.device), folder or None, tokenizer)
     wanted = {_key(k): v for k, v in reference(cfg, folder, tokenizer).state_dict().items()}
     net = parallel.unwrap(model)

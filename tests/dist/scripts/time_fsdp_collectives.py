@@ -8,10 +8,12 @@ from pathlib import Path
 
 import torch
 
-from trainyard import parallel
+from trainyard.parallel import comm
+from trainyard.parallel import parallelize as parallel
 from trainyard.config_file import load_config
 from trainyard.dist import exit_process, init, teardown
-from trainyard.model import load_model, load_tokenizer
+from trainyard.model.build import load_model
+from trainyard.model.source import load_tokenizer
 from wrapping import wrap_in_memory  # beside this script
 
 
@@ -22,7 +24,7 @@ def main() -> None:
     tokenizer = load_tokenizer(cfg.model, None)
     model = load_model(cfg.model, None, tokenizer, torch.float32, 0)
     model = wrap_in_memory(model, "fsdp", info)
-    timer = parallel.attach_comm_timer(model)
+    timer = comm.attach_comm_timer(model)
     assert timer is not None
     batch = torch.randint(0, 200, (2, 16))
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from trainyard import dist, parallel, precision, weights
+from trainyard import dist, precision
+from trainyard.model import weights
+from trainyard.parallel import parallelize as parallel
 from trainyard.config_file import load_config
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from trainyard import metrics
 from trainyard.config import JobConfig
-from trainyard.estimate_memory import Dtypes, Layout, Model, peak_flops
+from trainyard.estimate.memory import Dtypes, Layout, Model, peak_flops
 
 DEFAULT_MFU = 0.4
 # Sustained write bandwidth of the checkpoint store for the whole job (stated, not measured).

@@ -1,8 +1,9 @@
 """`trainyard estimate` and the estimate `train --dry-run` prints: will the job fit each device, how long a step
 and the job take, what it costs, and, when it does not fit, the cheapest change that makes it fit.
 
-Nothing is loaded: the model is built on the meta device (estimate_arch), memory follows estimate_memory's
-parts and time estimate_time's FLOP and bandwidth model. Every constant there is stated where it is defined.
+Nothing is loaded: the model is built on the meta device (arch.py), memory follows memory.py's parts and time
+timing.py's FLOP and bandwidth model. Every constant there is stated where it is defined. The estimate never imports
+torch.distributed, the training loop, checkpoints or the plan: the plan reads it, never the reverse.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from typing import Any
 
 import torch
 
-from trainyard import estimate_memory as mem
-from trainyard import estimate_time
 from trainyard.batch import accumulation_steps
 from trainyard.config import JobConfig
 from trainyard.errors import ConfigError, ModelError, OptionError
+from trainyard.estimate import memory as mem
+from trainyard.estimate import timing as estimate_time
 
 # How far "more GPUs" looks for a layout that fits, in nodes.
 MAX_NODES = 64
@@ -136,7 +137,7 @@ def estimate(cfg: JobConfig, hardware: Hardware, assumptions: Assumptions = Assu
 
 def planned_peak(cfg: JobConfig, strategy: str, world: int, per_node: int, device_bytes: int) -> int:
     """The job's predicted peak bytes per rank under `strategy` on `world` ranks, `per_node` of them per node,
-    on devices of `device_bytes`: what `dist.strategy: auto` (parallel.choose_strategy) decides from."""
+    on devices of `device_bytes`: what `dist.strategy: auto` (plan.choose_strategy) decides from."""
     planned = _with(cfg, **{"dist.shard_size": None, "dist.strategy": strategy})
     model = mem.load_model(cfg)
     kind = mem.Gpu("planned", device_bytes, "planned", 0.0)

@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from trainyard import estimate_arch, metrics
+from trainyard import metrics
 from trainyard import precision as precision_room
 from trainyard.batch import accumulation_steps
 from trainyard.config import JobConfig
 from trainyard.errors import OptionError
-from trainyard.estimate_arch import Counts, Shape
+from trainyard.estimate import arch as estimate_arch
+from trainyard.estimate.arch import Counts, Shape
 
 MIB = 2**20
 GIB = 2**30
@@ -31,7 +32,7 @@ ALLOCATOR_SLACK = 0.10
 CUDA_CONTEXT_BYTES = 1 * GIB
 # Nominal dense peak of a CPU node in bf16/fp32 (no table can know it): only for step-time orders of magnitude.
 CPU_PEAK_FLOPS = 1e12
-# Replicated state may use at most this share of a device under dist.strategy auto (as parallel.choose_strategy).
+# Replicated state may use at most this share of a device under dist.strategy auto (as plan.choose_strategy).
 DDP_MEMORY_SHARE = 0.5
 # Logits at target positions, bytes per element at the loss's backward: log_softmax's saved fp32 output, the
 # fp32 gradient arriving from the loss, and log_softmax's fp32 input gradient, alive at once.
@@ -187,7 +188,7 @@ def dtypes(cfg: JobConfig, precision: precision_room.Precision, strategy: str) -
 
 
 def resolve_strategy(cfg: JobConfig, model: Model, kind: Gpu, gpus_per_node: int, nodes: int) -> Layout:
-    """dist.strategy for this layout; auto as parallel.choose_strategy decides it (ddp while replicated
+    """dist.strategy for this layout; auto as plan.choose_strategy decides it (ddp while replicated
     state fits half a device, hsdp across nodes when a node's shard fits, else fsdp)."""
     world = gpus_per_node * nodes
     strategy = cfg.dist.strategy
@@ -224,7 +225,7 @@ def _sharded(cfg: JobConfig, strategy: str) -> bool:
 
 
 def _replicated_state(cfg: JobConfig, model: Model) -> float:
-    """Weights + gradients + AdamW as a DDP rank holds them (parallel.replicated_state_bytes' rule)."""
+    """Weights + gradients + AdamW as a DDP rank holds them (plan.replicated_state_bytes' rule)."""
     counts = model.counts
     frozen_bytes = 2 if cfg.lora.enabled and cfg.model.dtype != "float32" else 4
     return (counts.total - counts.trainable) * frozen_bytes + counts.trainable * (4 + 4 + 8)

@@ -10,9 +10,11 @@ import torch
 from transformers import AutoConfig
 from transformers.utils import logging as hf_logging
 
-from trainyard import model as model_room
 from trainyard.config import JobConfig
 from trainyard.errors import ModelError
+from trainyard.model import build as model_room
+from trainyard.model import lora as lora_room
+from trainyard.model import source as source_room
 
 # Known architectures, keyed by hub id: their config.json's shape fields, so an estimate needs no download.
 # Values copied from the models' published config.json files (only fields that change parameter counts).
@@ -81,10 +83,9 @@ class Counts:
 
 
 def hf_config(cfg: JobConfig):  # -> PretrainedConfig
-    """The job's architecture: plan's sources (job, local folder, HF cache, GGUF), then the known table."""
-    from trainyard import plan  # plan prints the estimate: imported here, not at the top, to avoid a cycle
-
-    config = plan._hf_config(cfg)
+    """The job's architecture: the one resolver (model.source.architecture), then the known table."""
+    tokenizer = source_room.offline_tokenizer(cfg.model)[0] if cfg.model.config is not None else None  # its vocab
+    config = source_room.architecture(cfg.model, tokenizer, where=cfg.where("model.config"))
     if config is not None:
         return config
     known = KNOWN_ARCHITECTURES.get(cfg.model.path or "")
@@ -128,7 +129,7 @@ def meta_model(cfg: JobConfig, config) -> torch.nn.Module:  # type: ignore[no-un
     with torch.device("meta"):
         model = model_room.causal_lm(config, cfg.model.trust_remote_code)
         if cfg.lora.enabled:
-            model = model_room.apply_lora(model, cfg.lora, cfg.train.seed)
+            model = lora_room.apply_lora(model, cfg.lora, cfg.train.seed)
     return model
 
 

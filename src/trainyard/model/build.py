@@ -1,0 +1,121 @@
+"""The model on the meta device (no memory), in the job's dtypes and with the attention chosen for its family;
+a whole model in memory for export; counts and decoder blocks.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from accelerate import init_empty_weights
+from huggingface_hub.errors import StrictDataclassError
+from peft import PeftModel
+from safetensors import SafetensorError
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+
+from trainyard.config import ModelConfig
+from trainyard.errors import ModelError
+from trainyard.model import attention
+from trainyard.model.source import architecture, first_sentence
+
+
+def causal_lm(config, trust_remote_code: bool, **kwargs: Any) -> torch.nn.Module:  # type: ignore[no-untyped-def]
+    """AutoModelForCausalLM.from_config, refusing what is not a causal language model with exit 2."""
+    try:
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
+    except (ValueError, TypeError, StrictDataclassError) as err:  # e.g. heads do not divide hidden_size
+        if "Unrecognized configuration class" in str(err):
+            raise ModelError(
+                f"model {config.model_type}: transformers has no causal language model for it "
+                "(AutoModelForCausalLM); trainyard trains decoder-only LLMs",
+                fix="use a decoder-only family (README: Model families); vision-language and encoder-decoder "
+                "models are not supported",
+            ) from None
+        raise ModelError(
+            f"model.config: {first_sentence(err)}", fix="use keys and values of the model's HF config.json"
+        ) from None
+
+
+def build_meta_model(  # type: ignore[no-untyped-def]
+    cfg: ModelConfig, config, dtype: torch.dtype, device: torch.device, training: bool = True, where: str | None = None
+) -> torch.nn.Module:
+    """The model with every parameter on the meta device (no memory), buffers real, and the attention
+    implementation chosen for it (one that computes every feature of its family, or a refusal).
+
+    Parameters take `dtype`, except those the family keeps in fp32 (`_keep_in_fp32_modules_strict`, e.g. MoE
+    routers; `_keep_in_fp32_modules` under fp16), as transformers' from_pretrained keeps them."""
+    with init_empty_weights(include_buffers=False):
+        model = causal_lm(config, cfg.trust_remote_code, dtype=dtype)
+    model.tie_weights()  # the meta context gave tied weights one tensor each: one again
+    kept = kept_in_fp32(model, dtype)
+    for name, param in model.named_parameters():
+        param.data = param.data.to(torch.float32 if kept(name) else dtype)  # from_config keeps norms in fp32 too
+    model.config._attn_implementation = attention.choose(cfg.attn_implementation, model, device, training, where)
+    return model
+
+
+def kept_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> Callable[[str], bool]:
+    """Whether a parameter stays fp32 when the model is stored in `dtype`: transformers' own plan for the family
+    (a private method of PreTrainedModel, matched as from_pretrained matches it: a regex search of the name)."""
+    patterns = list(model._get_dtype_plan(dtype)) if hasattr(model, "_get_dtype_plan") else []
+    if not patterns:
+        return lambda name: False
+    found = re.compile("|".join(f"(?:{pattern.replace('*', '.*')})" for pattern in patterns))
+    return lambda name: found.search(name) is not None
+
+
+def random_init(cfg: ModelConfig, config, seed: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Seeded fp32 random weights by checkpoint name, as transformers' own init draws them.
+
+    The one place a whole model is in memory: transformers draws every tensor from one random
+    stream in its construction order, so a rank cannot draw only its own part and get the same
+    numbers. It is freed once each rank has copied its part."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
+    return model.state_dict()
+
+
+def load_model(
+    cfg: ModelConfig, model_path: str | None, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype, seed: int
+) -> torch.nn.Module:
+    """A whole model in CPU memory in `dtype` (export merges adapters into it): from_pretrained,
+    or from a config with the seeded random init."""
+    if cfg.config is not None:
+        config = architecture(cfg, tokenizer, model_path)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=dtype, trust_remote_code=cfg.trust_remote_code, low_cpu_mem_usage=True
+            )
+        except (OSError, ValueError, SafetensorError) as err:
+            raise ModelError(f"model.path: cannot load {model_path}: {err}", fix="check model.path") from None
+    kept = kept_in_fp32(model, dtype)
+    for name, param in model.named_parameters():  # one dtype to merge adapters into, as training stored them
+        param.data = param.data.to(torch.float32 if kept(name) else dtype)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return total, trainable
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks: FSDP shards each one, then the root."""
+    names = set(getattr(_base_pretrained(model), "_no_split_modules", None) or [])
+    blocks = [module for module in model.modules() if type(module).__name__ in names]
+    if not blocks:
+        blocks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)][:1]
+        blocks = list(blocks[0]) if blocks else []
+    return blocks
+
+
+def _base_pretrained(model: torch.nn.Module) -> torch.nn.Module:
+    return model.get_base_model() if isinstance(model, PeftModel) else model

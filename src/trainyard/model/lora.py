@@ -1,0 +1,166 @@
+"""LoRA via PEFT: adapters on the linear layers and on fused MoE expert parameters, every target name checked,
+and what carries adapters, in words.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer, ParamWrapper
+
+from trainyard.config import LoraConfig
+from trainyard.errors import ModelError
+
+
+def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn.Module:
+    """Freeze the base and add adapters: the linear layers (all but the head by default) and the
+    routed experts' fused 3-D parameters (by default, on MoE models), after checking that every
+    name given exists, since PEFT only warns about a name that matches nothing."""
+    target_parameters = resolve_target_parameters(model, cfg)
+    check_lora_targets(model, cfg.target_modules, target_parameters)
+    peft_config = PeftLoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=cfg.target_modules,
+        target_parameters=target_parameters or None,
+        task_type="CAUSAL_LM",
+    )
+    torch.manual_seed(seed)
+    try:
+        with fused_expert_rank_warnings_ignored():
+            return get_peft_model(model, peft_config)
+    except ValueError as err:  # peft's "Target modules {...} not found", or a parameter adapter's own limits
+        if "lora_dropout" in str(err):
+            raise ModelError(
+                f"lora.dropout={cfg.dropout}: adapters on parameters (MoE experts) cannot use dropout ({err})",
+                fix="set lora.dropout: 0",
+            ) from None
+        raise ModelError(
+            f"lora.target_modules: {err}", fix="use names of the model's linear layers, or all-linear"
+        ) from None
+
+
+@contextlib.contextmanager
+def real_stand_ins(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """Give meta parameters a real stand-in (one element, broadcast: no memory) for the block.
+
+    PEFT creates adapters on the device and in the dtype of the weight they adapt; over a meta
+    base they would land on meta and lose their seeded init. Over a stand-in they are real, in
+    `dtype` (fp32 masters for bf16-mixed), drawn exactly as over a loaded base."""
+    swapped: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                pair = swapped.setdefault(id(param), (param, _stand_in(param, dtype)))
+                module._parameters[name] = pair[1]
+    try:
+        yield
+    finally:
+        originals = {id(stand_in): param for param, stand_in in swapped.values()}
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None and id(param) in originals:
+                    module._parameters[name] = originals[id(param)].requires_grad_(param.requires_grad)
+
+
+def _stand_in(param: torch.nn.Parameter, dtype: torch.dtype) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.zeros((), dtype=dtype).expand(param.shape), requires_grad=param.requires_grad)
+
+
+@contextlib.contextmanager
+def fused_expert_rank_warnings_ignored() -> Iterator[None]:
+    """PEFT checks its rank/alpha patterns against adapted modules only: the doubled rank it gives fused
+    gate_up_proj experts (a parameter) does apply, yet it warns that the pattern was ignored."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The following (rank|alpha)_pattern keys did not match")
+        yield
+
+
+def resolve_target_parameters(model: torch.nn.Module, cfg: LoraConfig) -> list[str]:
+    """`auto`: the model's 3-D parameters (fused MoE experts), named relative to their block."""
+    if cfg.target_parameters != "auto":
+        return list(cfg.target_parameters)
+    return _unique(_block_relative(name) for name, param in model.named_parameters() if param.ndim == 3)
+
+
+def check_lora_targets(model: torch.nn.Module, target_modules: list[str] | str, target_parameters: list[str]) -> None:
+    """Every name must match a module (or parameter) as PEFT matches them: whole name or dotted suffix."""
+    if isinstance(target_modules, list):
+        missing = _unmatched(target_modules, [name for name, _ in model.named_modules()])
+        if missing:
+            linear = _unique(
+                _block_relative(name) for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
+            )
+            raise ModelError(
+                f"lora.target_modules: {', '.join(missing)} match no module of this model; "
+                f"its linear layers are: {', '.join(linear)}",
+                fix="use some of those names, or all-linear",
+            )
+    missing = _unmatched(target_parameters, [name for name, _ in model.named_parameters()])
+    if missing:
+        reachable = parameter_targets(model)
+        have = ", ".join(reachable) or "none (no fused experts: use lora.target_modules)"
+        raise ModelError(
+            f"lora.target_parameters: {', '.join(missing)} match no parameter of this model; "
+            f"its parameters outside linear and embedding layers are: {have}",
+            fix="use some of those names, [] for none, or auto",
+        )
+
+
+def parameter_targets(model: torch.nn.Module) -> list[str]:
+    """Weights that only target_parameters reaches: matrices and expert stacks outside linear and embedding layers."""
+    plain = (torch.nn.Linear, torch.nn.Embedding)
+    return _unique(
+        _block_relative(f"{module_name}.{name}" if module_name else name)
+        for module_name, module in model.named_modules()
+        if not isinstance(module, plain)
+        for name, param in module.named_parameters(recurse=False)
+        if param.ndim >= 2
+    )
+
+
+def describe_lora_reach(model: torch.nn.Module) -> str:
+    """What carries adapters: '14 modules, 4 expert parameters (2 layers × mlp.experts.gate_up_proj, ...)'."""
+    modules, experts, others = 0, [], []
+    for name, module in model.named_modules():
+        if isinstance(module, ParamWrapper):
+            key = f"{name.replace('.base_layer', '')}.{module.parameter_name}"
+            (experts if module.get_param().ndim == 3 else others).append(key)
+        elif isinstance(module, LoraLayer):
+            modules += 1
+    words = f"{modules} modules"
+    if experts:
+        layers = len({key.removesuffix(_block_relative(key)) for key in experts})
+        kinds = ", ".join(_unique(map(_block_relative, experts)))
+        words += f", {len(experts)} expert parameters ({layers} layers × {kinds})"
+    if others:
+        words += f", {len(others)} other parameters ({', '.join(_unique(map(_block_relative, others)))})"
+    return words
+
+
+def _unmatched(targets: list[str], names: list[str]) -> list[str]:
+    return [t for t in targets if not any(name == t or name.endswith(f".{t}") for name in names)]
+
+
+def _block_relative(name: str) -> str:
+    """'model.layers.3.mlp.experts.down_proj' → 'mlp.experts.down_proj': the name within a repeated block."""
+    parts = name.split(".")
+    indices = [i for i, part in enumerate(parts) if part.isdigit()]
+    return ".".join(parts[indices[-1] + 1 :]) if indices else name
+
+
+def _unique(names: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(names))
+
+
+def max_lora_rank(model: torch.nn.Module) -> int:
+    """The widest adapter rank (0 without LoRA), rank patterns included (PEFT doubles it on fused experts)."""
+    if not isinstance(model, PeftModel):
+        return 0
+    return max(max([config.r, *config.rank_pattern.values()]) for config in model.peft_config.values())

@@ -1,0 +1,69 @@
+"""Activation checkpointing (full or torchtitan's selective policy) and torch.compile of the decoder blocks:
+the first steps of the parallelize order, before sharding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from trainyard.model.build import decoder_blocks
+from trainyard.model.lora import max_lora_rank
+
+MATMUL_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default})
+ATTENTION_OPS = frozenset(
+    {
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+        torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    }
+)
+
+
+def enable_activation_checkpointing(model: torch.nn.Module, selective: bool = False) -> None:
+    """Checkpoint every decoder layer through transformers' own hook: it wraps the layer's `forward`, so FSDP2's
+    hooks stay outside the recompute and parameter names stay as they are. Non-reentrant, so LoRA + DDP +
+    checkpointing trains (the reentrant kind crashes there). `selective`: see `selective_policy`."""
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if selective:
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, selective_policy(max_lora_rank(model)))
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.config.use_cache = False
+
+
+def selective_policy(low_rank: int) -> Callable[..., CheckpointPolicy]:
+    """torchtitan's op-level policy: keep the outputs of attention and of the matmuls, the ops that cost the most
+    to recompute, and recompute everything between them (norms, activations, rotary, casts, adds).
+
+    Except matmuls through at most `low_rank` (LoRA's B: rank-r products): each output element cost only 2r
+    flops, and keeping them, as large as the base layer's own outputs, would hold more than no checkpointing."""
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in ATTENTION_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        if op in MATMUL_OPS and args[1 if op == torch.ops.aten.addmm.default else 0].shape[-1] > low_rank:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def compile_blocks(model: torch.nn.Module) -> int:
+    """torch.compile each decoder block's MLP, where much of its elementwise work sits (SiLU gating,
+    LoRA's scale-and-add). Whole blocks are not compiled: with the varlen attention's per-document loop the
+    graph breaks in every block, and inductor failed on the rest (torch 2.13, CPU). Returns how many."""
+    compiled = 0
+    for block in decoder_blocks(model):
+        mlp = getattr(block, "mlp", None)
+        if isinstance(mlp, torch.nn.Module):
+            mlp.compile(dynamic=True)
+            compiled += 1
+    return compiled

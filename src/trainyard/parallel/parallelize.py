@@ -1,0 +1,140 @@
+"""Parallelize a meta-built model, in one fixed order, then materialise each rank's own weights.
+
+Activation checkpointing and compile first; then FSDP2 shards each block, then the root (HSDP: the same on a
+2-D mesh), while every weight is still on the meta device; only then is memory allocated for this rank's
+shards, and weights.py fills them. DDP (and a lone process) materialise one whole copy, fill it, then
+replicate. The strategy itself is plan.py's decision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from trainyard.dist import DistInfo
+from trainyard.model import weights
+from trainyard.model.build import decoder_blocks
+from trainyard.parallel import checkpointing
+from trainyard.precision import Precision
+
+
+def shards_within(strategy: str, site_inner: str) -> bool:
+    """Whether the state is sharded over the mesh's last dimension: fsdp, hsdp's shard groups, a DiLoCo site."""
+    return strategy in ("fsdp", "hsdp") or (strategy == "diloco" and site_inner in ("fsdp", "hsdp"))
+
+
+def within_site(mesh: DeviceMesh) -> DeviceMesh:
+    """A DiLoCo mesh without its "site" dimension: what the inner strategy runs over."""
+    names = mesh.mesh_dim_names
+    assert names is not None and names[0] == "site", f"not a diloco mesh: {names}"
+    return mesh[names[1]] if len(names) == 2 else mesh[names[1:]]
+
+
+def apply(
+    model: torch.nn.Module,
+    strategy: str,
+    info: DistInfo,
+    precision: Precision,
+    source: weights.SafetensorsFolder | weights.InMemory,
+    mesh: DeviceMesh | None,
+    site_inner: str = "ddp",
+    activation_checkpointing: bool | str = False,
+    compile_mlps: bool = False,
+) -> torch.nn.Module:
+    """The fixed order: activation checkpointing → compile → shard → allocate and fill this rank's own weights
+    (DDP: wrap after load). Parameters that already hold values (LoRA adapters) keep them; the meta ones and every
+    persistent buffer are read from `source`. diloco runs `site_inner` (diloco.inner) within each site; the outer
+    sync across sites is diloco.py's."""
+    already_real = {name for name, param in model.named_parameters() if not param.is_meta}
+    if activation_checkpointing:
+        selective = activation_checkpointing == "selective"
+        checkpointing.enable_activation_checkpointing(model, selective=selective)
+        logging.getLogger("trainyard").info("activation checkpointing: %s", "selective" if selective else "full")
+    if compile_mlps:
+        logging.getLogger("trainyard").info("torch.compile on %d blocks' MLPs", checkpointing.compile_blocks(model))
+    if shards_within(strategy, site_inner):
+        assert mesh is not None, f"{strategy} shards over dist.build_mesh's mesh"
+        shard_fsdp2(model, within_site(mesh) if strategy == "diloco" else mesh, precision)
+    materialize(model, info.device)
+    weights.load(model, source, skip=lambda name: name in already_real)
+    if strategy == "ddp" or (strategy == "diloco" and site_inner == "ddp"):
+        return DistributedDataParallel(
+            model,
+            device_ids=[info.local_rank] if info.device.type == "cuda" else None,
+            process_group=mesh["local"].get_group() if strategy == "diloco" and mesh is not None else None,
+            forward_sync_buffers=False,  # no collective in eval forwards
+            init_sync=False,  # every rank just read the same weights: no start-up broadcast (nor its memory)
+        )
+    return model
+
+
+def materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Memory for meta tensors (a shard's worth under FSDP2), the rest moved to `device`. FSDP2
+    swaps its own sharded parameters; elsewhere each shared Parameter is replaced once, for every
+    module holding it, so tied weights stay tied."""
+    if isinstance(model, FSDPModule):
+        model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
+        return
+    replaced: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) not in replaced:
+                replaced[id(param)] = param if param.device == device else _real_on(param, device)
+            module._parameters[name] = replaced[id(param)]
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+
+
+def _real_on(param: torch.nn.Parameter, device: torch.device) -> torch.nn.Parameter:
+    data = torch.empty_like(param, device=device) if param.is_meta else param.detach().to(device)
+    return torch.nn.Parameter(data, requires_grad=param.requires_grad)
+
+
+def mixed_precision_policy(precision: Precision) -> MixedPrecisionPolicy:
+    """bf16-mixed: gather weights in bf16 for compute, reduce-scatter gradients in fp32 onto the
+    fp32 shards the optimizer steps."""
+    if not precision.mixed:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=precision.compute_dtype, reduce_dtype=torch.float32)
+
+
+def shard_fsdp2(model: torch.nn.Module, mesh: DeviceMesh, precision: Precision) -> torch.nn.Module:
+    """fully_shard every decoder block, then the root (embeddings, norm, head). A 2-D mesh
+    ("replicate", "shard") makes it HSDP: sharded within a group, replicated across groups."""
+    policy = mixed_precision_policy(precision)
+    for block in decoder_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module users see (PEFT or HF), without the DDP shell."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: torch.nn.Module, last: bool, defer: bool) -> Iterator[None]:
+    """How a micro-batch's gradients are reduced, `last` of its window or not.
+
+    DDP: all-reduce on the last only (no_sync before). FSDP2/HSDP: reduce-scatter every micro-batch,
+    so each unit's unsharded gradient is freed right after its backward; HSDP all-reduces the shards
+    across replicas on the last only. `defer`: FSDP2/HSDP reduce nothing before the last, keeping
+    unsharded gradients of the whole model until then (memory for speed)."""
+    if isinstance(model, DistributedDataParallel) and not last:
+        with model.no_sync():
+            yield
+        return
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(last or not defer)
+        model.set_requires_all_reduce(last)
+    yield
