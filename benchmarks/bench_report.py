@@ -1,6 +1,6 @@
 """bench.py's table: medians over rounds, MFU against the measured roofline, ratios, misses, RESULTS.md.
 
-MFU counts model FLOPs only on real tokens: trainyard.metrics.flops_per_token (forward 2N, backward
+MFU counts model FLOPs only on real tokens: trainyard.hardware.flops_per_token (forward 2N, backward
 2N + 2N_trainable, attention at the data's mean row length) x real tokens/s / the measured matmul peak
 of the dtype the row computes in (bf16 for trainyard at its defaults on a CPU with avx512_bf16/AMX).
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 import bench_env
 
-from trainyard.metrics import flops_per_token
+from trainyard.hardware import flops_per_token
 
 FIGURES = ("tokens_per_s", "s_per_step", "peak_bytes", "launch_s", "eval_s", "lite_s", "full_s", "mfu")
 HF_ROWS = ("hf-seeds", "hf-best", "trl")

@@ -147,7 +147,7 @@ def measure_rank(rank: int, world: int, args: list[str], out: str) -> None:
     from trainyard import precision as precision_room
     from trainyard.evaluate import token_loss_sum
     from trainyard.model import source as source_room
-    from trainyard.optim import build_optimizer
+    from trainyard.train.optim import build_optimizer
 
     device = torch.device("cpu")
     if world > 1:

@@ -61,5 +61,17 @@ class PlanError(TrainyardError):
     """The job cannot run as planned: it does not fit its devices, its data is unusable, or its resume point."""
 
 
+class NonFiniteError(TrainyardError):
+    """A non-finite loss or gradient, named with its step and ranks (train.on_nonfinite: error)."""
+
+    exit_code = 1
+
+
+class Preempted(TrainyardError):
+    """Stopped by a preemption signal after a checkpoint was committed: requeue me."""
+
+    exit_code = 75
+
+
 class RunDirError(TrainyardError):
     """A run directory (metrics.jsonl, summary.json) is missing or unreadable."""

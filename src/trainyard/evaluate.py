@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from transformers import modeling_utils
 
+from trainyard.atomic import write_atomically
 from trainyard.data import IGNORE_INDEX, collate
 from trainyard.dist import DistInfo, all_reduce_sum
-from trainyard.files import write_atomically
 from trainyard.parallel.parallelize import unwrap
 from trainyard.redaction import redact
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from trainyard.dist import FLIGHT_DIR, DistInfo, flight_recorder_enabled
 from trainyard.errors import DistError
 from trainyard.parallel.parallelize import unwrap
-from trainyard.status import describe_ranks, silent_ranks
+from trainyard.runs.status import describe_ranks, silent_ranks
 
 FAULT_ENV = "TRAINYARD_FAULT"
 _COMM_FAILURE = re.compile(r"timed out|timeout|connection (closed|reset)|broken pipe|peer|gloo|nccl", re.IGNORECASE)

@@ -24,37 +24,13 @@ import torch
 import transformers
 from rich.console import Console
 
+from trainyard.atomic import write_atomically
 from trainyard.config import JobConfig
 from trainyard.dist import DistInfo, all_gather_rows, host_summary
-from trainyard.files import write_atomically
 from trainyard.redaction import redact, redact_text
 
 if TYPE_CHECKING:
     from trainyard.parallel.comm import CommTimer
-
-# Dense (no sparsity) tensor-core peaks in FLOP/s, keyed by the exact name CUDA reports, then by
-# the precision the matmuls run in. Substrings would mistake an L40 for an L4 and a PCIe H100 for
-# an SXM one; a device not listed reports achieved FLOP/s and an MFU of null.
-_HOPPER_SXM = {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12}
-_HOPPER_NVL = {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60e12}
-_A100 = {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}
-DEVICE_PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "NVIDIA H100 80GB HBM3": _HOPPER_SXM,
-    "NVIDIA H100 PCIe": {"bf16": 756.5e12, "fp16": 756.5e12, "tf32": 378e12, "fp32": 51e12},
-    "NVIDIA H100 NVL": _HOPPER_NVL,
-    "NVIDIA H200": _HOPPER_SXM,
-    "NVIDIA H200 NVL": _HOPPER_NVL,
-    "NVIDIA GH200 480GB": _HOPPER_SXM,
-    "NVIDIA A100-SXM4-80GB": _A100,
-    "NVIDIA A100-SXM4-40GB": _A100,
-    "NVIDIA A100 80GB PCIe": _A100,
-    "NVIDIA A100-PCIE-40GB": _A100,
-    "NVIDIA L40S": {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12},
-    "NVIDIA L40": {"bf16": 181e12, "fp16": 181e12, "tf32": 90.5e12, "fp32": 90.5e12},
-    "NVIDIA L4": {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12},
-    "NVIDIA A10": {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12},
-}
-_PRECISIONS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 class _RedactingFormatter(logging.Formatter):
@@ -83,32 +59,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return psutil.Process().memory_info().rss
-
-
-def peak_flops(device_name: str, precision: str) -> float | None:
-    """The dense peak of this exact device in this precision (bf16, fp16, tf32, fp32), or None."""
-    return DEVICE_PEAK_FLOPS.get(device_name.strip(), {}).get(precision)
-
-
-def matmul_precision(dtype: torch.dtype) -> str | None:
-    """The precision the matmuls of `dtype` tensors run in: fp32 ones use TF32 cores when allowed."""
-    precision = _PRECISIONS.get(dtype)
-    if precision == "fp32" and torch.get_float32_matmul_precision() != "highest":
-        return "tf32"
-    return precision
-
-
-def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """MFU's denominator; None (MFU null) off CUDA or on a device or precision not listed."""
-    if device.type != "cuda":
-        return None
-    precision = matmul_precision(dtype)
-    return peak_flops(torch.cuda.get_device_name(device), precision) if precision else None
-
-
-def flops_per_token(total_params: int, trainable_params: int, n_layers: int, hidden: int, seq_len: int) -> float:
-    """Forward 2N, backward 2N for activations plus 2N_trainable for weight grads; attention 12·L·H·T."""
-    return 4 * total_params + 2 * trainable_params + 12 * n_layers * hidden * seq_len
 
 
 class LogWindow:

@@ -11,22 +11,22 @@ import psutil
 import torch
 import torch.distributed as torch_dist
 
-from trainyard import diloco, dist, estimate, precision
+from trainyard import diloco, dist, estimate, hardware, precision
 from trainyard.batch import accumulation_steps, steps_for_epochs
-from trainyard.checkpoint import latest_full
+from trainyard.checkpoint.export import find_checkpoint
+from trainyard.checkpoint.save import latest_full
 from trainyard.config import JobConfig
 from trainyard.data import survey as data_survey
 from trainyard.dist import DistInfo
+from trainyard.doctor.preflight import check_source
 from trainyard.errors import ConfigError, ModelError, OptionError, TrainyardError
 from trainyard.estimate import arch as estimate_arch
 from trainyard.estimate import memory as estimate_memory
 from trainyard.estimate.timing import Lengths
-from trainyard.export import find_checkpoint
 from trainyard.model import attention
 from trainyard.model import build as model_room
 from trainyard.model import lora as lora_room
 from trainyard.model import source as source_room
-from trainyard.preflight import check_source
 
 
 def meta_model(cfg: JobConfig) -> torch.nn.Module | None:
@@ -286,7 +286,7 @@ def _precision_on(cfg: JobConfig, target: Target) -> precision.Precision:
     """train.precision on the target's devices (a GPU kind never asked of this machine's torch)."""
     if target.gpu == "cpu":
         return precision.resolve(cfg, torch.device("cpu"))
-    return estimate_memory.resolve_precision(cfg, estimate_memory.gpu(target.gpu))
+    return estimate_memory.resolve_precision(cfg, hardware.gpu(target.gpu))
 
 
 def describe_plan(
@@ -299,7 +299,7 @@ def describe_plan(
     """The plan's lines; `data_lines`: what a survey of the data found, in place of the data settings."""
     target = target or Target.here(world_size)
     info = DistInfo(0, world_size, 0, target.gpus_per_node, torch.device("cpu"), None)
-    device_bytes = estimate_memory.device_bytes(estimate_memory.gpu(target.gpu), target.gpus_per_node)
+    device_bytes = hardware.device_bytes(hardware.gpu(target.gpu), target.gpus_per_node)
     accum = accumulation_steps(cfg, world_size)
     model = meta_model(cfg)
     samples = cfg.train.micro_batch_size * accum * world_size

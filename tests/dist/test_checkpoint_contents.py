@@ -9,7 +9,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from tests.conftest import assert_ok, events, trainyard
 from tests.dist.checkpoint_helpers import LORA_DDP, train_args
-from trainyard.checkpoint import committed, step_dir
+from trainyard.checkpoint.save import committed, step_dir
 
 pytestmark = pytest.mark.dist
 

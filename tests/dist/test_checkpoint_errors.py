@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import assert_ok, events, trainyard
 from tests.dist.checkpoint_helpers import EVERY, FULL_FSDP, LORA_DDP, STEPS, kill_tree, start, train_args, wait_for_step
-from trainyard.checkpoint import MARKER, committed, latest_full, step_dir
+from trainyard.checkpoint.save import MARKER, committed, latest_full, step_dir
 
 pytestmark = pytest.mark.dist
 

@@ -15,9 +15,9 @@ from tests.dist.checkpoint_helpers import COMMON, FULL_FSDP, LORA_DDP, STEPS, mo
 from trainyard.model import build as model_room
 from trainyard.model import lora as lora_room
 from trainyard.model import source as source_room
-from trainyard.checkpoint import step_dir
+from trainyard.checkpoint.save import step_dir
 from trainyard.config_file import load_config
-from trainyard.export import export
+from trainyard.checkpoint.export import export
 
 pytestmark = pytest.mark.dist
 

@@ -29,7 +29,7 @@ from tests.dist.checkpoint_helpers import (
     train_args,
     wait_for_step,
 )
-from trainyard.checkpoint import MARKER, committed, latest_full, step_dir
+from trainyard.checkpoint.save import MARKER, committed, latest_full, step_dir
 
 pytestmark = pytest.mark.dist
 

@@ -29,7 +29,7 @@ from tests.dist.checkpoint_helpers import (
     start,
     train_args,
 )
-from trainyard.checkpoint import latest_full
+from trainyard.checkpoint.save import latest_full
 
 pytestmark = pytest.mark.dist
 

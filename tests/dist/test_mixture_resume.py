@@ -22,7 +22,7 @@ from tests.dist.checkpoint_helpers import (
     start,
     wait_for_step,
 )
-from trainyard.checkpoint import latest_full, step_dir
+from trainyard.checkpoint.save import latest_full, step_dir
 
 pytestmark = pytest.mark.dist
 

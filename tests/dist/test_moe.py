@@ -32,8 +32,8 @@ from tests.dist.checkpoint_helpers import (
 )
 from tests.dist.test_checkpoint_export import greedy, logits, trained_model
 from tests.dist.test_checkpoint_resume import assert_same_final_weights
-from trainyard.checkpoint import committed, latest_full, step_dir
-from trainyard.export import export
+from trainyard.checkpoint.save import committed, latest_full, step_dir
+from trainyard.checkpoint.export import export
 from trainyard.model.lora import describe_lora_reach
 
 pytestmark = pytest.mark.dist

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from tests.dist.checkpoint_helpers import LORA_DDP, kill_tree, last_step, start, train_args, wait_for_step
-from trainyard.checkpoint import latest_full, step_dir
+from trainyard.checkpoint.save import latest_full, step_dir
 
 pytestmark = pytest.mark.dist
 

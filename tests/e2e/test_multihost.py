@@ -32,7 +32,7 @@ from tests.dist.checkpoint_helpers import (
     resumed_events,
 )
 from tests.dist.test_moe import assert_written_by_both_ranks, expert_keys
-from trainyard.checkpoint import committed
+from trainyard.checkpoint.save import committed
 
 pytestmark = pytest.mark.e2e
 

@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import REPO, assert_ok
 from tests.dist.checkpoint_helpers import adapter_tensors
 from tests.gpu.conftest import ON_CPU, Device
-from trainyard.checkpoint import step_dir
+from trainyard.checkpoint.save import step_dir
 
 pytestmark = pytest.mark.gpu
 

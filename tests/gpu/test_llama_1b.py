@@ -11,7 +11,7 @@ import yaml
 
 from tests.conftest import REPO, assert_ok, events
 from tests.gpu.conftest import Device
-from trainyard.metrics import peak_flops
+from trainyard.hardware import peak_flops
 
 pytestmark = pytest.mark.gpu
 

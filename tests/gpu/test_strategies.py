@@ -14,7 +14,7 @@ import torch
 from tests.conftest import assert_ok, events
 from tests.dist.checkpoint_helpers import COMMON, STEPS, assert_same_tensors, model_tensors, resumed_events
 from tests.gpu.conftest import Device
-from trainyard.checkpoint import step_dir
+from trainyard.checkpoint.save import step_dir
 
 pytestmark = pytest.mark.gpu
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY, trainyard
-from trainyard.checkpoint import (
+from trainyard.checkpoint.export import export, find_checkpoint
+from trainyard.checkpoint.save import (
     MARKER,
     check_compatible,
     committed,
@@ -21,7 +22,6 @@ from trainyard.checkpoint import (
 )
 from trainyard.config_file import dump_config, load_config
 from trainyard.errors import CheckpointError, OptionError
-from trainyard.export import export, find_checkpoint
 
 
 def make(checkpoints: Path, step: int, kind: str | None = "full") -> Path:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from trainyard.batch import accumulation_steps
-from trainyard.checkpoint import check_compatible
+from trainyard.checkpoint.save import check_compatible
 from trainyard.config_file import load_config
 from trainyard.errors import CheckpointError, ConfigError
 

@@ -9,11 +9,11 @@ import pytest
 import yaml
 
 from tests.conftest import TINY, events
-from trainyard import trainer
 from trainyard.batch import steps_for_epochs
 from trainyard.config_file import load_config
 from trainyard.errors import ConfigError
-from trainyard.status import read_status
+from trainyard.runs.status import read_status
+from trainyard.train import recipe as trainer
 
 ROWS = 40
 """data.synthetic_train_size of the runs below: builtin:dates has no bad row, so all of them train."""

@@ -10,10 +10,9 @@ import math
 import pytest
 
 from tests.conftest import REPO, TINY, trainyard
-from trainyard import estimate
+from trainyard import estimate, hardware
 from trainyard.config_file import load_config
 from trainyard.errors import OptionError
-from trainyard.estimate import memory as estimate_memory
 from trainyard.estimate import timing as estimate_time
 
 MISTRAL = str(REPO / "configs" / "mistral7b-lora-ddp.yaml")
@@ -181,4 +180,4 @@ def test_unknown_hub_model_is_a_model_error_naming_the_known_ones() -> None:
     line, result = estimate.describe(cfg, estimate.Hardware("cpu"))
     assert result is None
     assert line.startswith("estimate         unknown") and "mistralai/Mistral-7B-v0.1" in line
-    assert estimate_memory.GPUS["h200"].memory_bytes > estimate_memory.GPUS["h100-80gb"].memory_bytes
+    assert hardware.GPUS["h200"].memory_bytes > hardware.GPUS["h100-80gb"].memory_bytes

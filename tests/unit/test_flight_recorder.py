@@ -7,8 +7,8 @@ import os
 import pickle
 from pathlib import Path
 
-from trainyard.diagnose import diagnose, format_diagnosis, read_flight_records
 from trainyard.dist import apply_flight_recorder, flight_recorder_enabled
+from trainyard.runs.diagnose import diagnose, format_diagnosis, read_flight_records
 
 
 def test_defaults_point_the_dumps_into_the_run_dir(tmp_path: Path) -> None:

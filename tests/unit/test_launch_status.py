@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import trainyard
 from trainyard.errors import ConfigError
-from trainyard.status import (
+from trainyard.runs.status import (
     BackgroundHeartbeat,
     describe_ranks,
     format_status,
@@ -153,7 +153,7 @@ def test_silent_ranks_tells_a_killed_process_from_a_blocked_one(tmp_path: Path) 
         [
             sys.executable,
             "-c",
-            "import time; from trainyard.status import BackgroundHeartbeat as B; "
+            "import time; from trainyard.runs.status import BackgroundHeartbeat as B; "
             f"B({str(tmp_path)!r}, 1, 0.05).start(); print('up', flush=True); time.sleep(60)",
         ],
         stdout=subprocess.PIPE,

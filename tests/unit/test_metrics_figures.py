@@ -13,16 +13,14 @@ import torch
 
 from trainyard.config_file import load_config
 from trainyard.dist import DistInfo
+from trainyard.hardware import device_peak_flops, matmul_precision, peak_flops
 from trainyard.metrics import (
     LogWindow,
     MetricsSink,
-    device_peak_flops,
-    matmul_precision,
-    peak_flops,
     write_json,
 )
 from trainyard.parallel.comm import CommTimer
-from trainyard.report import load_run, notable_events
+from trainyard.runs.report import load_run, notable_events
 
 # name CUDA reports -> (dense bf16, dense tf32, fp32) in TFLOP/s, from the vendors' datasheets
 DATASHEETS = {

@@ -16,8 +16,9 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 
 from tests.conftest import TINY, trainyard
 from tests.unit.families import FAMILIES, build, documents, settings
-from trainyard import dist, export, precision
+from trainyard import dist, precision
 from trainyard.build import build_and_wrap
+from trainyard.checkpoint import export
 from trainyard.config_file import load_config
 from trainyard.errors import ModelError
 from trainyard.model import attention, weights

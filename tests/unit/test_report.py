@@ -12,7 +12,7 @@ from matplotlib.image import imread
 
 from tests.conftest import trainyard
 from trainyard.errors import RunDirError
-from trainyard.report import series, write_report
+from trainyard.runs.report import series, write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 RUN_COLORS = {"baseline": (0x1F, 0x77, 0xB4), "high-lr": (0xFF, 0x7F, 0x0E)}  # matplotlib C0, C1

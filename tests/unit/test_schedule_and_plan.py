@@ -9,8 +9,8 @@ import torch
 
 from trainyard.config_file import load_config
 from trainyard.dist import DistInfo
-from trainyard.optim import lr_lambda
 from trainyard.plan import checkpoint_policy, choose_strategy, replicated_state_bytes
+from trainyard.train.optim import lr_lambda
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])

@@ -87,8 +87,8 @@ def launch(
     import os
 
     from trainyard import config_file as config_room
+    from trainyard.doctor.preflight import check_job_inputs
     from trainyard.launch import torchrun as tr
-    from trainyard.preflight import check_job_inputs
 
     config_path, overrides = _config_and_overrides(args)
     cfg = config_room.load_config(config_path, overrides)
@@ -122,7 +122,7 @@ def _check_before_writing(cfg: "JobConfig", target: "Target", skip_data: bool) -
     resume point is unusable, fails here (exit 2) rather than once the nodes are allocated."""
     from trainyard import plan
     from trainyard.errors import PlanError
-    from trainyard.estimate.memory import gpu as known_gpu
+    from trainyard.hardware import gpu as known_gpu
 
     known_gpu(target.gpu)
     text, problems = plan.dry_run(cfg, target, read_data=not skip_data)

@@ -50,7 +50,7 @@ def train(
 ) -> None:
     """Train. No CONFIG runs the built-in quickstart. --dry-run reads the data and plans for the target."""
     from trainyard import config_file as config_room
-    from trainyard.preflight import check_job_inputs
+    from trainyard.doctor.preflight import check_job_inputs
 
     config_path, overrides = _split_config_and_overrides(list(args or []))
     if resume is not None:
@@ -83,7 +83,7 @@ def train(
         if code:
             _fail(code, message or "a worker failed")
         return
-    from trainyard.trainer import run
+    from trainyard.train.recipe import run
 
     summary = run(cfg)
     _print_outcome(summary, cfg.run_dir)
@@ -101,7 +101,7 @@ def _target(gpu: str | None, gpus_per_node: int | None, nodes: int | None, world
         if gpus_per_node is not None or nodes is not None:
             raise OptionError("--gpus-per-node and --nodes describe --gpu nodes", fix="add --gpu, e.g. --gpu h100-80gb")
         return Target.here(world_size)
-    from trainyard.estimate.memory import gpu as known_gpu
+    from trainyard.hardware import gpu as known_gpu
 
     known_gpu(gpu)
     target = Target(gpu, gpus_per_node or 8, nodes or 1)
@@ -136,7 +136,7 @@ def eval_checkpoint(
     import os
 
     from trainyard import config_file as config_room
-    from trainyard.preflight import check_job_inputs
+    from trainyard.doctor.preflight import check_job_inputs
 
     config_path, overrides = _config_and_overrides(args)
     cfg = config_room.load_config(config_path, overrides)
@@ -153,7 +153,7 @@ def eval_checkpoint(
         if code:
             _fail(code, message or "a worker failed")
         return
-    from trainyard.eval_checkpoint import evaluate_checkpoint, format_figures
+    from trainyard.checkpoint.evaluate import evaluate_checkpoint, format_figures
 
     figures = evaluate_checkpoint(cfg, checkpoint)
     if os.environ.get("RANK", "0") == "0":

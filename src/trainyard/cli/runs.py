@@ -25,7 +25,7 @@ def status(
     """Progress of a run from its run dir: step, loss, tokens/s, ETA, checkpoint, silent ranks."""
     import json
 
-    from trainyard.status import format_status, read_status
+    from trainyard.runs.status import format_status, read_status
 
     report = read_status(run_dir, stale_after_s=stale_after)
     print(json.dumps(report, indent=2, default=str) if as_json else format_status(report))
@@ -39,8 +39,8 @@ def diagnose(
     """After a hang: which ranks did not join which collective, read from the flight records."""
     import json
 
-    from trainyard.diagnose import diagnose as read_diagnosis
-    from trainyard.diagnose import format_diagnosis
+    from trainyard.runs.diagnose import diagnose as read_diagnosis
+    from trainyard.runs.diagnose import format_diagnosis
 
     report = read_diagnosis(run_dir)
     print(json.dumps(report, indent=2, default=str) if as_json else format_diagnosis(report))
@@ -59,7 +59,7 @@ def export(
     ] = False,
 ) -> None:
     """Write a checkpoint as a folder transformers (and PEFT) load directly."""
-    from trainyard.export import export as export_checkpoint
+    from trainyard.checkpoint.export import export as export_checkpoint
 
     print(export_checkpoint(ckpt, out, merge_lora))
 
@@ -77,7 +77,7 @@ def report(
     force: Annotated[bool, typer.Option("--force", help="replace report files already in --out")] = False,
 ) -> None:
     """Plot loss, eval, tokens/s, memory and lr of runs, with a markdown summary."""
-    from trainyard.report import write_report
+    from trainyard.runs.report import write_report
 
     for path in write_report(run_dirs, out, force=force):
         print(path)

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trainyard.atomic import publish_folder
 from trainyard.errors import DataError
-from trainyard.files import publish_folder
 
 POLL_S = 0.2
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from trainyard.config import DataConfig
 from trainyard.data.chat import IGNORE_INDEX, BadRow, ChatTemplate, chat_template_for, check_chat_tokenizer, encode_chat
+from trainyard.doctor.preflight import DATA_FIX, SNIFF_BYTES, check_text, parquet_file
 from trainyard.errors import DataError
-from trainyard.preflight import DATA_FIX, SNIFF_BYTES, check_text, parquet_file
 
 __all__ = ["IGNORE_INDEX", "BadRow", "detect_format", "encode_row", "encode_rows", "read_rows"]
 

@@ -8,7 +8,7 @@ printed goes through `redact_text`, so a secret in the environment never reaches
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -31,35 +31,11 @@ from trainyard.doctor.checks import (
     package_versions,
 )
 from trainyard.doctor.network import check_master, check_nic, parse_master
+from trainyard.doctor.options import DEFAULT_OUTPUT_DIR, DoctorOptions, JobTargets
 from trainyard.errors import OptionError
 from trainyard.redaction import redact_text
 
-DEFAULT_OUTPUT_DIR = "runs"
 _STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
-
-
-@dataclass
-class DoctorOptions:
-    config: str | None = None
-    dirs: list[str] = field(default_factory=list)
-    nic: str | None = None
-    master: str | None = None
-    node_rank: int = 0
-    nnodes: int | None = None
-    """None: local checks only; a number: also run the cluster probe."""
-    nproc: int | None = None
-    timeout_s: float = 300.0
-
-
-@dataclass
-class JobTargets:
-    """What the job will touch, from its config or the defaults."""
-
-    output_dir: Path
-    cache_dirs: list[Path]
-    shared_dirs: list[Path]
-    nic: str | None
-    network: str
 
 
 def validate_options(opts: DoctorOptions) -> None:

@@ -25,7 +25,7 @@ from trainyard.doctor.checks import Check, fail, ok, package_versions, warn
 from trainyard.doctor.network import parse_master
 
 if TYPE_CHECKING:
-    from trainyard.doctor import DoctorOptions, JobTargets
+    from trainyard.doctor.options import DoctorOptions, JobTargets
 
 MIB = 1024**2
 CPU_SIZES = (1 * MIB, 16 * MIB, 64 * MIB)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from trainyard import hardware as machines  # `hardware` names the Hardware a function plans for
 from trainyard.batch import accumulation_steps
 from trainyard.config import JobConfig
 from trainyard.errors import ConfigError, ModelError, OptionError
@@ -66,7 +67,7 @@ class Estimate:
 
     @property
     def device_bytes(self) -> int:
-        return mem.device_bytes(self.layout.gpu, self.layout.gpus_per_node)
+        return machines.device_bytes(self.layout.gpu, self.layout.gpus_per_node)
 
     @property
     def margin_bytes(self) -> float:
@@ -79,7 +80,7 @@ class Estimate:
 
 def check_options(hardware: Hardware, assumptions: Assumptions) -> None:
     """Numbers an estimate cannot use fail with exit 2, naming the option."""
-    mem.gpu(hardware.gpu)
+    machines.gpu(hardware.gpu)
     positive = {"--gpus-per-node": hardware.gpus_per_node, "--nodes": hardware.nodes,
                 "--disk-gbytes-s": assumptions.disk_gbytes_s, "--diloco-h": assumptions.diloco_h}
     if hardware.network_gbps is not None:
@@ -105,9 +106,9 @@ def estimate(cfg: JobConfig, hardware: Hardware, assumptions: Assumptions = Assu
     """The whole estimate of a job on `hardware`; `suggest`: also search the cheapest change when it does not fit.
     `lengths`: the data's document lengths, when it was read (else every row is taken to fill max_length)."""
     check_options(hardware, assumptions)
-    kind = mem.gpu(hardware.gpu)
+    kind = machines.gpu(hardware.gpu)
     if hardware.network_gbps is None:
-        network_gbps, network = mem.network_of(kind, cfg.dist.network)
+        network_gbps, network = machines.network_of(kind, cfg.dist.network)
     else:
         network_gbps, network = hardware.network_gbps, "--network-gbps"
     model = model or mem.load_model(cfg)
@@ -140,7 +141,7 @@ def planned_peak(cfg: JobConfig, strategy: str, world: int, per_node: int, devic
     on devices of `device_bytes`: what `dist.strategy: auto` (plan.choose_strategy) decides from."""
     planned = _with(cfg, **{"dist.shard_size": None, "dist.strategy": strategy})
     model = mem.load_model(cfg)
-    kind = mem.Gpu("planned", device_bytes, "planned", 0.0)
+    kind = machines.Gpu("planned", device_bytes, "planned", 0.0)
     layout = mem.resolve_strategy(planned, model, kind, per_node, math.ceil(world / per_node))
     precision = mem.resolve_precision(cfg, kind)  # as on a GPU: auto is bf16-mixed
     return mem.memory(planned, model, layout, precision).peak
@@ -193,7 +194,7 @@ def cheapest_fix(cfg: JobConfig, model: mem.Model, hardware: Hardware) -> str:
         except ConfigError:  # e.g. a global batch that a smaller micro-batch no longer divides
             continue
         if attempt.fits:
-            return f"{words} (peak {attempt.memory.peak / mem.GIB:.1f} GiB per device)"
+            return f"{words} (peak {attempt.memory.peak / machines.GIB:.1f} GiB per device)"
     return f"nothing up to {MAX_NODES} nodes: a smaller model, or LoRA"
 
 
@@ -236,7 +237,7 @@ def render(result: Estimate) -> str:
              ("activations", memory.activations), ("logits (loss)", memory.logits),
              ("allocator slack", memory.allocator_slack), ("cuda context", memory.cuda_context)]
     verdict = "fits" if result.fits else "does NOT fit"
-    unit, scale = ("GiB", mem.GIB) if memory.peak >= mem.GIB else ("MiB", mem.MIB)
+    unit, scale = ("GiB", machines.GIB) if memory.peak >= machines.GIB else ("MiB", machines.MIB)
     lines = [
         f"layout           {layout.nodes} x {layout.gpus_per_node} {layout.gpu.name}, {layout.strategy}"
         + (f" (shard group {layout.shard})" if layout.shard > 1 else "") + f", {result.precision}",
@@ -287,12 +288,12 @@ def describe(cfg: JobConfig, hardware: Hardware,
 
 
 def _size(size: float) -> str:
-    return f"{size / mem.GIB:.1f} GiB" if size >= mem.GIB else f"{size / mem.MIB:.1f} MiB"
+    return f"{size / machines.GIB:.1f} GiB" if size >= machines.GIB else f"{size / machines.MIB:.1f} MiB"
 
 
 def this_gpu() -> str:
     """The known kind of this machine's first GPU, or cpu."""
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
-        return next((key for key, kind in mem.GPUS.items() if kind.device_name == name), "cpu")
+        return next((key for key, kind in machines.GPUS.items() if kind.device_name == name), "cpu")
     return "cpu"

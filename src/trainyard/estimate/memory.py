@@ -13,83 +13,24 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
-import psutil
 import torch
 
-from trainyard import metrics
 from trainyard import precision as precision_room
 from trainyard.batch import accumulation_steps
 from trainyard.config import JobConfig
-from trainyard.errors import OptionError
 from trainyard.estimate import arch as estimate_arch
 from trainyard.estimate.arch import Counts, Shape
+from trainyard.hardware import GIB, Gpu, device_bytes
 
-MIB = 2**20
-GIB = 2**30
 # The CUDA caching allocator's fragmentation and rounding, as a share of live tensor bytes (stated, not measured).
 ALLOCATOR_SLACK = 0.10
 # CUDA context, cuBLAS/NCCL workspaces: device memory no tensor accounts for.
 CUDA_CONTEXT_BYTES = 1 * GIB
-# Nominal dense peak of a CPU node in bf16/fp32 (no table can know it): only for step-time orders of magnitude.
-CPU_PEAK_FLOPS = 1e12
 # Replicated state may use at most this share of a device under dist.strategy auto (as plan.choose_strategy).
 DDP_MEMORY_SHARE = 0.5
 # Logits at target positions, bytes per element at the loss's backward: log_softmax's saved fp32 output, the
 # fp32 gradient arriving from the loss, and log_softmax's fp32 input gradient, alive at once.
 LOGIT_BYTES = 12
-
-
-@dataclass(frozen=True)
-class Gpu:
-    """One device kind: memory as nvidia-smi reports it, its entry in metrics' peak table, the
-    intra-node bandwidth one direction of its links gives a ring collective (GB/s), and the network a node of
-    that kind usually has (Gb/s per node, its reference design's NICs)."""
-
-    name: str
-    memory_bytes: int
-    device_name: str | None
-    intra_node_gbytes_s: float
-    node_network_gbps: float = 100.0
-    network_words: str = "100 Gb/s Ethernet"
-
-
-GPUS: dict[str, Gpu] = {
-    # NVLink 4: 900 GB/s both ways; DGX/HGX H100 and H200 nodes: 8 ConnectX-7 at 400 Gb/s (one per GPU)
-    "h100-80gb": Gpu("h100-80gb", 81559 * MIB, "NVIDIA H100 80GB HBM3", 450.0, 3200.0, "8 x 400 Gb/s InfiniBand"),
-    "h100-pcie": Gpu("h100-pcie", 81559 * MIB, "NVIDIA H100 PCIe", 64.0, 400.0, "one 400 Gb/s NIC"),  # PCIe 5 x16
-    "h200": Gpu("h200", 143771 * MIB, "NVIDIA H200", 450.0, 3200.0, "8 x 400 Gb/s InfiniBand"),
-    # NVLink 3; DGX A100: 8 ConnectX-6 at 200 Gb/s
-    "a100-80gb": Gpu("a100-80gb", 81920 * MIB, "NVIDIA A100-SXM4-80GB", 300.0, 1600.0, "8 x 200 Gb/s InfiniBand"),
-    "a100-40gb": Gpu("a100-40gb", 40960 * MIB, "NVIDIA A100-SXM4-40GB", 300.0, 1600.0, "8 x 200 Gb/s InfiniBand"),
-    "l4": Gpu("l4", 23034 * MIB, "NVIDIA L4", 32.0, 100.0, "100 Gb/s Ethernet"),  # PCIe 4 x16; cloud L4 nodes
-    # shared-memory gloo, order of magnitude; CPU nodes on 10 Gb/s Ethernet
-    "cpu": Gpu("cpu", psutil.virtual_memory().total, None, 10.0, 10.0, "10 Gb/s Ethernet"),
-}
-NETWORK_PRESETS = {"socket": (100.0, "TCP sockets (dist.network: socket)"), "wan": (1.0, "a WAN (dist.network: wan)")}
-"""Links a dist.network preset implies, Gb/s per node: TCP on 100 Gb/s Ethernet (seed 000's cluster), a 1 Gb/s WAN."""
-
-
-def network_of(kind: Gpu, preset: str) -> tuple[float, str]:
-    """The inter-node link assumed when none is given: the preset's, else the device kind's usual network."""
-    if preset in NETWORK_PRESETS:
-        gbps, words = NETWORK_PRESETS[preset]
-        return min(gbps, kind.node_network_gbps), words
-    return kind.node_network_gbps, f"{kind.network_words}, usual for {kind.name} nodes"
-
-
-def gpu(name: str) -> Gpu:
-    """The device kind by name; an unknown one lists the known."""
-    if name not in GPUS:
-        raise OptionError(f"--gpu {name} is not a known device", fix=f"use one of: {', '.join(GPUS)}")
-    return GPUS[name]
-
-
-def peak_flops(kind: Gpu, dtype: torch.dtype) -> float:
-    """Dense matmul peak of one device in the compute dtype (metrics' table; fp32 matmuls as TF32)."""
-    if kind.device_name is None:
-        return CPU_PEAK_FLOPS
-    precision = "tf32" if dtype == torch.float32 else metrics.matmul_precision(dtype)
-    return metrics.peak_flops(kind.device_name, precision or "bf16") or CPU_PEAK_FLOPS
 
 
 @dataclass(frozen=True)
@@ -200,11 +141,6 @@ def resolve_strategy(cfg: JobConfig, model: Model, kind: Gpu, gpus_per_node: int
         several = nodes > 1 and state / gpus_per_node <= budget
         strategy = "ddp" if state <= budget else "hsdp" if several else "fsdp"
     return Layout(kind, gpus_per_node, nodes, strategy, shard_size(cfg, strategy, world, gpus_per_node))
-
-
-def device_bytes(kind: Gpu, processes_per_node: int) -> int:
-    """One rank's memory: the GPU's, or on CPU the machine's shared by its processes (as parallel.py counts)."""
-    return kind.memory_bytes // processes_per_node if kind.device_name is None else kind.memory_bytes
 
 
 def shard_size(cfg: JobConfig, strategy: str, world: int, gpus_per_node: int) -> int:

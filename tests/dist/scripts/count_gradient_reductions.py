@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from trainyard import health, trainer
+from trainyard import health
+from trainyard.train import recipe as trainer
 from trainyard.parallel import parallelize as parallel
 from trainyard.config_file import load_config
 from trainyard.dist import exit_process

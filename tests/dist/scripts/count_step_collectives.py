@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from trainyard import health, trainer
+from trainyard import health
+from trainyard.train import recipe as trainer
 from trainyard.config_file import load_config
 from trainyard.dist import exit_process
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from trainyard import trainer
+from trainyard.train import recipe as trainer
 from trainyard.config_file import load_config
 
 

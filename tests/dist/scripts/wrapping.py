@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from trainyard import dist, precision
+from trainyard import dist
+from trainyard import precision
 from trainyard.model import weights
 from trainyard.parallel import parallelize as parallel
 from trainyard.config_file import load_config

@@ -16,9 +16,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from trainyard import checkpoint, trainer
+from trainyard.checkpoint import save as checkpoint
 from trainyard.config_file import load_config
 from trainyard.dist import exit_process
+from trainyard.train import recipe as trainer
 
 JOB = ["lora.enabled=true", "train.max_steps=6", "checkpoint.lite_every_steps=2", "checkpoint.every_steps=0",
        "checkpoint.every_minutes=0", "checkpoint.at_end=false", "eval.every_steps=0", "eval.at_end=false",

@@ -17,11 +17,11 @@ from torch.distributed.fsdp import FSDPModule
 
 from trainyard import dist, precision
 from trainyard.build import build_and_wrap
+from trainyard.checkpoint.export import adapter_dir, check_model_matches, find_checkpoint, load_full_weights
 from trainyard.config import JobConfig
 from trainyard.data import prepare_datasets
 from trainyard.errors import DataError
 from trainyard.evaluate import evaluate
-from trainyard.export import adapter_dir, check_model_matches, find_checkpoint, load_full_weights
 from trainyard.model import source as source_room
 from trainyard.model import weights
 

@@ -12,14 +12,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
-from trainyard import checkpoint, dist
+from trainyard import dist
 from trainyard.batch import accumulation_steps
+from trainyard.checkpoint import save as checkpoint
 from trainyard.data.mixture import MixtureStream
-from trainyard.errors import CheckpointError, TrainyardError
+from trainyard.errors import CheckpointError, Preempted
 from trainyard.estimate.timing import young_daly_interval_s
 
 if TYPE_CHECKING:
-    from trainyard.trainer import Job
+    from trainyard.train.job import Job
 
 
 @dataclass
@@ -34,12 +35,6 @@ class LoopState:
     baseline_eval: dict[str, float] = field(default_factory=dict)
     steady_tokens: int = 0
     steady_time: float = 0.0
-
-
-class Preempted(TrainyardError):
-    """Stopped by a preemption signal after a checkpoint was committed: requeue me."""
-
-    exit_code = 75
 
 
 SIGNALLED: list[str] = []

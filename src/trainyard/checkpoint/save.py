@@ -42,7 +42,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from trainyard.checkpoint_layout import (  # noqa: F401  (the checkpoint room's names, importable from here)
+from trainyard.atomic import fsync_dir, write_atomically
+from trainyard.checkpoint.layout import (  # noqa: F401  (the checkpoint room's names, importable from here)
     MARKER,
     STEP_DIR,
     check_compatible,
@@ -59,7 +60,6 @@ from trainyard.checkpoint_layout import (  # noqa: F401  (the checkpoint room's 
 from trainyard.config import CheckpointConfig
 from trainyard.dist import DistInfo, all_reduce_sum, broadcast_text
 from trainyard.errors import CheckpointError
-from trainyard.files import fsync_dir, write_atomically
 from trainyard.parallel.parallelize import unwrap
 
 DISK_FIX = "check free space and permissions of the checkpoint dir; the previous checkpoint is intact"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from trainyard.errors import ConfigError
-from trainyard.status import describe_ranks, read_heartbeats
+from trainyard.runs.status import describe_ranks, read_heartbeats
 
 FLIGHT_DIR = "flight"  # the same name as trainyard.dist.FLIGHT_DIR, without importing torch
 # <kind>-rank-<r>, with a timestamp after it where TORCH_FR_DUMP_DYNAMIC_FILE_NAME is set

@@ -20,72 +20,37 @@ import torch
 import transformers
 from torch.distributed.fsdp import FSDPModule
 
-from trainyard import build, checkpoint, diloco, dist, health, loop_state
+from trainyard import build, diloco, dist, health
 from trainyard import precision as precision_room
+from trainyard.atomic import write_atomically
 from trainyard.batch import accumulation_steps, steps_for_epochs
+from trainyard.checkpoint import save as checkpoint
 from trainyard.config import JobConfig
 from trainyard.config_file import dump_config
-from trainyard.data import PreparedData, ResumableSampler, micro_batches, prepare_datasets, sample_record_path
+from trainyard.data import ResumableSampler, micro_batches, prepare_datasets, sample_record_path
 from trainyard.data.loader import stream_batches
 from trainyard.data.mixture import MixtureStream, mixture_stream
 from trainyard.data.pretraining import prepare_pretraining
-from trainyard.errors import TrainyardError
+from trainyard.errors import NonFiniteError
 from trainyard.evaluate import evaluate, samples_file, token_loss_sum
-from trainyard.files import write_atomically
-from trainyard.loop_state import LoopState
+from trainyard.hardware import device_peak_flops, flops_per_token
 from trainyard.metrics import (
     LogWindow,
     MetricsSink,
-    device_peak_flops,
     environment_record,
-    flops_per_token,
     peak_memory_bytes,
     setup_logging,
     write_json,
 )
 from trainyard.model import build as model_room
 from trainyard.model import source as source_room
-from trainyard.optim import build_optimizer, grad_norm_and_clip
 from trainyard.parallel import comm
 from trainyard.parallel import parallelize as parallel
-from trainyard.status import BackgroundHeartbeat
-
-
-class NonFiniteError(TrainyardError):
-    exit_code = 1
-
-
-@dataclass
-class Job:
-    """What the loop works on, built once by `run`."""
-
-    cfg: JobConfig
-    info: dist.DistInfo
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    sampler: ResumableSampler | MixtureStream
-    """Where the data stands: rows of a map-style dataset, or a pretraining mixture's stream."""
-    data: PreparedData
-    tokenizer: Any
-    sink: MetricsSink
-    accum: int
-    flops_token: float
-    facts: dict[str, Any]
-    """What a checkpoint must match to be resumed by this job (see checkpoint.check_compatible)."""
-    saves: checkpoint.Checkpointer
-    precision: precision_room.Precision
-    comm_timer: comm.CommTimer | None = None
-    outer: diloco.OuterSync | None = None
-    """dist.strategy diloco: the round-start weights and outer momentum, synced every diloco.sync_every steps."""
-
-    def autocast(self):  # type: ignore[no-untyped-def]
-        """bf16 products over fp32 weights where no FSDP2 policy casts them (DDP, one process)."""
-        return precision_room.autocast(self.precision, self.info.device, enabled=not isinstance(self.model, FSDPModule))
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.cfg.run_dir / "checkpoints"
+from trainyard.runs.status import BackgroundHeartbeat
+from trainyard.train import state as loop_state
+from trainyard.train.job import Job
+from trainyard.train.optim import build_optimizer, grad_norm_and_clip
+from trainyard.train.state import LoopState
 
 
 @dataclass

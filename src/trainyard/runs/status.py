@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
+from trainyard.atomic import write_atomically
 from trainyard.errors import ConfigError
-from trainyard.files import write_atomically
 
 STALE_AFTER_S = 60.0
 RUN_DIR_MARKERS = ("metrics.jsonl", "env.json", "config.yaml", "heartbeats", "logs", "checkpoints")

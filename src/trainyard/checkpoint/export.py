@@ -21,11 +21,11 @@ from peft import PeftModel
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from trainyard.checkpoint import MARKER, STEP_DIR, committed_kind, latest_full, model_signature, read_trainer_state
+from trainyard.atomic import publish_folder, temp_sibling
+from trainyard.checkpoint.save import MARKER, STEP_DIR, committed_kind, latest_full, model_signature, read_trainer_state
 from trainyard.config import JobConfig
 from trainyard.config_file import load_config
 from trainyard.errors import CheckpointError, OptionError
-from trainyard.files import publish_folder, temp_sibling
 from trainyard.model import build as model_room
 from trainyard.model import lora as lora_room
 from trainyard.model import source as source_room

@@ -14,8 +14,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from trainyard.atomic import fsync_dir, write_atomically
 from trainyard.errors import CheckpointError
-from trainyard.files import fsync_dir, write_atomically
 
 MARKER = "COMMITTED"
 STEP_DIR = re.compile(r"^step-(\d{8})$")

@@ -1,0 +1,53 @@
+"""What the training loop works on, built once by the recipe: the model, optimizer, data position, metrics
+sink and the facts a checkpoint must match. The loop and its checkpoint state (state.py) both read it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from trainyard import diloco, dist
+from trainyard import precision as precision_room
+from trainyard.checkpoint import save as checkpoint
+from trainyard.config import JobConfig
+from trainyard.data import PreparedData, ResumableSampler
+from trainyard.data.mixture import MixtureStream
+from trainyard.metrics import MetricsSink
+from trainyard.parallel import comm
+
+
+@dataclass
+class Job:
+    """What the loop works on, built once by `run`."""
+
+    cfg: JobConfig
+    info: dist.DistInfo
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sampler: ResumableSampler | MixtureStream
+    """Where the data stands: rows of a map-style dataset, or a pretraining mixture's stream."""
+    data: PreparedData
+    tokenizer: Any
+    sink: MetricsSink
+    accum: int
+    flops_token: float
+    facts: dict[str, Any]
+    """What a checkpoint must match to be resumed by this job (see checkpoint.check_compatible)."""
+    saves: checkpoint.Checkpointer
+    precision: precision_room.Precision
+    comm_timer: comm.CommTimer | None = None
+    outer: diloco.OuterSync | None = None
+    """dist.strategy diloco: the round-start weights and outer momentum, synced every diloco.sync_every steps."""
+
+    def autocast(self):  # type: ignore[no-untyped-def]
+        """bf16 products over fp32 weights where no FSDP2 policy casts them (DDP, one process)."""
+        return precision_room.autocast(self.precision, self.info.device, enabled=not isinstance(self.model, FSDPModule))
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.cfg.run_dir / "checkpoints"
