@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainyard.config import DistConfig
 from trainyard.errors import ConfigError
+from trainyard.runs import layout as run_layout
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,7 @@ def host_summary(info: DistInfo) -> dict[str, object]:
 
 # ---------------------------------------------------------------- flight recorder
 
-FLIGHT_DIR = "flight"
+FLIGHT_DIR = run_layout.FLIGHT
 FLIGHT_ENTRIES = 2000
 # (variable, older alias) pairs: a user who set either one keeps their choice for both.
 _FLIGHT_ALIASES = {

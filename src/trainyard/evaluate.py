@@ -35,6 +35,7 @@ from trainyard.data import IGNORE_INDEX, collate
 from trainyard.dist import DistInfo, all_reduce_sum
 from trainyard.parallel.parallelize import unwrap
 from trainyard.redaction import redact
+from trainyard.runs import layout as run_layout
 
 _MASK_KEEP = hasattr(modeling_utils, "slice_logits_to_keep")  # boolean logits_to_keep masks (transformers 5)
 
@@ -148,7 +149,7 @@ def _generations(
 
 def samples_file(run_dir: Path, step: int) -> Path:
     """Where the generations of the evaluation at `step` are kept."""
-    return run_dir / "samples" / f"step-{step:08d}.jsonl"
+    return run_dir / run_layout.SAMPLES / f"step-{step:08d}.jsonl"
 
 
 def _gather_to_first(payload: bytes, sizes: list[int], info: DistInfo) -> list[dict[str, Any]]:

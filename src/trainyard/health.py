@@ -22,6 +22,7 @@ import torch.distributed as dist
 from trainyard.dist import FLIGHT_DIR, DistInfo, flight_recorder_enabled
 from trainyard.errors import DistError
 from trainyard.parallel.parallelize import unwrap
+from trainyard.runs import layout as run_layout
 from trainyard.runs.status import describe_ranks, silent_ranks
 
 FAULT_ENV = "TRAINYARD_FAULT"
@@ -74,7 +75,7 @@ def check_replicas_agree(model: torch.nn.Module, info: DistInfo, step: int, tole
 
 def dump_stacks(run_dir: Path, info: DistInfo) -> Path:
     """This rank's Python stacks (every thread), for the post-mortem of a hang."""
-    path = run_dir / "logs" / f"stack-rank-{info.rank}.txt"
+    path = run_dir / run_layout.LOGS / f"stack-rank-{info.rank}.txt"
     with open(path, "w") as handle:
         faulthandler.dump_traceback(file=handle, all_threads=True)
     return path

@@ -28,6 +28,7 @@ from trainyard.atomic import write_atomically
 from trainyard.config import JobConfig
 from trainyard.dist import DistInfo, all_gather_rows, host_summary
 from trainyard.redaction import redact, redact_text
+from trainyard.runs import layout as run_layout
 
 if TYPE_CHECKING:
     from trainyard.parallel.comm import CommTimer
@@ -44,8 +45,8 @@ def setup_logging(run_dir: Path, info: DistInfo) -> logging.Logger:
     logger.setLevel(logging.INFO)
     logger.handlers.clear()
     logger.propagate = False
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    file_handler = logging.FileHandler(run_dir / "logs" / f"rank-{info.rank}.log")
+    (run_dir / run_layout.LOGS).mkdir(parents=True, exist_ok=True)
+    file_handler = logging.FileHandler(run_dir / run_layout.LOGS / f"rank-{info.rank}.log")
     file_handler.setFormatter(_RedactingFormatter(f"%(asctime)s rank{info.rank} %(levelname)s %(message)s"))
     logger.addHandler(file_handler)
     if info.is_main:
@@ -152,12 +153,12 @@ class MetricsSink:
         self.console = Console(stderr=True)
         self.show_progress = cfg.log.progress and info.is_main
         self._train = cfg.train
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a") if info.is_main else None
+        self._jsonl = open(self.run_dir / run_layout.METRICS, "a") if info.is_main else None
         self._tb = None
         if info.is_main and cfg.log.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / run_layout.TENSORBOARD))
         self._wandb = start_wandb(cfg) if info.is_main and cfg.log.wandb is not None else None
 
     @property
@@ -207,7 +208,7 @@ class MetricsSink:
             self._wandb.finish()
 
 
-WANDB_ID_FILE = "wandb-run-id"
+WANDB_ID_FILE = run_layout.WANDB_ID
 """In the run dir: the W&B run's id (no secret), so every start of this run dir logs to the same W&B run."""
 
 

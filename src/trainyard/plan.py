@@ -27,6 +27,7 @@ from trainyard.model import attention
 from trainyard.model import build as model_room
 from trainyard.model import lora as lora_room
 from trainyard.model import source as source_room
+from trainyard.runs import layout as run_layout
 
 
 def meta_model(cfg: JobConfig) -> torch.nn.Module | None:
@@ -263,7 +264,8 @@ def _resume_words(cfg: JobConfig, problems: list[str]) -> str:
     if resume == "never":
         return "never: a fresh start"
     if resume == "auto":
-        newest = latest_full(cfg.run_dir / "checkpoints") if (cfg.run_dir / "checkpoints").is_dir() else None
+        checkpoints = cfg.run_dir / run_layout.CHECKPOINTS
+        newest = latest_full(checkpoints) if checkpoints.is_dir() else None
         return f"auto: from {newest}" if newest else f"auto: nothing committed in {cfg.run_dir} yet, a fresh start"
     try:
         step = find_checkpoint(Path(resume))

@@ -17,21 +17,25 @@ ONLY: dict[str, set[str]] = {
     "config": {"errors"},
     "batch": {"errors", "config"},
     "precision": {"config"},
-    "checkpoint.layout": {"errors", "atomic"},
+    "checkpoint.layout": {"errors", "atomic", "runs.layout"},
+    "runs.layout": set(),
 }
 """The lowest rooms, and the only rooms each of them imports."""
 NEVER: dict[str, set[str]] = {
-    "dist": {"model", "data", "parallel", "plan", "estimate", "train", "checkpoint", "runs", "build", "metrics"},
+    "dist": {"model", "data", "parallel", "plan", "estimate", "train", "checkpoint", "runs.status", "build", "metrics"},
     "data": {"model", "parallel", "plan", "estimate", "train", "checkpoint", "build", "metrics", "diloco"},
     "model": {"parallel", "plan", "estimate", "train", "checkpoint", "build", "diloco", "metrics", "dist"},
     "estimate": {"dist", "parallel", "plan", "train", "checkpoint", "build", "metrics", "diloco", "runs"},
     "parallel": {"plan", "estimate", "train", "checkpoint", "build", "metrics", "diloco", "runs"},
-    "runs": {"dist", "model", "parallel", "plan", "estimate", "train", "checkpoint", "build", "metrics", "data"},
+    "runs.status": {"dist", "model", "parallel", "plan", "estimate", "train", "checkpoint", "build", "metrics", "data"},
+    "runs.report": {"dist", "model", "parallel", "plan", "estimate", "train", "checkpoint", "build", "metrics"},
+    "runs.diagnose": {"dist", "model", "parallel", "plan", "estimate", "train", "checkpoint", "build", "metrics"},
     "plan": {"train", "build", "cli", "launch"},
     "checkpoint.save": {"train", "build", "plan", "estimate"},
 }
 """Room -> rooms it never imports, by dotted name under trainyard."""
-TORCH_DISTRIBUTED_FREE = ("estimate", "runs", "config", "config_file", "hardware", "batch")
+TORCH_DISTRIBUTED_FREE = ("estimate", "runs.status", "runs.report", "runs.diagnose", "runs.layout", "config",
+                          "config_file", "hardware", "batch")
 
 
 def modules() -> dict[str, ast.Module]:
@@ -75,10 +79,11 @@ def trainyard_edges() -> dict[str, set[str]]:
 
 
 def room(module: str) -> str:
-    """trainyard.model.lora -> model; trainyard.checkpoint.save -> checkpoint.save (its package holds rooms of
-    different heights: save/layout below the loop, export/evaluate above)."""
+    """trainyard.model.lora -> model; trainyard.checkpoint.save -> checkpoint.save, trainyard.runs.layout ->
+    runs.layout (these packages hold rooms of different heights: save/layout below the loop, export/evaluate
+    above; the run dir's names below every room that writes one)."""
     parts = module.split(".")[1:]
-    return ".".join(parts[:2]) if parts[0] == "checkpoint" and len(parts) > 1 else parts[0]
+    return ".".join(parts[:2]) if parts[0] in ("checkpoint", "runs") and len(parts) > 1 else parts[0]
 
 
 def test_no_import_circle() -> None:

@@ -29,6 +29,7 @@ from trainyard.errors import CheckpointError, OptionError
 from trainyard.model import build as model_room
 from trainyard.model import lora as lora_room
 from trainyard.model import source as source_room
+from trainyard.runs import layout as run_layout
 
 
 def find_checkpoint(path: Path) -> Path:
@@ -38,8 +39,8 @@ def find_checkpoint(path: Path) -> Path:
             f"checkpoint {path} does not exist or is not a folder",
             fix="pass a run dir or one of its checkpoints/step-XXXXXXXX folders",
         )
-    if STEP_DIR.match(path.name) is None and (path / "checkpoints").is_dir():
-        newest = latest_full(path / "checkpoints")
+    if STEP_DIR.match(path.name) is None and (path / run_layout.CHECKPOINTS).is_dir():
+        newest = latest_full(path / run_layout.CHECKPOINTS)
         if newest is None:
             raise CheckpointError(
                 f"run dir {path} has no committed full checkpoint",
@@ -57,7 +58,7 @@ def find_checkpoint(path: Path) -> Path:
 
 def job_of(step: Path) -> JobConfig:
     """The job that wrote a checkpoint, from its run dir's config.yaml."""
-    config = step.parent.parent / "config.yaml"
+    config = step.parent.parent / run_layout.CONFIG
     if not config.is_file():
         raise CheckpointError(
             f"{config} is missing, so the job that wrote {step} is unknown",
@@ -69,7 +70,7 @@ def job_of(step: Path) -> JobConfig:
 def training_dtype(cfg: JobConfig, run_dir: Path) -> torch.dtype:
     """The dtype training used: `auto` meant bf16 on GPU, fp32 on CPU (env.json says which)."""
     try:
-        device = json.loads((run_dir / "env.json").read_text()).get("device", "cpu")
+        device = json.loads((run_dir / run_layout.ENV).read_text()).get("device", "cpu")
     except (OSError, ValueError):
         device = "cpu"
     return source_room.resolve_dtype(cfg.model, torch.device(device))

@@ -16,6 +16,7 @@ from typing import Any
 
 from trainyard.atomic import fsync_dir, write_atomically
 from trainyard.errors import CheckpointError
+from trainyard.runs import layout as run_layout
 
 MARKER = "COMMITTED"
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -93,8 +94,8 @@ def resolve_resume(resume: str, checkpoints: Path) -> Path | None:
     if resume == "auto":
         return latest_full(checkpoints)
     path = Path(resume)
-    if path.is_dir() and STEP_DIR.match(path.name) is None and (path / "checkpoints").is_dir():
-        path = latest_full(path / "checkpoints") or path  # a run dir: its newest checkpoint
+    if path.is_dir() and STEP_DIR.match(path.name) is None and (path / run_layout.CHECKPOINTS).is_dir():
+        path = latest_full(path / run_layout.CHECKPOINTS) or path  # a run dir: its newest checkpoint
     if committed_kind(path) != "full":
         raise CheckpointError(
             f"checkpoint.resume: {path} is not a committed full checkpoint (no {MARKER} marker of kind full)",

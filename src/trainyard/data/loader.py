@@ -15,6 +15,7 @@ import torch
 from trainyard.data.collate import collate
 from trainyard.data.mixture import MixtureStream
 from trainyard.data.sampler import ResumableSampler
+from trainyard.runs import layout as run_layout
 
 COLUMNS = ("input_ids", "labels", "seq_lens")
 RECORD_ENV = "TRAINYARD_RECORD_SAMPLES"
@@ -28,7 +29,7 @@ def sample_record_path(run_dir: Path, rank: int) -> Path | None:
     """
     if os.environ.get(RECORD_ENV, "") in ("", "0"):
         return None
-    return run_dir / "samples" / f"rank-{rank}.jsonl"
+    return run_dir / run_layout.SAMPLES / f"rank-{rank}.jsonl"
 
 
 class SampleRecord:

@@ -23,6 +23,7 @@ from trainyard.dist import network_env
 from trainyard.errors import ConfigError, ModelError, OptionError
 from trainyard.launch.torchrun import PREEMPTED_EXIT_CODE
 from trainyard.redaction import is_secret_name, redact_text
+from trainyard.runs import layout as run_layout
 
 SHUTDOWN_MARGIN_S = 10
 """The agent kills workers this long before Slurm would, so its own exit is clean."""
@@ -304,7 +305,7 @@ def render_sbatch(job: SlurmJob, cfg: JobConfig, lead: SignalLead | None = None)
     if lead is None:
         job, lead = resolve(job, cfg)
     nic = job.nic or cfg.dist.nic
-    log_dir = Path(job.workdir) / cfg.run_dir / "logs"
+    log_dir = Path(job.workdir) / cfg.run_dir / run_layout.LOGS
     nproc = nproc_per_node(job)
     header = [
         "#!/bin/bash",
@@ -352,7 +353,7 @@ def write_sbatch(text: str, path: Path, cfg: JobConfig, workdir: str) -> Path:
     """Write the script and create its log folder (sbatch does not, and then logs nothing)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
-    (Path(workdir) / cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (Path(workdir) / cfg.run_dir / run_layout.LOGS).mkdir(parents=True, exist_ok=True)
     return path
 
 

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from trainyard.errors import ConfigError
+from trainyard.runs import layout as run_layout
 from trainyard.runs.status import describe_ranks, read_heartbeats
 
-FLIGHT_DIR = "flight"  # the same name as trainyard.dist.FLIGHT_DIR, without importing torch
+FLIGHT_DIR = run_layout.FLIGHT
 # <kind>-rank-<r>, with a timestamp after it where TORCH_FR_DUMP_DYNAMIC_FILE_NAME is set
 _DUMP_NAME = re.compile(r"^(?P<kind>[a-z]+)-rank-(?P<rank>\d+)(\D.*)?$")
 
@@ -61,7 +62,7 @@ def read_flight_records(run_dir: Path) -> dict[tuple[str, int], dict[str, Any]]:
 
 def _world_size(run_dir: Path) -> int | None:
     try:
-        return int(json.loads((run_dir / "env.json").read_text())["world_size"])
+        return int(json.loads((run_dir / run_layout.ENV).read_text())["world_size"])
     except (OSError, KeyError, TypeError, ValueError):
         return None
 

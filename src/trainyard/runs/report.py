@@ -18,6 +18,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from trainyard.errors import RunDirError
+from trainyard.runs import layout as run_layout
 
 GIB = 1024**3
 DEFAULT_MULTI_RUN_OUT = "trainyard-report"
@@ -68,7 +69,7 @@ PLOTS = (
 
 
 def load_run(run_dir: Path) -> Run:
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / run_layout.METRICS
     if not run_dir.is_dir():
         raise RunDirError(f"run dir {run_dir} does not exist", fix="pass a run's folder: <output_dir>/<run_name>")
     if not metrics.is_file():
@@ -78,8 +79,8 @@ def load_run(run_dir: Path) -> Run:
     events, bad = read_events(metrics)
     if not events:
         raise RunDirError(f"{metrics} has no events yet", fix="wait for the first logged step, or pass another run dir")
-    env = read_json(run_dir / "env.json") or {}
-    return Run(run_dir.name, run_dir, events, read_json(run_dir / "summary.json"), env, bad)
+    env = read_json(run_dir / run_layout.ENV) or {}
+    return Run(run_dir.name, run_dir, events, read_json(run_dir / run_layout.SUMMARY), env, bad)
 
 
 def read_events(path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -249,7 +250,7 @@ def notable_events(run: Run) -> list[str]:
 
 def last_samples(run: Run) -> tuple[Path, list[dict[str, Any]]] | None:
     """The last evaluation's generations (samples/step-XXXXXXXX.jsonl; rank-<r>.jsonl are data audits)."""
-    files = sorted((run.path / "samples").glob("step-*.jsonl"))
+    files = sorted((run.path / run_layout.SAMPLES).glob("step-*.jsonl"))
     return (files[-1], read_events(files[-1])[0]) if files else None
 
 

@@ -21,9 +21,10 @@ import yaml
 
 from trainyard.atomic import write_atomically
 from trainyard.errors import ConfigError
+from trainyard.runs import layout as run_layout
 
 STALE_AFTER_S = 60.0
-RUN_DIR_MARKERS = ("metrics.jsonl", "env.json", "config.yaml", "heartbeats", "logs", "checkpoints")
+RUN_DIR_MARKERS = run_layout.MARKERS
 HEARTBEAT_INTERVAL_S = 2.0
 _TAIL_BYTES = 1 << 20
 _RATE_WINDOW = 10
@@ -42,7 +43,7 @@ class BackgroundHeartbeat:
     """
 
     def __init__(self, run_dir: Path, rank: int, interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
-        self.path = Path(run_dir) / "heartbeats" / f"rank-{rank}.json"
+        self.path = Path(run_dir) / run_layout.HEARTBEATS / f"rank-{rank}.json"
         self.rank = rank
         self.interval_s = interval_s
         self.step = 0
@@ -98,7 +99,7 @@ def silent_ranks(run_dir: Path, own_rank: int, wait_s: float = 2.5 * HEARTBEAT_I
 
 def read_heartbeats(run_dir: Path) -> list[dict[str, Any]]:
     beats = []
-    for path in sorted((Path(run_dir) / "heartbeats").glob("rank-*.json")):
+    for path in sorted((Path(run_dir) / run_layout.HEARTBEATS).glob("rank-*.json")):
         try:
             beats.append(json.loads(path.read_text()))
         except (OSError, ValueError):
@@ -152,7 +153,7 @@ def _tail_events(path: Path) -> list[dict[str, Any]]:
 
 def _max_steps(run_dir: Path) -> int | None:
     try:
-        config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        config = yaml.safe_load((run_dir / run_layout.CONFIG).read_text()) or {}
         return int(config["train"]["max_steps"])
     except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
         return None
@@ -169,7 +170,7 @@ def _seconds_per_step(train_events: list[dict[str, Any]]) -> float | None:
 
 def _last_checkpoint(run_dir: Path) -> str | None:
     try:
-        return (run_dir / "checkpoints" / "LATEST").read_text().strip() or None
+        return (run_dir / run_layout.CHECKPOINTS / "LATEST").read_text().strip() or None
     except OSError:
         return None
 
@@ -194,12 +195,12 @@ def read_status(run_dir: Path | str, stale_after_s: float = STALE_AFTER_S, now: 
             fix="pass <output_dir>/<run_name> of a job that started, e.g. runs/tiny",
         )
     now = time.time() if now is None else now
-    events = _tail_events(run_dir / "metrics.jsonl")
+    events = _tail_events(run_dir / run_layout.METRICS)
     train = [event for event in events if event.get("kind") == "train" and "step" in event and "time" in event]
     evals = [event for event in events if event.get("kind") == "eval"]
     last = train[-1] if train else {}
     max_steps = _max_steps(run_dir)
-    finished = (run_dir / "summary.json").is_file()
+    finished = (run_dir / run_layout.SUMMARY).is_file()
     per_step = _seconds_per_step(train)
     beats = read_heartbeats(run_dir)
     stale = [] if finished else stale_heartbeats(beats, now, stale_after_s)
@@ -221,13 +222,15 @@ def read_status(run_dir: Path | str, stale_after_s: float = STALE_AFTER_S, now: 
         "heartbeats": [{**beat, "age_s": round(now - float(beat.get("time", 0)), 1)} for beat in beats],
         "stale_ranks": [beat["rank"] for beat in stale],
         "stale_description": describe_ranks(stale, now) if stale else None,
-        "flight_records": sorted(p.name for p in (run_dir / "flight").glob("*-rank-*") if not p.name.startswith(".")),
+        "flight_records": sorted(
+            p.name for p in (run_dir / run_layout.FLIGHT).glob("*-rank-*") if not p.name.startswith(".")
+        ),
     }
     if not finished and per_step and max_steps and last.get("step") is not None:
         status["eta_s"] = max(0.0, (max_steps - last["step"]) * per_step)
     if finished:
         try:
-            status["summary"] = json.loads((run_dir / "summary.json").read_text())
+            status["summary"] = json.loads((run_dir / run_layout.SUMMARY).read_text())
         except (OSError, ValueError) as err:
             raise ConfigError(
                 f"{run_dir / 'summary.json'} is unreadable ({err})",

@@ -18,6 +18,7 @@ from trainyard.data import PreparedData, ResumableSampler
 from trainyard.data.mixture import MixtureStream
 from trainyard.metrics import MetricsSink
 from trainyard.parallel import comm
+from trainyard.runs import layout as run_layout
 
 
 @dataclass
@@ -50,4 +51,4 @@ class Job:
 
     @property
     def checkpoints(self) -> Path:
-        return self.cfg.run_dir / "checkpoints"
+        return self.cfg.run_dir / run_layout.CHECKPOINTS

@@ -46,6 +46,7 @@ from trainyard.model import build as model_room
 from trainyard.model import source as source_room
 from trainyard.parallel import comm
 from trainyard.parallel import parallelize as parallel
+from trainyard.runs import layout as run_layout
 from trainyard.runs.status import BackgroundHeartbeat
 from trainyard.train import state as loop_state
 from trainyard.train.job import Job
@@ -298,7 +299,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         )
     environment = environment_record(info)
     if info.is_main:
-        write_json(run_dir / "env.json", environment)
+        write_json(run_dir / run_layout.ENV, environment)
 
     model_path = None
     with dist.first_on_node(info):  # one process per node converts/loads caches first
@@ -346,7 +347,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
             "data_fingerprint": data.fingerprint,
             "global_batch_samples": cfg.train.micro_batch_size * accum * info.world_size,
         },
-        saves=checkpoint.Checkpointer(cfg.checkpoint, cfg.run_dir / "checkpoints", info, sink.emit),
+        saves=checkpoint.Checkpointer(cfg.checkpoint, cfg.run_dir / run_layout.CHECKPOINTS, info, sink.emit),
         precision=precision,
     )
     job.comm_timer = comm.attach_comm_timer(model)
@@ -359,7 +360,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     if cfg.train.epochs is not None:
         _size_by_epochs(job, state)
     if info.is_main:  # after resume's checks: a rejected job never replaces the run's config
-        write_atomically(run_dir / "config.yaml", dump_config(cfg))
+        write_atomically(run_dir / run_layout.CONFIG, dump_config(cfg))
     loop_state.install_preemption_handlers(cfg.checkpoint.preemption_signals)
     record = sample_record_path(run_dir, info.rank)
     if isinstance(sampler, MixtureStream):
@@ -404,6 +405,6 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         "baseline_eval_accuracy": state.baseline_eval.get("eval_accuracy"),
     }
     if info.is_main:
-        write_json(run_dir / "summary.json", summary)
+        write_json(run_dir / run_layout.SUMMARY, summary)
     dist.teardown()
     return summary
