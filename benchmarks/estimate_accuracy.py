@@ -145,7 +145,7 @@ def measure_rank(rank: int, world: int, args: list[str], out: str) -> None:
     from trainyard import build, dist
     from trainyard import config_file as config_room
     from trainyard import precision as precision_room
-    from trainyard.evaluate import token_loss_sum
+    from trainyard.loss import token_loss_sum
     from trainyard.model import source as source_room
     from trainyard.train.optim import build_optimizer
 

@@ -33,7 +33,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from trainyard import evaluate as evaluate_room
+from trainyard import loss as loss_room
 from trainyard.config import ModelConfig
 from trainyard.data import collate
 from trainyard.model import attention
@@ -96,18 +96,18 @@ class Case:
     def step(self) -> float:
         started = time.perf_counter()
         short = attention.SHORT_DOCUMENT
-        keeps = evaluate_room._MASK_KEEP
+        keeps = loss_room._MASK_KEEP
         attention.SHORT_DOCUMENT = 0 if self.name == "flash-kernel" else short
-        evaluate_room._MASK_KEEP = self.name != "all-logits" and keeps
+        loss_room._MASK_KEEP = self.name != "all-logits" and keeps
         autocast = contextlib.nullcontext() if self.name == "fp32" else torch.autocast("cpu", dtype=torch.bfloat16)
         try:
             with autocast:
-                loss, _ = evaluate_room.token_loss_sum(self.model, self.batch, torch.device("cpu"))
+                loss, _ = loss_room.token_loss_sum(self.model, self.batch, torch.device("cpu"))
             loss.backward()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         finally:
-            attention.SHORT_DOCUMENT, evaluate_room._MASK_KEEP = short, keeps
+            attention.SHORT_DOCUMENT, loss_room._MASK_KEEP = short, keeps
         return time.perf_counter() - started
 
 

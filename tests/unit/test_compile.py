@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainyard.data import collate
-from trainyard.evaluate import token_loss_sum
+from trainyard.loss import token_loss_sum
 from trainyard.model.attention import VARLEN
 from trainyard.parallel.checkpointing import compile_blocks
 

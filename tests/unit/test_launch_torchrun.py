@@ -15,7 +15,7 @@ from tests.conftest import TINY, trainyard
 from trainyard.config import DistConfig
 from trainyard.errors import ConfigError
 from trainyard.launch.torchrun import (
-    describe_plan,
+    describe_launch,
     first_host,
     first_reported_failure,
     network_settings,
@@ -67,7 +67,7 @@ def test_kubeflow_pet_variables_fill_what_flags_leave_open() -> None:
         23456,
         "8",
     )
-    assert "--node-rank from PET_NODE_RANK" in describe_plan(plan)
+    assert "--node-rank from PET_NODE_RANK" in describe_launch(plan)
     assert resolve_plan(node_rank=0, env=env).node_rank == 0  # a flag wins over the environment
 
 

@@ -38,5 +38,5 @@ def built_counts(config_path: Path) -> tuple[int, int]:
 
 @pytest.mark.parametrize("config_path", CONFIGS, ids=[path.stem for path in CONFIGS])
 def test_the_estimate_counts_the_parameters_of_the_model_the_build_makes(config_path: Path) -> None:
-    counts = estimate_memory.load_model(load_config(str(config_path))).counts
+    counts = estimate_memory.model_of(load_config(str(config_path))).counts
     assert (counts.total, counts.trainable) == built_counts(config_path)

@@ -109,7 +109,7 @@ def launch(
     )
     added, network_lines = tr.network_settings(cfg.dist, os.environ)
     argv = tr.torchrun_argv(plan, config_path, overrides)
-    summary = "\n".join([tr.describe_plan(plan), *network_lines, f"running: {tr.format_command(argv)}"])
+    summary = "\n".join([tr.describe_launch(plan), *network_lines, f"running: {tr.format_command(argv)}"])
     err_console.print(redact_text(summary), highlight=False, markup=False, soft_wrap=True)
     code, message = tr.run_torchrun(argv, {**os.environ, **added}, preempt_exit_code)
     if code:

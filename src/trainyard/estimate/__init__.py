@@ -111,7 +111,7 @@ def estimate(cfg: JobConfig, hardware: Hardware, assumptions: Assumptions = Assu
         network_gbps, network = machines.network_of(kind, cfg.dist.network)
     else:
         network_gbps, network = hardware.network_gbps, "--network-gbps"
-    model = model or mem.load_model(cfg)
+    model = model or mem.model_of(cfg)
     layout = mem.resolve_strategy(cfg, model, kind, hardware.gpus_per_node, hardware.nodes)
     precision = mem.resolve_precision(cfg, kind)
     size = mem.dtypes(cfg, precision, layout.strategy)
@@ -140,7 +140,7 @@ def planned_peak(cfg: JobConfig, strategy: str, world: int, per_node: int, devic
     """The job's predicted peak bytes per rank under `strategy` on `world` ranks, `per_node` of them per node,
     on devices of `device_bytes`: what `dist.strategy: auto` (plan.choose_strategy) decides from."""
     planned = _with(cfg, **{"dist.shard_size": None, "dist.strategy": strategy})
-    model = mem.load_model(cfg)
+    model = mem.model_of(cfg)
     kind = machines.Gpu("planned", device_bytes, "planned", 0.0)
     layout = mem.resolve_strategy(planned, model, kind, per_node, math.ceil(world / per_node))
     precision = mem.resolve_precision(cfg, kind)  # as on a GPU: auto is bf16-mixed

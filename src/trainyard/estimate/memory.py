@@ -99,7 +99,7 @@ class Model:
     counts: Counts
 
 
-def load_model(cfg: JobConfig) -> Model:
+def model_of(cfg: JobConfig) -> Model:
     """The job's model, meta-built: shapes and parameter counts, nothing read."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)

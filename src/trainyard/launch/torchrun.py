@@ -309,7 +309,7 @@ def format_command(argv: list[str]) -> str:
     return shlex.join(argv)
 
 
-def describe_plan(plan: LaunchPlan) -> str:
+def describe_launch(plan: LaunchPlan) -> str:
     """One line a person can check against the other nodes' lines."""
     where = ", ".join(f"{option} from {source}" for option, source in plan.sources.items() if source != option)
     node = (

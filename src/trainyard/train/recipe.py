@@ -32,8 +32,9 @@ from trainyard.data.loader import stream_batches
 from trainyard.data.mixture import MixtureStream, mixture_stream
 from trainyard.data.pretraining import prepare_pretraining
 from trainyard.errors import NonFiniteError
-from trainyard.evaluate import evaluate, samples_file, token_loss_sum
+from trainyard.evaluate import evaluate, samples_file
 from trainyard.hardware import device_peak_flops, flops_per_token
+from trainyard.loss import token_loss_sum
 from trainyard.metrics import (
     LogWindow,
     MetricsSink,
