@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-import psutil
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainyard.config import DistConfig
 from trainyard.errors import ConfigError
+from trainyard.network import IFNAME_VARS, apply_network_preset, check_nic, interface_error
 from trainyard.runs import layout as run_layout
 
 
@@ -289,100 +288,3 @@ def flight_recorder_enabled(env: dict[str, str] | None = None) -> bool:
     target = os.environ if env is None else env
     size = next((target[n] for n in _FLIGHT_ALIASES["buffer"] if n in target), str(FLIGHT_ENTRIES))
     return size.strip() not in ("", "0")
-
-
-# ---------------------------------------------------------------- network presets
-
-_PRESETS: dict[str, dict[str, str]] = {
-    "default": {},
-    # Plain TCP: seed 002's stable path when InfiniBand probing misbehaves.
-    "socket": {"NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket", "GLOO_USE_IPV6": "0"},
-    "infiniband": {"NCCL_IB_DISABLE": "0", "NCCL_NET_GDR_LEVEL": "PHB"},
-    # Long fat pipes between sites: more sockets and threads, bigger buffers, no IB. Tuning helps a WAN
-    # only so far: a job whose gradients cross it every step should run dist.strategy: diloco, which
-    # crosses it once per diloco.sync_every steps (benchmarks/diloco_wan.py measures the difference).
-    "wan": {
-        "NCCL_IB_DISABLE": "1",
-        "NCCL_NET": "Socket",
-        "NCCL_SOCKET_NTHREADS": "8",
-        "NCCL_NSOCKS_PERTHREAD": "4",
-        "NCCL_BUFFSIZE": "8388608",
-        "GLOO_USE_IPV6": "0",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-    },
-}
-
-
-def network_env(network: str, nic: str | None) -> dict[str, str]:
-    """The variables a preset wants, before the user's own environment is applied."""
-    wanted = dict(_PRESETS[network])
-    if nic:
-        wanted["NCCL_SOCKET_IFNAME"] = nic
-        wanted["GLOO_SOCKET_IFNAME"] = nic
-    return wanted
-
-
-def apply_network_preset(cfg: DistConfig, env: dict[str, str] | None = None) -> dict[str, str]:
-    """Set the preset's variables where the user has not; return the effective values."""
-    target = os.environ if env is None else env
-    effective = {}
-    for name, value in network_env(cfg.network, cfg.nic).items():
-        target.setdefault(name, value)
-        effective[name] = target[name]
-    return effective
-
-
-# ---------------------------------------------------------------- network interfaces
-
-IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-# What each library says when its interface variable names nothing usable on this host: Gloo
-# (torch 2.13); NCCL's bootstrap (2.21), and 2.27's garbled address when it found no interface.
-_IFNAME_FAILURES = {
-    "GLOO_SOCKET_IFNAME": re.compile(r"Unable to find address for: \S+"),
-    "NCCL_SOCKET_IFNAME": re.compile(r"no socket interface found|NCCL_SOCKET_IFNAME interface|neither AF_INET"),
-}
-
-
-def interface_addresses() -> dict[str, list[str]]:
-    """Every interface of this host with its IP addresses (none: Gloo and NCCL cannot use it)."""
-    ip_families = (socket.AF_INET, socket.AF_INET6)
-    return {
-        name: [a.address.split("%")[0] for a in addrs if a.family in ip_families]
-        for name, addrs in psutil.net_if_addrs().items()
-    }
-
-
-def _usable_listing(found: dict[str, list[str]]) -> str:
-    return ", ".join(f"{name} ({ips[0]})" for name, ips in sorted(found.items()) if ips) or "none"
-
-
-def check_nic(nic: str, where: str | None = None) -> None:
-    """`dist.nic` names an interface of this host with an IP address; else say which ones do.
-
-    Checked before the process group, so the job fails here in one sentence rather than
-    in Gloo's or NCCL's own words, which name neither the field nor the interfaces there are."""
-    found = interface_addresses()
-    if found.get(nic):
-        return
-    problem = "has no IP address" if nic in found else "does not exist"
-    raise ConfigError(
-        f"dist.nic: network interface '{nic}' {problem} on host {socket.gethostname()}; "
-        f"interfaces with an address there: {_usable_listing(found)}",
-        where=where,
-        fix="set dist.nic to the interface on the network the other nodes reach, or remove it to let NCCL "
-        "and Gloo pick one",
-    )
-
-
-def interface_error(message: str) -> ConfigError | None:
-    """A process-group failure caused by GLOO_/NCCL_SOCKET_IFNAME, as a user error naming the variable."""
-    for name, pattern in _IFNAME_FAILURES.items():
-        value = os.environ.get(name)
-        if value and pattern.search(message):
-            return ConfigError(
-                f"{name}={value} names no network interface with an address on host {socket.gethostname()}; "
-                f"interfaces with an address there: {_usable_listing(interface_addresses())}",
-                where="the environment",
-                fix=f"export {name} naming one of those interfaces, or unset it and set dist.nic in the config",
-            )
-    return None

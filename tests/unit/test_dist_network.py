@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as tdist
 
 from tests.conftest import REPO
-from trainyard import dist
+from trainyard import dist, network
 from trainyard.config import DistConfig
 from trainyard.errors import ConfigError
 
@@ -25,7 +25,7 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHE
 def environ() -> Iterator[dict[str, str]]:
     """os.environ without network or torchrun variables; restored afterwards."""
     saved = dict(os.environ)
-    for name in [*dist.network_env("wan", "x"), *dist.network_env("infiniband", None), *TORCHRUN_VARS]:
+    for name in [*network.network_env("wan", "x"), *network.network_env("infiniband", None), *TORCHRUN_VARS]:
         os.environ.pop(name, None)
     yield os.environ
     os.environ.clear()
@@ -35,7 +35,7 @@ def environ() -> Iterator[dict[str, str]]:
 def test_init_sets_the_preset_and_keeps_the_users_own(environ: dict[str, str]) -> None:
     environ["NCCL_SOCKET_IFNAME"] = "ib0"
     info = dist.init(DistConfig(network="wan", nic="lo"))
-    for name, value in dist.network_env("wan", None).items():
+    for name, value in network.network_env("wan", None).items():
         assert environ[name] == value, name
     assert environ["GLOO_SOCKET_IFNAME"] == "lo"
     assert environ["NCCL_SOCKET_IFNAME"] == "ib0"  # the user's own value wins over dist.nic
@@ -55,15 +55,15 @@ def test_a_missing_nic_fails_before_the_process_group(environ: dict[str, str]) -
 
 
 def test_an_existing_nic_passes() -> None:
-    dist.check_nic("lo")
+    network.check_nic("lo")
 
 
 def test_a_nic_without_an_address_is_named_as_such() -> None:
-    bare = [name for name, ips in dist.interface_addresses().items() if not ips]
+    bare = [name for name, ips in network.interface_addresses().items() if not ips]
     if not bare:
         pytest.skip(f"every interface here has an IP address: {sorted(psutil.net_if_addrs())}")
     with pytest.raises(ConfigError, match=f"'{bare[0]}' has no IP address"):
-        dist.check_nic(bare[0])
+        network.check_nic(bare[0])
 
 
 GLOO_MISSING_NIC = """
@@ -83,7 +83,7 @@ def test_gloos_own_error_for_a_missing_interface_becomes_a_user_error(environ: d
     )
     assert "nosuch1" in result.stdout, result.stdout + result.stderr[-3000:]
     environ["GLOO_SOCKET_IFNAME"] = "nosuch1"
-    err = dist.interface_error(result.stdout)
+    err = network.interface_error(result.stdout)
     assert err is not None and err.exit_code == 2
     assert "GLOO_SOCKET_IFNAME=nosuch1" in err.what and "lo (127.0.0.1)" in err.what
-    assert dist.interface_error("Connection reset by peer") is None
+    assert network.interface_error("Connection reset by peer") is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import trainyard.parallel.parallelize as parallel
+import trainyard.plan as plan
 from trainyard.config_file import load_config
 from trainyard.dist import DistInfo, hsdp_shape
 from trainyard.errors import ConfigError
@@ -48,9 +48,9 @@ def test_auto_picks_hsdp_on_several_nodes_when_a_node_can_hold_the_sharded_state
     model = torch.nn.Linear(100, 100, bias=False)
     state = replicated_state_bytes(model)
     # Half a device holds a quarter of the state: too small for DDP, enough for 4 shards.
-    monkeypatch.setattr(parallel, "device_memory_bytes", lambda info: state // 2)
+    monkeypatch.setattr(plan, "device_memory_bytes", lambda info: state // 2)
     assert choose_strategy("auto", model, _info(8, 4)) == "hsdp"
     assert choose_strategy("auto", model, _info(4, 4)) == "fsdp"  # one node: nothing to replicate across
     assert choose_strategy("auto", model, _info(8, 2)) == "fsdp"  # half the state per device: shard over all
-    monkeypatch.setattr(parallel, "device_memory_bytes", lambda info: 2 * state)
+    monkeypatch.setattr(plan, "device_memory_bytes", lambda info: 2 * state)
     assert choose_strategy("auto", model, _info(8, 4)) == "ddp"

@@ -12,7 +12,6 @@ import yaml
 
 from tests.conftest import TINY, trainyard
 from trainyard.config_file import load_config
-from trainyard.dist import network_env
 from trainyard.errors import ConfigError, OptionError
 from trainyard.launch.k8s import (
     RETRYABLE_PREEMPTED_EXIT_CODE,
@@ -22,6 +21,7 @@ from trainyard.launch.k8s import (
     render_manifests,
     secret_env,
 )
+from trainyard.network import network_env
 
 
 def documents(text: str) -> dict[str, dict]:

@@ -10,9 +10,9 @@ import pytest
 
 from tests.conftest import REPO, TINY, trainyard
 from trainyard.config_file import load_config
-from trainyard.dist import network_env
 from trainyard.errors import ConfigError, OptionError
 from trainyard.launch.slurm import SlurmJob, render_sbatch, resolve, sinfo_node_shape
+from trainyard.network import network_env
 
 LLAMA_70B = """\
 run_name: big

@@ -47,12 +47,12 @@ def test_replicated_state_counts_adam_only_for_trainable() -> None:
 
 
 def test_auto_picks_fsdp_when_replicated_state_exceeds_half_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    import trainyard.parallel.parallelize as parallel
+    import trainyard.plan as plan
 
     model = torch.nn.Linear(100, 100, bias=False)
-    monkeypatch.setattr(parallel, "device_memory_bytes", lambda info: 2 * replicated_state_bytes(model) - 1)
+    monkeypatch.setattr(plan, "device_memory_bytes", lambda info: 2 * replicated_state_bytes(model) - 1)
     assert choose_strategy("auto", model, _info(2)) == "fsdp"
-    monkeypatch.setattr(parallel, "device_memory_bytes", lambda info: 2 * replicated_state_bytes(model))
+    monkeypatch.setattr(plan, "device_memory_bytes", lambda info: 2 * replicated_state_bytes(model))
     assert choose_strategy("auto", model, _info(2)) == "ddp"
 
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-from trainyard.dist import network_env
+from trainyard.network import network_env
 
 Status = Literal["pass", "warn", "fail"]
 GIB = 1024**3

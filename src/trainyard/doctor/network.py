@@ -11,6 +11,7 @@ import psutil
 
 from trainyard.doctor.checks import Check, fail, ok, warn
 from trainyard.errors import OptionError
+from trainyard.network import interface_addresses
 
 
 def parse_master(master: str) -> tuple[str, int]:
@@ -21,18 +22,6 @@ def parse_master(master: str) -> tuple[str, int]:
             fix="pass the address of node 0 and a free port, for example --master 10.0.0.1:29500",
         )
     return host.strip("[]"), int(port)
-
-
-def interface_addresses() -> dict[str, list[str]]:
-    """Up interfaces and their routable addresses (IPv6 link-local left out)."""
-    stats = psutil.net_if_stats()
-    found = {}
-    for name, addrs in psutil.net_if_addrs().items():
-        ips = [a.address.split("%")[0] for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)]
-        ips = [ip for ip in ips if not ipaddress.ip_address(ip).is_link_local]
-        if stats.get(name) and stats[name].isup and ips:
-            found[name] = ips
-    return found
 
 
 def matching_interfaces(spec: str, names: list[str], prefix_match: bool) -> list[str]:
@@ -73,7 +62,7 @@ def check_nic(nic: str | None, multi_node: bool) -> list[Check]:
                 )
             ]
         return [ok("nic", detail)]
-    usable = interface_addresses()
+    usable = interface_addresses(usable=True)
     listing = ", ".join(f"{name} ({ips[0]})" for name, ips in sorted(usable.items())) or "none"
     all_names = list(psutil.net_if_addrs())
     checks = []

@@ -19,7 +19,7 @@ import torch.distributed as tdist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from trainyard import dist
+from trainyard import dist, network
 from trainyard.config import DistConfig
 from trainyard.doctor.checks import Check, fail, ok, package_versions, warn
 from trainyard.doctor.network import parse_master
@@ -40,7 +40,7 @@ MATCHED_VERSIONS = ("python", "torch", "trainyard", "transformers", "cuda", "ncc
 
 def probe_cluster(opts: DoctorOptions, job: JobTargets, nproc: int) -> list[Check]:
     """Run the probe on this node's ranks; every node gets the gathered report back."""
-    dist.apply_network_preset(DistConfig(network=job.network, nic=job.nic))
+    network.apply_network_preset(DistConfig(network=job.network, nic=job.nic))
     dirs = [str(path) for path in job.shared_dirs]
     try:
         outputs = elastic_launch(launch_config(opts, nproc), entrypoint=probe_worker)(dirs, opts.timeout_s)

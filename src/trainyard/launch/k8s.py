@@ -19,9 +19,9 @@ import yaml
 
 from trainyard.config import JobConfig
 from trainyard.config_file import dump_config
-from trainyard.dist import network_env
 from trainyard.errors import ConfigError, OptionError
 from trainyard.launch.torchrun import PREEMPTED_EXIT_CODE
+from trainyard.network import network_env
 from trainyard.redaction import redact_text
 
 KINDS = ("pytorchjob", "trainjob")

@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from trainyard.config import JobConfig
-from trainyard.dist import network_env
 from trainyard.errors import ConfigError, ModelError, OptionError
 from trainyard.launch.torchrun import PREEMPTED_EXIT_CODE
+from trainyard.network import network_env
 from trainyard.redaction import is_secret_name, redact_text
 from trainyard.runs import layout as run_layout
 

@@ -13,7 +13,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainyard.config import DistConfig
-from trainyard.dist import network_env
 from trainyard.errors import ConfigError
 from trainyard.launch.local import EXIT_FILE_ENV, SIGNALS_TO_FORWARD, stop_on_first_signal
+from trainyard.network import interface_ipv4, network_env
 
 PREEMPTED_EXIT_CODE = 75
 USER_ERROR_EXIT_CODE = ConfigError.exit_code
@@ -117,20 +116,6 @@ def _check_nproc(nproc: str) -> str:
     raise ConfigError(
         f"--nproc '{nproc}' is not a positive number", fix=f"give a count, or one of {', '.join(NPROC_WORDS)}"
     )
-
-
-def interface_ipv4(name: str) -> str | None:
-    """The IPv4 address of a network interface, or None (no such interface, or Linux-only call failed)."""
-    import fcntl
-    import struct
-
-    siocgifaddr = 0x8915
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            packed = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode()))
-    except OSError:
-        return None
-    return socket.inet_ntoa(packed[20:24])
 
 
 def _local_addr(local_addr: str | None, nic: str | None, env: Mapping[str, str], sources: dict[str, str]) -> str | None:
