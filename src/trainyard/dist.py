@@ -34,6 +34,8 @@ class DistInfo:
     backend: str | None
     network: dict[str, str] = field(default_factory=dict)
     """The network preset's variables as the process group saw them (the user's own values kept)."""
+    timeout_s: float | None = None
+    """dist.timeout_s: the default group's, and every mesh group's (build_mesh passes it on)."""
 
     @property
     def is_main(self) -> bool:
@@ -81,7 +83,7 @@ def init(cfg: DistConfig, run_dir: Path | None = None, nic_where: str | None = N
     backend = _pick_backend(cfg, device) if create_group else None
     if backend is not None:
         _create_group(backend, cfg, device)
-    return DistInfo(rank, world, local_rank, local_world, device, backend, network)
+    return DistInfo(rank, world, local_rank, local_world, device, backend, network, cfg.timeout_s)
 
 
 def _before_group(cfg: DistConfig, run_dir: Path | None, nic_where: str | None) -> None:
@@ -132,23 +134,38 @@ def build_mesh(
     """The device mesh a strategy works on: 1-D ("shard",) for fsdp, 2-D ("replicate", "shard") for hsdp,
     2-D ("site", "local") for diloco (`sites` of them), 3-D ("site", "replicate", "shard") for diloco with hsdp
     within a site, none for ddp or a single process. torchrun numbers a node's ranks consecutively, so the inner
-    dimensions stay within a node. Every rank must call it."""
+    dimensions stay within a node. Every rank must call it; every group of the mesh waits dist.timeout_s."""
     if strategy == "diloco":
         assert sites is not None, "diloco needs its number of sites"
         site = info.world_size // sites
         if site_inner == "hsdp":
-            return init_device_mesh(
-                info.device.type, (sites, *hsdp_shape(info, shard_size, site)),
-                mesh_dim_names=("site", "replicate", "shard"),
-            )
-        return init_device_mesh(info.device.type, (sites, site), mesh_dim_names=("site", "local"))
+            return _mesh(info, (sites, *hsdp_shape(info, shard_size, site)), ("site", "replicate", "shard"))
+        return _mesh(info, (sites, site), ("site", "local"))
     if strategy == "fsdp":
-        return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("shard",))
+        return _mesh(info, (info.world_size,), ("shard",))
     if strategy == "hsdp":
-        return init_device_mesh(
-            info.device.type, hsdp_shape(info, shard_size), mesh_dim_names=("replicate", "shard")
-        )
+        return _mesh(info, hsdp_shape(info, shard_size), ("replicate", "shard"))
     return None
+
+
+def _mesh(info: DistInfo, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """init_device_mesh gives the groups it splits off torch's default timeout (30 minutes), not the default
+    group's: each dimension gets the job's timeout through its backend options."""
+    options = _timeout_options(info)
+    override = {name: (info.backend, options) for name in names} if options is not None else None
+    return init_device_mesh(info.device.type, shape, mesh_dim_names=names, backend_override=override)
+
+
+def _timeout_options(info: DistInfo):  # -> Backend.Options | None
+    """Backend options carrying dist.timeout_s, for the backend the default group uses."""
+    if info.timeout_s is None or info.backend not in ("gloo", "nccl"):
+        return None
+    kind = dist.ProcessGroupGloo._Options if info.backend == "gloo" else getattr(dist, "ProcessGroupNCCL", None)
+    if kind is None:
+        return None
+    options = kind() if info.backend == "gloo" else kind.Options()
+    options._timeout = timedelta(seconds=info.timeout_s)
+    return options
 
 
 def describe_mesh(mesh: DeviceMesh | None) -> str:

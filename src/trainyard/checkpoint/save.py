@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -255,8 +256,11 @@ class Checkpointer:
         self.emit = emit
         self.pending: PendingSave | None = None
         self.resumed_from: Path | None = None
-        # Its own gloo group: the background writer's collectives never interleave with training's.
-        self.group = torch_dist.new_group(backend="gloo") if info.distributed and cfg.async_save else None
+        # Its own gloo group: the background writer's collectives never interleave with training's. It waits
+        # dist.timeout_s like every other group (new_group's default would be 30 minutes).
+        timeout = timedelta(seconds=info.timeout_s) if info.timeout_s else None
+        own_group = info.distributed and cfg.async_save
+        self.group = torch_dist.new_group(backend="gloo", timeout=timeout) if own_group else None
         self.arrange: Arrange = default_arrangement
         self.last_stall_s: float | None = None
         """How long the last full save held training (checkpoint.every_minutes: auto derives the interval)."""
