@@ -46,7 +46,7 @@ def _report_user_error(err: TrainyardError) -> None:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         prefix = f" (rank {os.environ.get('RANK', '0')})" if world > 1 else ""
         err_console.print(f"[bold red]trainyard: error{prefix}[/]")
-        err_console.print(redact_text(err.render()), markup=False)
+        err_console.print(redact_text(err.render()), markup=False, soft_wrap=True)
     from trainyard.dist import exit_process
 
     exit_process(err.exit_code)

@@ -13,7 +13,7 @@ from trainyard.redaction import redact_text
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="One YAML-described LLM training job, from a CPU to many nodes."
 )
-err_console = Console(stderr=True, highlight=False)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)  # paths and messages stay on one line: grep-able
 
 
 @app.callback()
@@ -28,7 +28,7 @@ def _fail(code: int, message: str, preempt_code: int | None = None) -> None:
         _notice(message)
     else:
         err_console.print("[bold red]trainyard: error[/]")
-        err_console.print(redact_text(message), markup=False)
+        err_console.print(redact_text(message), markup=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
