@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+import traceback
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,36 @@ def trainyard(
         text=True,
         timeout=timeout,
     )
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The CLI's entry point called in this process, for commands that stop before any rank, group or
+    training exists (bad input, dry runs, generated scripts): an interpreter start costs seconds, this costs
+    milliseconds. A few tests keep `trainyard` (a real process) to prove the exit code and no traceback."""
+    import torch.distributed
+
+    from trainyard.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    os.environ.update(env or {})
+    os.chdir(cwd or REPO)
+    code = 0
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                main(list(args))
+            except SystemExit as stop:
+                code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+            except Exception:  # what the user would see: an uncaught error is exit 1 with its traceback
+                traceback.print_exc()
+                code = 1
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    assert not torch.distributed.is_initialized(), f"`trainyard {' '.join(args)}` formed a process group"
+    return subprocess.CompletedProcess(["trainyard", *args], code, out.getvalue(), err.getvalue())
 
 
 def events(run_dir: Path, kind: str) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tests.conftest import TINY, trainyard
+from tests.conftest import TINY, run_cli
 from trainyard.config_file import load_config
 from trainyard.model import build as model_room
 from trainyard.model import lora as lora_room
@@ -101,7 +101,7 @@ def test_checkpointing_renames_no_weight(steps: dict) -> None:
 
 
 def test_a_bad_mode_names_the_field_and_the_choices(tmp_path: Path) -> None:
-    result = trainyard("train", TINY, f"output_dir={tmp_path}", "model.gradient_checkpointing=sometimes", "--dry-run")
+    result = run_cli("train", TINY, f"output_dir={tmp_path}", "model.gradient_checkpointing=sometimes", "--dry-run")
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     for needle in ["model.gradient_checkpointing", "selective", "'sometimes'"]:

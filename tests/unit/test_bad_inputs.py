@@ -1,5 +1,6 @@
 """Every bad input the CLI can be given ends with exit 2, a message naming the culprit, no traceback,
-and the user's files untouched. One table, one real `trainyard` process per case."""
+and the user's files untouched. One table, run through the CLI's entry point in this process; the cases in
+REAL_PROCESS start a real `trainyard` process, proving what a shell sees."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import REPO, TINY, TINY_MOE, trainyard
+from tests.conftest import REPO, TINY, TINY_MOE, run_cli, trainyard
 
 SCRATCH = str(REPO / "configs" / "scratch-1.5b.yaml")  # DiLoCo across sites, 524,288 tokens a step
 GLM = str(REPO / "configs" / "glm45air-fsdp-lora.yaml")  # HSDP, 64 samples a step
@@ -243,13 +244,22 @@ CASES: list[tuple[str, Args, list[str], str]] = [
 ]
 
 
-@pytest.mark.parametrize(("args", "needles", "status"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+# One case per kind of failure (data file, config, model folder, typer's own option check, a generated
+# script, a run directory) as a real process: the exit status and stderr a shell sees.
+REAL_PROCESS = {"data-binary-jsonl", "config-binary", "model-bad-config-json", "train-nproc-0",
+                "slurm-diloco-groups-3-of-16", "status-broken-summary"}
+
+
+@pytest.mark.parametrize(("case", "args", "needles", "status"), CASES, ids=[c[0] for c in CASES])
 def test_bad_input_exits_2_names_the_culprit_and_keeps_files(
-    tmp_path: Path, args: Args, needles: list[str], status: str
+    tmp_path: Path, case: str, args: Args, needles: list[str], status: str
 ) -> None:
     inputs = make_inputs(tmp_path)
     before = snapshot(inputs)
-    result = trainyard(*args(inputs), env=WIDE, timeout=300)
+    if case in REAL_PROCESS:
+        result = trainyard(*args(inputs), env=WIDE, timeout=300)
+    else:
+        result = run_cli(*args(inputs), env=WIDE)
     assert result.returncode == 2, f"exit {result.returncode} ({status})\n{result.stderr[-3000:]}"
     assert "Traceback" not in result.stderr + result.stdout, result.stderr[-3000:]
     for needle in needles:
@@ -268,7 +278,7 @@ GENERATORS = {
 def _generate(command: str, config: str, out: Path, *extra: str):
     argv, _ = GENERATORS[command]
     runs = f"output_dir={out.parent / 'runs'}"  # slurm makes the log folder: keep it beside --out
-    return trainyard(argv[0], config, runs, *argv[1:], "--out", str(out), *extra, env=WIDE)
+    return run_cli(argv[0], config, runs, *argv[1:], "--out", str(out), *extra, env=WIDE)
 
 
 @pytest.mark.parametrize("command", sorted(GENERATORS))
@@ -314,12 +324,12 @@ def test_report_out_keeps_report_files_unless_forced(tmp_path: Path) -> None:
     out.mkdir()
     (out / "report.md").write_text("my notes\n")
     (out / "other.txt").write_text("unrelated\n")
-    refused = trainyard("report", str(run_dir), "--out", str(out), env=WIDE)
+    refused = run_cli("report", str(run_dir), "--out", str(out), env=WIDE)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
     assert "report.md" in refused.stderr and "--force" in refused.stderr
     assert sorted(p.name for p in out.iterdir()) == ["other.txt", "report.md"]
     assert (out / "report.md").read_text() == "my notes\n"
-    forced = trainyard("report", str(run_dir), "--out", str(out), "--force", env=WIDE)
+    forced = run_cli("report", str(run_dir), "--out", str(out), "--force", env=WIDE)
     assert forced.returncode == 0, forced.stderr
     assert (out / "report.md").read_text() != "my notes\n" and (out / "loss.png").is_file()
     assert (out / "other.txt").read_text() == "unrelated\n"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, trainyard
+from tests.conftest import TINY, run_cli
 from trainyard.checkpoint.export import export, find_checkpoint
 from trainyard.checkpoint.save import (
     MARKER,
@@ -123,7 +123,7 @@ def test_export_never_writes_into_a_non_empty_folder(tmp_path: Path) -> None:
 
 def test_export_cli_exits_2_naming_a_bad_checkpoint(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-run"
-    result = trainyard("export", str(missing), "--out", str(tmp_path / "out"))
+    result = run_cli("export", str(missing), "--out", str(tmp_path / "out"))
     assert result.returncode == 2, result.stderr
     assert str(missing) in "".join(result.stderr.split()) and "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, trainyard
+from tests.conftest import REPO, TINY, run_cli, trainyard
 
 
 def assert_user_error(result, *needles: str) -> None:
@@ -20,26 +20,26 @@ def test_unknown_key_exits_2_with_suggestion(tmp_path: Path) -> None:
     job = tmp_path / "job.yaml"
     job.write_text("run_name: x\ntrain:\n  lr: 0.1\n  micro_batch: 3\n")
     assert_user_error(
-        trainyard("train", str(job)), f"{job}:4", "train.micro_batch", "did you mean 'train.micro_batch_size'"
+        run_cli("train", str(job)), f"{job}:4", "train.micro_batch", "did you mean 'train.micro_batch_size'"
     )
 
 
 def test_bad_override_value_exits_2() -> None:
-    assert_user_error(trainyard("train", TINY, "train.lr=fast"), "train.lr", "'fast'", "override 'train.lr=fast'")
+    assert_user_error(run_cli("train", TINY, "train.lr=fast"), "train.lr", "'fast'", "override 'train.lr=fast'")
 
 
 def test_missing_config_file_exits_2() -> None:
-    assert_user_error(trainyard("train", "nope.yaml"), "nope.yaml")
+    assert_user_error(run_cli("train", "nope.yaml"), "nope.yaml")
 
 
 def test_missing_data_file_exits_2(tmp_path: Path) -> None:
     missing = tmp_path / "absent.jsonl"
-    result = trainyard("train", TINY, f"output_dir={tmp_path}", f"data.path={missing}")
+    result = run_cli("train", TINY, f"output_dir={tmp_path}", f"data.path={missing}")
     assert_user_error(result, str(missing))
 
 
 def test_global_batch_that_does_not_divide_exits_2(tmp_path: Path) -> None:
-    result = trainyard(
+    result = run_cli(
         "train", TINY, f"output_dir={tmp_path}", "train.global_batch_size=12", "--dry-run", "--world-size", "8"
     )
     assert_user_error(result, "train.global_batch_size=12")

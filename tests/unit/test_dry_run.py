@@ -9,21 +9,17 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tests.conftest import TINY, trainyard
+from tests.conftest import TINY, run_cli
 from trainyard.cli import app
 from trainyard.config_file import load_config
-from trainyard.errors import TrainyardError
 from trainyard.estimate import timing as estimate_time
 
 TURN = {"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi there"}]}
 
 
 def dry_run(*args: str) -> tuple[int, str]:
-    """In process (the subprocess test below proves the real exit code and the absence of a traceback)."""
-    result = CliRunner().invoke(app, ["train", TINY, *args, "--dry-run"])
-    if isinstance(result.exception, TrainyardError):  # what trainyard.cli.main turns into its exit code
-        return result.exception.exit_code, result.output + result.exception.render()
-    return result.exit_code, result.output
+    result = run_cli("train", TINY, *args, "--dry-run")
+    return result.returncode, result.stdout + result.stderr
 
 
 def chat_file(tmp_path: Path, rows: list[object]) -> Path:
@@ -58,7 +54,7 @@ def test_a_bad_row_is_named_by_file_and_line_or_counted_when_skipped(tmp_path: P
 
 def test_missing_data_exits_2_before_any_node(tmp_path: Path) -> None:
     missing = tmp_path / "missing.jsonl"
-    result = trainyard("train", TINY, f"data.path={missing}", f"output_dir={tmp_path}", "--dry-run")
+    result = run_cli("train", TINY, f"data.path={missing}", f"output_dir={tmp_path}", "--dry-run")
     assert result.returncode == 2
     assert str(missing) in result.stderr and "the data is unusable" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
@@ -122,10 +118,10 @@ def test_cluster_scripts_run_the_same_check_before_writing(command: str, tmp_pat
     out = tmp_path / "job.out"
     shape = ["--nodes", "2", "--gpus-per-node", "8", "--out", str(out), *(["--image", "img:1"] * (command == "k8s"))]
     missing = [f"data.path={tmp_path / 'missing.jsonl'}", f"output_dir={tmp_path}"]
-    result = trainyard(command, TINY, *missing, *shape)
+    result = run_cli(command, TINY, *missing, *shape)
     assert result.returncode == 2, result.stderr
     assert "the data is unusable" in result.stderr and not out.exists()
-    result = trainyard(command, TINY, *missing, *shape, "--skip-data-check")
+    result = run_cli(command, TINY, *missing, *shape, "--skip-data-check")
     assert result.returncode == 0, result.stderr
     assert out.is_file()
 

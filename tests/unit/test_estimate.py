@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from tests.conftest import REPO, TINY, trainyard
+from tests.conftest import REPO, TINY, run_cli
 from trainyard import estimate, hardware
 from trainyard.config_file import load_config
 from trainyard.errors import OptionError
@@ -119,7 +119,7 @@ def test_mistral_full_fine_tune_does_not_fit_8_h100_with_ddp_but_its_lora_does()
 
 
 def test_json_has_the_verdict_and_the_breakdown() -> None:
-    result = trainyard("estimate", TINY, "--gpu", "l4", "--gpus-per-node", "2", "--price-per-gpu-hour", "1.5",
+    result = run_cli("estimate", TINY, "--gpu", "l4", "--gpus-per-node", "2", "--price-per-gpu-hour", "1.5",
                        "--spot-discount", "0.5", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
@@ -141,7 +141,7 @@ def test_json_has_the_verdict_and_the_breakdown() -> None:
     ],
 )
 def test_bad_options_exit_2_naming_them(options: list[str], needles: list[str]) -> None:
-    result = trainyard("estimate", TINY, *options, env={"COLUMNS": "1000"})
+    result = run_cli("estimate", TINY, *options, env={"COLUMNS": "1000"})
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     for needle in needles:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import TINY, trainyard
+from tests.conftest import TINY, run_cli
 from trainyard.config_file import load_config
 from trainyard.errors import ConfigError, OptionError
 from trainyard.launch.k8s import (
@@ -170,12 +170,12 @@ def test_a_path_that_cannot_be_on_the_volume_is_refused_with_its_line(tmp_path: 
     with pytest.raises(ConfigError) as err:
         render_manifests(load_config(str(config)), K8sJob(nodes=1, gpus_per_node=0, image="img:1"))
     assert err.value.where == f"{config}:3" and f"data.cache_dir '{path}'" in err.value.what
-    result = trainyard("k8s", str(config), "--image", "img:1", cwd=tmp_path)
+    result = run_cli("k8s", str(config), "--image", "img:1", cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr and f"{config}:3" in result.stderr
 
 
 def test_every_form_the_secret_help_shows_is_accepted() -> None:
-    help_text = " ".join(trainyard("k8s", "--help").stdout.split())
+    help_text = " ".join(run_cli("k8s", "--help").stdout.split())
     assert "WANDB_API_KEY=wandb:api-key" in help_text
     assert {entry["name"] for entry in secret_env(("team-tokens", "WANDB_API_KEY=wandb:api-key"))} == {
         "WANDB_API_KEY",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, trainyard
+from tests.conftest import REPO, TINY, run_cli
 from trainyard.config_file import load_config
 from trainyard.errors import ConfigError, OptionError
 from trainyard.launch.slurm import SlurmJob, render_sbatch, resolve, sinfo_node_shape
@@ -159,7 +159,7 @@ def test_bad_options_are_user_errors(tmp_path: Path, options: dict, needle: str)
 
 def test_cli_writes_the_script_and_its_log_folder(tmp_path: Path) -> None:
     out = tmp_path / "job.sbatch"
-    result = trainyard(
+    result = run_cli(
         "slurm",
         TINY,
         f"output_dir={tmp_path / 'runs'}",
@@ -179,7 +179,7 @@ def test_cli_writes_the_script_and_its_log_folder(tmp_path: Path) -> None:
 def test_a_diloco_job_across_four_sites_is_written_with_one_launcher_per_site(tmp_path: Path) -> None:
     """Seed 003's four sites: one node each, so diloco.groups node makes each node a site of 4 ranks."""
     config = str(REPO / "configs" / "scratch-1.5b.yaml")
-    result = trainyard("slurm", config, "--nodes", "4", "--gpus-per-node", "4", cwd=tmp_path)
+    result = run_cli("slurm", config, "--nodes", "4", "--gpus-per-node", "4", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --nodes=4" in result.stdout and f"trainyard launch {config}" in result.stdout
     assert '--node-rank "$SLURM_NODEID" --nproc 4' in result.stdout
@@ -196,7 +196,7 @@ def test_a_missing_gpus_per_node_is_exit_2_not_a_cpu_only_job(tmp_path: Path) ->
     with pytest.raises(OptionError, match="--gpus-per-node is missing") as err:
         render(tmp_path, gpus_per_node=None)
     assert "--gpus-per-node 0 for CPU-only nodes" in err.value.render()
-    result = trainyard("slurm", TINY, "--nodes", "2", cwd=tmp_path)
+    result = run_cli("slurm", TINY, "--nodes", "2", cwd=tmp_path)
     assert result.returncode == 2 and "--gpus-per-node N" in result.stderr and "Traceback" not in result.stderr
 
 

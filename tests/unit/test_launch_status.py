@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import trainyard
+from tests.conftest import run_cli
 from trainyard.errors import ConfigError
 from trainyard.runs.status import (
     BackgroundHeartbeat,
@@ -130,10 +130,10 @@ def test_missing_run_dir_is_a_user_error(tmp_path: Path) -> None:
 
 def test_cli_text_and_json(tmp_path: Path) -> None:
     make_run(tmp_path, [5, 10], time.time() - 30)
-    result = trainyard("status", str(tmp_path), "--json")
+    result = run_cli("status", str(tmp_path), "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["step"] == 10
-    result = trainyard("status", str(tmp_path / "absent"))
+    result = run_cli("status", str(tmp_path / "absent"))
     assert result.returncode == 2 and "does not exist" in " ".join(result.stderr.split())
 
 

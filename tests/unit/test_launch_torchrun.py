@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, trainyard
+from tests.conftest import TINY, run_cli
 from trainyard.config import DistConfig
 from trainyard.errors import ConfigError
 from trainyard.launch.torchrun import (
@@ -283,7 +283,7 @@ def test_plain_failure_keeps_its_exit_code() -> None:
 
 
 def test_launch_config_error_exits_2_before_starting_anything(tmp_path: Path) -> None:
-    result = trainyard("launch", TINY, "train.lr=fast", "--nnodes", "2", "--node-rank", "0", "--master", "127.0.0.1:1")
+    result = run_cli("launch", TINY, "train.lr=fast", "--nnodes", "2", "--node-rank", "0", "--master", "127.0.0.1:1")
     assert result.returncode == 2 and "train.lr" in result.stderr and "Traceback" not in result.stderr
-    result = trainyard("launch", TINY, "--nnodes", "2", "--node-rank", "0")
+    result = run_cli("launch", TINY, "--nnodes", "2", "--node-rank", "0")
     assert result.returncode == 2 and "--master" in result.stderr

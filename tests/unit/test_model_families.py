@@ -14,7 +14,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AttentionInterface, AutoModelForCausalLM
 
-from tests.conftest import TINY, trainyard
+from tests.conftest import TINY, run_cli, trainyard
 from tests.unit.families import FAMILIES, build, documents, settings
 from trainyard import dist, precision
 from trainyard.build import build_and_wrap
@@ -129,7 +129,7 @@ def test_an_explicit_implementation_that_drops_a_feature_exits_2_at_dry_run(tmp_
     job = tmp_path / "gemma2.yaml"
     config = "\n".join(f"    {key}: {value}" for key, value in settings("gemma2").items() if key != "vocab_size")
     job.write_text(f"model:\n  config:\n{config}\n  tokenizer: builtin:bytes\n  attn_implementation: sdpa\n")
-    result = trainyard("train", str(job), "--dry-run")
+    result = run_cli("train", str(job), "--dry-run")
     assert result.returncode == 2, result.stderr
     assert "gemma2.yaml:" in result.stderr and "soft-capping" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
@@ -137,7 +137,7 @@ def test_an_explicit_implementation_that_drops_a_feature_exits_2_at_dry_run(tmp_
 
 @pytest.mark.parametrize("model_type", ["t5", "no_such_family"])
 def test_a_family_that_is_not_a_causal_lm_exits_2_at_dry_run(model_type: str) -> None:
-    result = trainyard("train", TINY, f"model.config.model_type={model_type}", "--dry-run")
+    result = run_cli("train", TINY, f"model.config.model_type={model_type}", "--dry-run")
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr + result.stdout
     assert ("no causal language model" if model_type == "t5" else "Unrecognized model identifier") in result.stderr

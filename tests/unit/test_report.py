@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from tests.conftest import trainyard
+from tests.conftest import run_cli
 from trainyard.errors import RunDirError
 from trainyard.runs.report import series, write_report
 
@@ -124,7 +124,7 @@ def pixels_of(image: np.ndarray, rgb: tuple[int, int, int]) -> int:
 
 def test_report_plots_both_runs_and_summarises_them(two_runs: list[Path], tmp_path: Path) -> None:
     out = tmp_path / "report"
-    result = trainyard("report", *map(str, two_runs), "--out", str(out), cwd=tmp_path, timeout=120)
+    result = run_cli("report", *map(str, two_runs), "--out", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     pngs = ["loss.png", "tokens_per_s.png", "peak_memory.png", "lr.png", "grad_norm.png"]
     assert sorted(p.name for p in out.iterdir()) == sorted([*pngs, "report.md"])
@@ -169,7 +169,7 @@ def test_a_resumed_run_keeps_the_last_value_of_each_step() -> None:
 
 
 def test_missing_run_dir_is_a_user_error(tmp_path: Path) -> None:
-    result = trainyard("report", str(tmp_path / "nope"), cwd=tmp_path, timeout=120)
+    result = run_cli("report", str(tmp_path / "nope"), cwd=tmp_path)
     assert result.returncode == 2
     assert f"run dir {tmp_path / 'nope'} does not exist" in " ".join(result.stderr.split())  # rich wraps lines
     (tmp_path / "empty").mkdir()

@@ -13,13 +13,14 @@ from trainyard.errors import TrainyardError
 from trainyard.redaction import redact_text
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """`argv` None reads the command line; tests pass a list to run a command in their own process."""
     import click
 
     from trainyard.dist import exit_process
 
     try:
-        code = app(standalone_mode=False)
+        code = app(args=argv, prog_name="trainyard", standalone_mode=False)
     except TrainyardError as err:
         _report_user_error(err)
     except (click.ClickException, typer.TyperException) as err:  # typer >= 0.22 raises its own click copies
