@@ -142,11 +142,12 @@ def measure_rank(rank: int, world: int, args: list[str], out: str) -> None:
     """Build this rank's model as training does, run two steps under MemTracker, write the peak bytes."""
     import torch.distributed as torch_dist
 
-    from trainyard import build, dist
     from trainyard import config_file as config_room
+    from trainyard import dist
     from trainyard import precision as precision_room
     from trainyard.loss import token_loss_sum
     from trainyard.model import source as source_room
+    from trainyard.train import build
     from trainyard.train.optim import build_optimizer
 
     device = torch.device("cpu")

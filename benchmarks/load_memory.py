@@ -184,9 +184,10 @@ def model_bytes(folder: Path) -> tuple[int, int]:
 
 def worker(case: str, folder: str, out: Path) -> None:
     """One rank under torchrun: dist.init, tokenizer and precision first, then build_and_wrap measured."""
-    from trainyard import build, dist, precision
+    from trainyard import dist, precision
     from trainyard.config_file import load_config
     from trainyard.model import source as source_room
+    from trainyard.train import build
 
     spec = CASES[case]
     if spec.get("skip_fit_check"):

@@ -22,16 +22,16 @@ ONLY: dict[str, set[str]] = {
 }
 """The lowest rooms, and the only rooms each of them imports."""
 NEVER: dict[str, set[str]] = {
-    "dist": {"model", "data", "parallel", "plan", "estimate", "train", "checkpoint", "runs.status", "build", "metrics"},
-    "data": {"model", "parallel", "plan", "estimate", "train", "checkpoint", "build", "metrics", "diloco"},
-    "model": {"parallel", "plan", "estimate", "train", "checkpoint", "build", "diloco", "metrics", "dist"},
-    "estimate": {"dist", "parallel", "plan", "train", "checkpoint", "build", "metrics", "diloco", "runs"},
-    "parallel": {"plan", "estimate", "train", "checkpoint", "build", "metrics", "diloco", "runs"},
-    "runs.status": {"dist", "model", "parallel", "plan", "estimate", "train", "checkpoint", "build", "metrics", "data"},
-    "runs.report": {"dist", "model", "parallel", "plan", "estimate", "train", "checkpoint", "build", "metrics"},
-    "runs.diagnose": {"dist", "model", "parallel", "plan", "estimate", "train", "checkpoint", "build", "metrics"},
-    "plan": {"train", "build", "cli", "launch"},
-    "checkpoint.save": {"train", "build", "plan", "estimate"},
+    "dist": {"model", "data", "parallel", "plan", "estimate", "train", "checkpoint", "runs.status", "metrics"},
+    "data": {"model", "parallel", "plan", "estimate", "train", "checkpoint", "metrics", "diloco"},
+    "model": {"parallel", "plan", "estimate", "train", "checkpoint", "diloco", "metrics", "dist"},
+    "estimate": {"dist", "parallel", "plan", "train", "checkpoint", "metrics", "diloco", "runs"},
+    "parallel": {"plan", "estimate", "train", "checkpoint", "metrics", "diloco", "runs"},
+    "runs.status": {"dist", "model", "parallel", "plan", "estimate", "train", "checkpoint", "metrics", "data"},
+    "runs.report": {"dist", "model", "parallel", "plan", "estimate", "train", "checkpoint", "metrics"},
+    "runs.diagnose": {"dist", "model", "parallel", "plan", "estimate", "train", "checkpoint", "metrics"},
+    "plan": {"train", "cli", "launch"},
+    "checkpoint.save": {"train", "plan", "estimate"},
 }
 """Room -> rooms it never imports, by dotted name under trainyard."""
 TORCH_DISTRIBUTED_FREE = ("estimate", "runs.status", "runs.report", "runs.diagnose", "runs.layout", "config",

@@ -17,13 +17,13 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 from tests.conftest import TINY, run_cli, trainyard
 from tests.unit.families import FAMILIES, build, documents, settings
 from trainyard import dist, precision
-from trainyard.build import build_and_wrap
 from trainyard.checkpoint import export
 from trainyard.config_file import load_config
 from trainyard.errors import ModelError
 from trainyard.model import attention, weights
 from trainyard.model import build as model_room
 from trainyard.model import source as source_room
+from trainyard.train.build import build_and_wrap
 
 TOLERANCE = 1e-5
 CPU = torch.device("cpu")

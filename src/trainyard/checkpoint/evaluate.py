@@ -16,7 +16,6 @@ import transformers
 from torch.distributed.fsdp import FSDPModule
 
 from trainyard import dist, precision
-from trainyard.build import build_and_wrap
 from trainyard.checkpoint.export import adapter_dir, check_model_matches, find_checkpoint, load_full_weights
 from trainyard.config import JobConfig
 from trainyard.data import prepare_datasets
@@ -24,6 +23,7 @@ from trainyard.errors import DataError
 from trainyard.evaluate import evaluate
 from trainyard.model import source as source_room
 from trainyard.model import weights
+from trainyard.train.build import build_and_wrap
 
 
 def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path) -> dict[str, object]:

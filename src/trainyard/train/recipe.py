@@ -20,7 +20,7 @@ import torch
 import transformers
 from torch.distributed.fsdp import FSDPModule
 
-from trainyard import build, diloco, dist, health
+from trainyard import diloco, dist, health
 from trainyard import precision as precision_room
 from trainyard.atomic import write_atomically
 from trainyard.batch import accumulation_steps, steps_for_epochs
@@ -49,6 +49,7 @@ from trainyard.parallel import comm
 from trainyard.parallel import parallelize as parallel
 from trainyard.runs import layout as run_layout
 from trainyard.runs.status import BackgroundHeartbeat
+from trainyard.train import build
 from trainyard.train import state as loop_state
 from trainyard.train.job import Job
 from trainyard.train.optim import build_optimizer, grad_norm_and_clip

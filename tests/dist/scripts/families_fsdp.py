@@ -23,7 +23,8 @@ import torch.distributed as torch_dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from trainyard import build, dist
+from trainyard import dist
+from trainyard.train import build
 from trainyard import precision
 from trainyard.model import source as source_room
 from trainyard.config_file import load_config

@@ -19,7 +19,8 @@ from peft import get_peft_model
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from trainyard import build, dist
+from trainyard import dist
+from trainyard.train import build
 from trainyard import precision
 from trainyard.model import weights
 from trainyard.parallel import parallelize as parallel
