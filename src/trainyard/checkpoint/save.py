@@ -175,30 +175,16 @@ def default_arrangement(model_state: dict[str, Any], optim_state: dict[str, Any]
     return {"model": model_state, "optim": optim_state}
 
 
-def start_full_save(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    path: Path,
-    *,
-    trainer_state: dict[str, Any],
-    rank_state: dict[str, Any],
-    info: DistInfo,
-    async_save: bool,
-    save_frozen: bool,
-    process_group: Any = None,
-    arrange: Arrange = default_arrangement,
-) -> PendingSave:
-    """Write every rank's shard (in parallel); return before the write ends when async."""
-    _write_own_files(model, path, trainer_state, rank_state, info)
-    state = arrange(*_state_dicts(model, optimizer, save_frozen))
+def _write_shards(state: dict[str, Any], path: Path, async_save: bool, process_group: Any) -> Future | None:
+    """Every rank's DCP shard (in parallel). Async: started on DCP's background writer, its future returned
+    before the write ends; else written when this returns (None)."""
     if async_save:
-        future = dcp.async_save(state, checkpoint_id=str(path), process_group=process_group)
-        return PendingSave(path, trainer_state["step"], future)
+        return dcp.async_save(state, checkpoint_id=str(path), process_group=process_group)
     try:
         dcp.save(state, checkpoint_id=str(path), process_group=process_group)
     except CheckpointException as err:  # a BaseException: turn it into an ordinary error
         raise RuntimeError(str(err)) from None
-    return PendingSave(path, trainer_state["step"], None)
+    return None
 
 
 def _write_own_files(
@@ -226,6 +212,15 @@ def finish_save(pending: PendingSave) -> None:
             pending.future.result()
         except Exception as err:  # the writer thread's error, whatever it was
             raise CheckpointError(f"writing checkpoint {pending.path} failed: {err}", fix=DISK_FIX) from None
+
+
+def _write_failure(pending: PendingSave) -> CheckpointError:
+    """What this rank reports for a save some rank failed to write: its own error, else that another rank's failed."""
+    try:
+        finish_save(pending)
+    except CheckpointError as err:
+        return err
+    return CheckpointError(f"writing checkpoint {pending.path} failed on another rank", fix=DISK_FIX)
 
 
 def commit(checkpoints: Path, path: Path, kind: str, info: DistInfo) -> None:
@@ -280,13 +275,10 @@ class Checkpointer:
         if self.pending is None or not (written_everywhere or failed_somewhere):
             return
         pending, self.pending = self.pending, None
-        try:
-            if failed_somewhere:
-                finish_save(pending)  # raises with this rank's own error, if it has one
-                raise CheckpointError(f"writing checkpoint {pending.path} failed on another rank", fix=DISK_FIX)
-            self._commit(pending)
-        except CheckpointError as err:
-            self._failed(pending.step, err)
+        if failed_somewhere:
+            self._failed(pending.step, _write_failure(pending))
+        else:
+            self._commit_or_report(pending)
 
     def wait(self) -> None:
         """Finish the save in flight (before another starts, or at the end), then settle it."""
@@ -317,18 +309,9 @@ class Checkpointer:
             return True  # this step is already saved (a preemption right after a save)
         started = time.monotonic()
         try:
-            pending = start_full_save(
-                model,
-                optimizer,
-                path,
-                trainer_state=trainer_state,
-                rank_state=rank_state,
-                info=self.info,
-                async_save=async_save,
-                save_frozen=self.cfg.save_frozen,
-                process_group=self.group,
-                arrange=self.arrange,
-            )
+            _write_own_files(model, path, trainer_state, rank_state, self.info)
+            state = self.arrange(*_state_dicts(model, optimizer, self.cfg.save_frozen))
+            pending = PendingSave(path, step, _write_shards(state, path, async_save, self.group))
         except (OSError, RuntimeError) as err:
             self._failed(step, CheckpointError(f"saving checkpoint {path} failed: {err}", fix=DISK_FIX))
             return False
@@ -338,12 +321,7 @@ class Checkpointer:
             self.pending = pending
             self.emit("checkpoint", step=step, mode="full", path=str(path), async_save=True, stall_s=stall)
             return False
-        try:
-            self._commit(pending, stall_s=stall)
-        except CheckpointError as err:
-            self._failed(step, err)
-            return False
-        return True
+        return self._commit_or_report(pending, stall_s=stall)
 
     def save_lite(self, model: torch.nn.Module, step: int) -> None:
         """The adapter alone, committed at once: seconds, no optimizer, no base weights."""
@@ -363,6 +341,16 @@ class Checkpointer:
             self._failed(step, err)
             return
         self.emit("checkpoint", step=step, mode="lite", path=str(path / "adapter"), stall_s=time.monotonic() - started)
+
+    def _commit_or_report(self, pending: PendingSave, **figures: float) -> bool:
+        """Commit a written save (sync: at once; async: once every rank wrote it); a failure is reported, not lost.
+        True once committed."""
+        try:
+            self._commit(pending, **figures)
+        except CheckpointError as err:
+            self._failed(pending.step, err)
+            return False
+        return True
 
     def _commit(self, pending: PendingSave, **figures: float) -> None:
         commit(self.dir, pending.path, "full", self.info)

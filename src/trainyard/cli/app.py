@@ -4,6 +4,7 @@ preemption, config + overrides, and `--out` files that never overwrite."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -14,6 +15,9 @@ app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="One YAML-described LLM training job, from a CPU to many nodes."
 )
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)  # paths and messages stay on one line: grep-able
+
+ConfigArgs = Annotated[list[str], typer.Argument(help="CONFIG then key=value overrides")]
+"""The `CONFIG [k=v ...]` argument of the commands that need a job config (read by `_config_and_overrides`)."""
 
 
 @app.callback()

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from trainyard.cli.app import (
+    ConfigArgs,
     _check_out,
     _config_and_overrides,
     _fail,
@@ -20,12 +21,17 @@ from trainyard.redaction import redact_text
 
 if TYPE_CHECKING:
     from trainyard.config import JobConfig
-    from trainyard.plan import Target
+
+# Options that `slurm` and `k8s` share, declared once so both keep the same flag and help.
+ForceOption = Annotated[bool, typer.Option("--force", help="replace the file at --out if it exists")]
+SkipDataCheckOption = Annotated[
+    bool, typer.Option("--skip-data-check", help="do not read the data here (it exists only on the cluster)")
+]
 
 
 @app.command()
 def launch(
-    args: Annotated[list[str], typer.Argument(help="CONFIG then key=value overrides")],
+    args: ConfigArgs,
     nnodes: Annotated[
         Optional[str],
         typer.Option("--nnodes", help="nodes: N, or MIN:MAX with --rdzv c10d (or PET_NNODES, SLURM_NNODES)"),
@@ -117,13 +123,31 @@ def launch(
         _fail(code, message or fallback, preempt_exit_code)
 
 
-def _check_before_writing(cfg: "JobConfig", target: "Target", skip_data: bool) -> None:
-    """`train --dry-run`'s check for the cluster the script asks for: a job that does not fit, or whose data or
-    resume point is unusable, fails here (exit 2) rather than once the nodes are allocated."""
+def _load_job_and_check_out(args: list[str], out: Path | None, force: bool) -> tuple[str, list[str], "JobConfig"]:
+    """CONFIG and its overrides read into the job, then --out checked: a file that would be refused fails before
+    any script is built."""
+    from trainyard import config_file as config_room
+
+    config_path, overrides = _config_and_overrides(args)
+    cfg = config_room.load_config(config_path, overrides)
+    if out is not None:
+        _check_out(out, force, config_path)
+    return config_path, overrides, cfg
+
+
+def _check_before_writing(
+    cfg: "JobConfig", gpu: str | None, gpus_per_node: int | None, nproc_per_node: int, nodes: int, skip_data: bool
+) -> None:
+    """`train --dry-run`'s check for the cluster the script asks for (--gpu, else h100-80gb nodes, or cpu without
+    GPUs): a job that does not fit, or whose data or resume point is unusable, fails here (exit 2) rather than once
+    the nodes are allocated."""
     from trainyard import plan
     from trainyard.errors import PlanError
     from trainyard.hardware import gpu as known_gpu
+    from trainyard.launch.slurm import DEFAULT_GPU
 
+    plan.check_world(cfg, nodes, nproc_per_node)
+    target = plan.Target(gpu or (DEFAULT_GPU if gpus_per_node else "cpu"), nproc_per_node, nodes)
     known_gpu(target.gpu)
     text, problems = plan.dry_run(cfg, target, read_data=not skip_data)
     if problems:
@@ -134,7 +158,7 @@ def _check_before_writing(cfg: "JobConfig", target: "Target", skip_data: bool) -
 
 @app.command()
 def slurm(
-    args: Annotated[list[str], typer.Argument(help="CONFIG then key=value overrides")],
+    args: ConfigArgs,
     nodes: Annotated[int, typer.Option("--nodes", help="nodes to allocate")] = 1,
     gpus_per_node: Annotated[
         Optional[int],
@@ -181,21 +205,14 @@ def slurm(
         Optional[Path], typer.Option("--venv", help="virtual environment to activate on every node (default: this one)")
     ] = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="write the script here (default: stdout)")] = None,
-    force: Annotated[bool, typer.Option("--force", help="replace the file at --out if it exists")] = False,
+    force: ForceOption = False,
     submit: Annotated[bool, typer.Option("--submit", help="run sbatch on the script and print the job id")] = False,
-    skip_data_check: Annotated[
-        bool, typer.Option("--skip-data-check", help="do not read the data here (it exists only on the cluster)")
-    ] = False,
+    skip_data_check: SkipDataCheckOption = False,
 ) -> None:
     """Write an sbatch script: one `trainyard launch` per node, requeued when preempted."""
-    from trainyard import config_file as config_room
-    from trainyard import plan
     from trainyard.launch import slurm as slurm_room
 
-    config_path, overrides = _config_and_overrides(args)
-    cfg = config_room.load_config(config_path, overrides)
-    if out is not None:
-        _check_out(out, force, config_path)
+    config_path, overrides, cfg = _load_job_and_check_out(args, out, force)
     job = slurm_room.SlurmJob(
         config=config_path,
         overrides=tuple(overrides),
@@ -215,9 +232,7 @@ def slurm(
         gpu=gpu,
     )
     job, lead = slurm_room.resolve(job, cfg)  # checks the options first
-    plan.check_world(cfg, nodes, slurm_room.nproc_per_node(job))
-    kind = job.gpu or (slurm_room.DEFAULT_GPU if job.gpus_per_node else "cpu")
-    _check_before_writing(cfg, plan.Target(kind, slurm_room.nproc_per_node(job), nodes), skip_data_check)
+    _check_before_writing(cfg, job.gpu, job.gpus_per_node, slurm_room.nproc_per_node(job), nodes, skip_data_check)
     text = slurm_room.render_sbatch(job, cfg, lead)
     notes = [job.node_source] if job.node_source else []
     notes.append(f"SIGUSR1 {lead.seconds} s before the time limit: {lead.reason}")
@@ -233,7 +248,7 @@ def slurm(
 
 @app.command()
 def k8s(
-    args: Annotated[list[str], typer.Argument(help="CONFIG then key=value overrides")],
+    args: ConfigArgs,
     nodes: Annotated[int, typer.Option("--nodes", help="pods, one per node")] = 1,
     gpus_per_node: Annotated[int, typer.Option("--gpus-per-node", help="GPUs per pod; 0 for CPU-only")] = 0,
     image: Annotated[str, typer.Option("--image", help="container image with trainyard installed (required)")] = "",
@@ -272,24 +287,17 @@ def k8s(
         typer.Option("--runtime", help="trainjob: use this ClusterTrainingRuntime instead of writing one"),
     ] = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="write the YAML here (default: stdout)")] = None,
-    force: Annotated[bool, typer.Option("--force", help="replace the file at --out if it exists")] = False,
+    force: ForceOption = False,
     gpu: Annotated[
         Optional[str],
         typer.Option("--gpu", help="device kind the job is checked to fit (default: h100-80gb, or cpu without GPUs)"),
     ] = None,
-    skip_data_check: Annotated[
-        bool, typer.Option("--skip-data-check", help="do not read the data here (it exists only on the cluster)")
-    ] = False,
+    skip_data_check: SkipDataCheckOption = False,
 ) -> None:
     """Write Kubernetes manifests: the job, its ConfigMap, a shared volume, secret references."""
-    from trainyard import config_file as config_room
-    from trainyard import plan
     from trainyard.launch import k8s as k8s_room
 
-    config_path, overrides = _config_and_overrides(args)
-    cfg = config_room.load_config(config_path, overrides)
-    if out is not None:
-        _check_out(out, force, config_path)
+    _, _, cfg = _load_job_and_check_out(args, out, force)
     job = k8s_room.K8sJob(
         nodes=nodes,
         gpus_per_node=gpus_per_node,
@@ -305,9 +313,7 @@ def k8s(
         runtime=runtime,
     )
     text = k8s_room.render_manifests(cfg, job)  # checks the options first
-    plan.check_world(cfg, nodes, k8s_room.nproc_per_node(job))
-    kind = gpu or ("h100-80gb" if gpus_per_node else "cpu")
-    _check_before_writing(cfg, plan.Target(kind, k8s_room.nproc_per_node(job), nodes), skip_data_check)
+    _check_before_writing(cfg, gpu, gpus_per_node, k8s_room.nproc_per_node(job), nodes, skip_data_check)
     moves = [f"  {move.describe()}" for move in k8s_room.volume_moves(cfg)]
     if moves:
         notes = [f"paths moved onto the shared volume at {k8s_room.DATA_MOUNT}:", *moves]

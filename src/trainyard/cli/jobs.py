@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from trainyard.cli.app import (
+    ConfigArgs,
     _config_and_overrides,
     _fail,
     _split_config_and_overrides,
@@ -125,7 +126,7 @@ def _print_outcome(summary: dict, run_dir: Path) -> None:
 
 @app.command("eval")
 def eval_checkpoint(
-    args: Annotated[list[str], typer.Argument(help="CONFIG then key=value overrides")],
+    args: ConfigArgs,
     checkpoint: Annotated[Path, typer.Option("--checkpoint", help="a run dir or a checkpoints/step-XXXXXXXX folder")],
     nproc: Annotated[
         int,

@@ -16,7 +16,7 @@ from typing import Any
 
 from trainyard.config import DataConfig
 from trainyard.data.chat import IGNORE_INDEX, BadRow, ChatTemplate, chat_template_for, check_chat_tokenizer, encode_chat
-from trainyard.doctor.preflight import DATA_FIX, SNIFF_BYTES, check_text, parquet_file
+from trainyard.doctor.preflight import DATA_FIX, SNIFF_BYTES, check_text, parquet_file, parse_json
 from trainyard.errors import DataError
 
 __all__ = ["IGNORE_INDEX", "BadRow", "detect_format", "encode_row", "encode_rows", "read_rows"]
@@ -82,20 +82,10 @@ def _read_jsonl(path: Path, field: str) -> Iterator[tuple[str, dict[str, Any] | 
 def _read_json(path: Path, field: str) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
     raw = path.read_bytes()
     check_text(raw, path, field, final=True)
-    try:
-        rows = json.loads(raw.decode("utf-8-sig"))
-    except json.JSONDecodeError as err:
-        raise DataError(
-            f"{field}: not valid JSON ({err.msg})",
-            where=f"{path}:{err.lineno}",
-            fix="a .json file holds one list of objects; for one object per line use .jsonl",
-        ) from None
+    fix = "a .json file holds one list of objects; for one object per line use .jsonl"
+    rows = parse_json(raw.decode("utf-8-sig"), path, DataError, f"{field}: not valid JSON", fix)
     if not isinstance(rows, list):
-        raise DataError(
-            f"{field}: expected a list of objects, found a {type(rows).__name__}",
-            where=str(path),
-            fix="a .json file holds one list of objects; for one object per line use .jsonl",
-        )
+        raise DataError(f"{field}: expected a list of objects, found a {type(rows).__name__}", where=str(path), fix=fix)
     for index, row in enumerate(rows):
         where = f"{path}:row {index}"
         yield where, _object_or_bad(row)

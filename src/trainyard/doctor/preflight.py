@@ -77,6 +77,14 @@ def check_text(raw: bytes, path: Path, field: str, final: bool) -> None:
         ) from None
 
 
+def parse_json(text: str, path: Path, error: type[TrainyardError], what: str, fix: str) -> Any:
+    """json.loads, its failure raised as `error` naming the reason and the file's line, not a bare traceback."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise error(f"{what} ({err.msg})", where=f"{path}:{err.lineno}", fix=fix) from None
+
+
 def parquet_file(path: Path, field: str) -> Any:
     import pyarrow
     import pyarrow.parquet as pq
@@ -181,20 +189,14 @@ def check_model_path(value: str, field: str = "model.path") -> None:
         raise ModelError(
             f"{field}: {folder} has no config.json", fix=f"set {field} to a folder saved by save_pretrained"
         )
+    fix = "restore config.json from the model's source"
     try:
-        parsed = json.loads(config.read_bytes().decode("utf-8"))
+        text = config.read_bytes().decode("utf-8")
     except UnicodeDecodeError:
-        raise ModelError(
-            f"{field}: {config} is not UTF-8 text", fix="restore config.json from the model's source"
-        ) from None
-    except json.JSONDecodeError as err:
-        raise ModelError(
-            f"{field}: {config} is not valid JSON ({err.msg})",
-            where=f"{config}:{err.lineno}",
-            fix="restore config.json from the model's source",
-        ) from None
+        raise ModelError(f"{field}: {config} is not UTF-8 text", fix=fix) from None
+    parsed = parse_json(text, config, ModelError, f"{field}: {config} is not valid JSON", fix)
     if not isinstance(parsed, dict):
-        raise ModelError(f"{field}: {config} is not a JSON object", fix="restore config.json from the model's source")
+        raise ModelError(f"{field}: {config} is not a JSON object", fix=fix)
     for weights in sorted(folder.glob("*.safetensors")):
         _check_safetensors(weights, field)
 
