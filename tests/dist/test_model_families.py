@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.unit.families import FAMILIES, settings
+from tests.unit.model.families import FAMILIES, settings
 
 pytestmark = pytest.mark.dist
 

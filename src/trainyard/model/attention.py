@@ -47,7 +47,7 @@ SUPPORTED_BY = {
     SINKS: ("varlen", "eager", "flex_attention"),
     MASK_WITHOUT_POSITIONS: ("varlen", "flash_attention_2", "flash_attention_3"),
 }
-"""Which implementations compute each feature exactly on padding-free rows (tests/unit/test_model_families.py).
+"""Which implementations compute each feature exactly on padding-free rows (tests/unit/model/test_families.py).
 sdpa has no soft-capping (transformers refuses it); the flash_attn package's kernels have no sinks; a family
 whose mask ignores position_ids (gpt-oss) lets packed documents see each other under sdpa, eager and flex."""
 CPU_TRAINING = ("varlen", "sdpa", "eager")

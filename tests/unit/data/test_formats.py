@@ -8,8 +8,8 @@ from pathlib import Path
 import datasets
 import pytest
 
-from trainyard.config import DataConfig
-from trainyard.data import IGNORE_INDEX, build_byte_tokenizer, encode_row, prepare_datasets
+from tests.unit.data.conftest import prepare, target_runs, write_jsonl
+from trainyard.data import IGNORE_INDEX, build_byte_tokenizer, encode_row
 from trainyard.data.formats import detect_format, read_rows
 from trainyard.errors import DataError
 
@@ -26,34 +26,12 @@ CHAT = {
 TEXT = {"text": "The cat sat."}
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return build_byte_tokenizer()
 
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join(r if isinstance(r, str) else json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def target_runs(tokenizer, labels: list[int]) -> list[str]:
-    """Decoded contiguous runs of target tokens."""
-    runs, current = [], []
-    for label in [*labels, IGNORE_INDEX]:
-        if label != IGNORE_INDEX:
-            current.append(label)
-        elif current:
-            runs.append(tokenizer.decode(current))
-            current = []
-    return runs
 
 
 def encode(row, fmt, tokenizer, max_length=512, train_on_prompt=False):
     return encode_row(row, fmt, tokenizer, max_length=max_length, train_on_prompt=train_on_prompt)
 
-
-def prepare(tmp_path: Path, tokenizer, **data):
-    return prepare_datasets(DataConfig(**data), tokenizer, tmp_path / "cache", log=lambda _: None)
 
 
 # ---------------------------------------------------------------- readers and detection

@@ -316,7 +316,7 @@ def test_out_writes_a_new_file_in_a_new_folder(tmp_path: Path, command: str) -> 
 
 
 def test_report_out_keeps_report_files_unless_forced(tmp_path: Path) -> None:
-    from tests.unit.test_report import write_run
+    from tests.unit.runs.test_report import write_run
 
     run_dir = tmp_path / "runs" / "a"
     write_run(run_dir, lr=1e-3, finished=True)

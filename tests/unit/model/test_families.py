@@ -15,7 +15,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AttentionInterface, AutoModelForCausalLM
 
 from tests.conftest import TINY, run_cli, trainyard
-from tests.unit.families import FAMILIES, build, documents, settings
+from tests.unit.model.families import FAMILIES, build, documents, settings
 from trainyard import dist, precision
 from trainyard.checkpoint import export
 from trainyard.config_file import load_config

@@ -9,19 +9,19 @@ tokenizer, so their control tokens (<|im_start|>, <|eot_id|>, ...) are plain tex
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
+from tests.unit.data.conftest import prepare, target_runs, write_jsonl
 from trainyard.config import DataConfig
 from trainyard.config_file import load_config
-from trainyard.data import IGNORE_INDEX, build_byte_tokenizer, encode_row, prepare_datasets
+from trainyard.data import encode_row
 from trainyard.data.chat import ChatTemplate, chat_template_for, family_templates
 from trainyard.errors import ConfigError, DataError
 
-TEST_TEMPLATES = Path(__file__).parents[1] / "data" / "chat_templates"
+TEST_TEMPLATES = Path(__file__).parents[2] / "data" / "chat_templates"
 SYSTEM, FIRST, SECOND = "Be brief.", "Say hello", "Name a colour"
 
 
@@ -37,21 +37,6 @@ def conversation(first_reply: str = "Hello!", last_reply: str = "Blue", **last_f
     }
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return build_byte_tokenizer()
-
-
-def target_runs(tokenizer, labels: list[int]) -> list[str]:
-    """Decoded contiguous runs of target tokens."""
-    runs, current = [], []
-    for label in [*labels, IGNORE_INDEX]:
-        if label != IGNORE_INDEX:
-            current.append(label)
-        elif current:
-            runs.append(tokenizer.decode(current))
-            current = []
-    return runs
 
 
 def trained(tokenizer, row: dict, name: str, **kwargs) -> list[str]:
@@ -62,13 +47,6 @@ def trained(tokenizer, row: dict, name: str, **kwargs) -> list[str]:
     return target_runs(tokenizer, example["labels"])
 
 
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
-
-
-def prepare(tmp_path: Path, tokenizer, **data):
-    return prepare_datasets(DataConfig(**data), tokenizer, tmp_path / "cache", log=lambda _: None)
 
 
 # ---------------------------------------------------------------- one test per family template
