@@ -1,18 +1,17 @@
-"""`trainyard prepare` as a user runs it: a real process per case, run side by side (each pays the import of torch).
+"""`trainyard prepare` as a user runs it: through the CLI's entry point, one case (REAL_PROCESS) in a real process.
 
 Bad input ends with exit 2, a message naming data.mixture[i] and the file (and line), no traceback."""
 
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import trainyard
+from tests.conftest import run_cli, trainyard
 
 WIDE = {"COLUMNS": "1000"}
 
@@ -68,15 +67,18 @@ def make_inputs(root: Path) -> dict[str, tuple[list[str], list[str]]]:
     }
 
 
+REAL_PROCESS = "bad-json-line"
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("prepare-cli")
-    cases = make_inputs(root)
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {name: pool.submit(trainyard, *(argv if argv[0] == "train" else ["prepare", *argv]), env=WIDE,
-                                     timeout=300)
-                   for name, (argv, _) in cases.items()}
-        return {name: (future.result(), cases[name][1]) for name, future in futures.items()}
+    found = {}
+    for name, (argv, needles) in make_inputs(root).items():
+        command = argv if argv[0] == "train" else ["prepare", *argv]
+        run = trainyard if name == REAL_PROCESS else run_cli
+        found[name] = (run(*command, env=WIDE), needles)
+    return found
 
 
 CASES = [
