@@ -31,6 +31,8 @@ NEVER: dict[str, set[str]] = {
     "runs.report": {"dist", "model", "parallel", "plan", "estimate", "train", "checkpoint", "metrics"},
     "runs.diagnose": {"dist", "model", "parallel", "plan", "estimate", "train", "checkpoint", "metrics"},
     "plan": {"train", "cli", "launch"},
+    "launch": {"train", "model", "data", "parallel", "plan", "checkpoint", "metrics", "diloco", "dist"},
+    "doctor": {"model", "data", "parallel", "plan", "estimate", "train", "checkpoint", "metrics", "diloco"},
     "checkpoint.save": {"train", "plan", "estimate"},
 }
 """Room -> rooms it never imports, by dotted name under trainyard."""

@@ -1,4 +1,5 @@
-"""The `trainyard` command: parse, call the library, turn user errors into exit codes."""
+"""The `trainyard` command: parse, call the library, turn user errors into exit codes. The top room: it imports
+what it calls, and nothing imports it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Data: rows -> masked token ids, a rank-safe tokenized cache, a resumable sampler, batches."""
+"""Data: rows -> masked token ids (formats, chat templates), a rank-safe tokenized cache, a resumable sampler,
+batches, pretraining shards and mixtures, the dry run's survey. Never imports the model, parallelism, the plan, the
+estimate, training, checkpoints or metrics: a tokenizer is all it knows of the model."""
 
 from trainyard.data.collate import collate
 from trainyard.data.formats import IGNORE_INDEX, alpaca_prompt, detect_format, encode_row, read_rows

@@ -2,7 +2,9 @@
 
 `run_doctor` gathers rows from `checks` (versions, GPUs, storage, environment), `network`
 (NIC, master port) and, for a cluster, `probe` (a small job on every node). Everything
-printed goes through `redact_text`, so a secret in the environment never reaches the screen.
+printed goes through `redact_text`, so a secret in the environment never reaches the screen. `preflight` checks a
+job's paths before torch is imported. Never imports models, data, parallelism, the plan, the estimate, training or
+checkpoints.
 """
 
 from __future__ import annotations
