@@ -1,19 +1,23 @@
 """bench.py's table: medians over rounds, MFU against the measured roofline, ratios, misses, RESULTS.md.
 
 MFU counts model FLOPs only on real tokens: trainyard.hardware.flops_per_token (forward 2N, backward
-2N + 2N_trainable, attention at the data's mean row length) x real tokens/s / the measured matmul peak
-of the dtype the row computes in (bf16 for trainyard at its defaults on a CPU with avx512_bf16/AMX).
+2N + 2N_trainable over the matmul weights a token passes, causal attention of a document of the data's mean
+length) x real tokens/s / the measured matmul peak of the dtype the row computes in (bf16 for trainyard at its
+defaults on a CPU with avx512_bf16/AMX).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import bench_env
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from trainyard.hardware import flops_per_token
+from trainyard.hardware import FlopShape, flop_shape, flops_per_token
 
 FIGURES = ("tokens_per_s", "s_per_step", "peak_bytes", "launch_s", "eval_s", "lite_s", "full_s", "mfu")
 HF_ROWS = ("hf-seeds", "hf-best", "trl")
@@ -49,15 +53,23 @@ def variant_label(row: str, variant: dict[str, Any]) -> str:
     return f"{row}[{','.join(parts)}]" if parts else row
 
 
+def lora_flop_shape(model_path: str, params: int, trainable: int) -> FlopShape:
+    """Every row trains LoRA: the base model's shape (meta-built) plus its adapters, all of them trainable matmul
+    weights a token passes through."""
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    shape = flop_shape(base)
+    adapters = params - sum(p.numel() for p in base.parameters())
+    return replace(shape, active=shape.active + adapters, trainable=trainable)
+
+
 def add_mfu(runs: list[Any], roofline: dict[str, Any], model_path: str, mean_len: float) -> None:
-    config = json.loads((Path(model_path) / "config.json").read_text())
     for run in runs:
         f = run.figures
         if run.error or not f:
             continue
-        per_token = flops_per_token(
-            f["params"], f["trainable_params"], config["num_hidden_layers"], config["hidden_size"], round(mean_len)
-        )
+        shape = lora_flop_shape(model_path, f["params"], f["trainable_params"])
+        per_token = flops_per_token(shape, [mean_len])
         peak = roofline["peak_gflops"].get(f["dtype"])
         f["mfu"] = f["tokens_per_s"] * per_token / (peak * 1e9) if peak else None
 

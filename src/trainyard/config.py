@@ -49,7 +49,11 @@ class ModelConfig(Section):
     drop a feature of the family is refused."""
     trust_remote_code: bool = False
     cache_dir: str | None = None
-    """Where GGUF files are converted to safetensors once. Default: ~/.cache/trainyard/models."""
+    """Where GGUF files are converted to safetensors once, and a model.config job's random init is drawn once per
+    node for its ranks to read their rows from. Default: ~/.cache/trainyard/models."""
+    download_timeout_s: float | None = Field(None, gt=0)
+    """How long the other processes of a node wait (on a file lock, in no collective) while the first downloads a
+    hub id into the HF cache. Default: as long as the download takes."""
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelConfig":
@@ -305,6 +309,15 @@ class DilocoConfig(Section):
     pseudo_grad_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
     """What the outer sync sends: bf16 halves the bytes between sites; int8 (one scale per tensor) sends a quarter
     of fp32's between 2 sites (it is gathered, not reduced: (sites - 1) bytes per value per rank)."""
+    sync_chunk_mib: float = Field(64.0, gt=0)
+    """The outer sync walks the pseudo-gradient in chunks of this many MiB of fp32 values, through buffers made
+    once: it holds about two chunks beyond the outer state instead of several copies of the model. Smaller chunks
+    take more collectives per sync."""
+
+    def chunk_elements(self, slices: int) -> int:
+        """Values per chunk of the outer sync: a multiple of the ranks that split each chunk between them."""
+        values = math.ceil(self.sync_chunk_mib * 2**20 / 4)
+        return -(-values // slices) * slices
 
 
 class DistConfig(Section):

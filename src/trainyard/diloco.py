@@ -2,10 +2,12 @@
 
 Each site (a node, or a group of consecutive ranks) runs the inner strategy (diloco.inner: DDP, FSDP or HSDP
 over the site's ranks) for diloco.sync_every steps. Then every rank takes its trainable weights' pseudo-gradient,
-round-start weights minus current weights, and the ranks that hold the same position in their sites average it in
-one all-reduce. That all-reduce is the only traffic between sites that grows with the model. Under FSDP or HSDP a rank
-holds, syncs and keeps the outer state of its own shard only. The outer step is SGD with Nesterov
-momentum on the round-start weights (Douillard et al. 2023), and every rank starts the next round from the result.
+round-start weights minus current weights, and the ranks that hold the same position in their sites average it by
+all-reduce. That all-reduce is the only traffic between sites that grows with the model. Under FSDP or HSDP a rank
+holds, syncs and keeps the outer state of its own shard only. The sync walks the weights in chunks
+(diloco.sync_chunk_mib) through buffers made once, so it holds about two chunks beyond the outer state. The outer
+step is SGD with Nesterov momentum on the round-start weights (Douillard et al. 2023), and every rank starts the next
+round from the result.
 
 What else crosses sites: the step's token-count vote (a few floats) and the logging gathers. The inner loss is
 normalised by the world's target tokens, so with one site, or with H = 1, outer_lr 1 and no momentum over a
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,9 +51,80 @@ def site_count(cfg: JobConfig, info: DistInfo) -> int:
     return count
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """A run of one parameter's values that lies in a chunk."""
+
+    index: int
+    """The parameter's position in OuterSync.params."""
+    source: slice
+    """Its values in the parameter, flattened."""
+    target: slice
+    """Where they lie in the chunk."""
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """One step of the sync's walk over the trainable values laid end to end."""
+
+    pieces: list[_Piece]
+    length: int
+    """Values in the chunk; the buffer holds zeros after them, up to `padded`."""
+    padded: int
+    """The length rounded up to a multiple of the slices, so that each slicer reduces padded / slices values."""
+
+
+def _walk(sizes: list[int], chunk: int, slices: int) -> list[_Chunk]:
+    """The parameters' values, flattened and laid end to end, cut every `chunk` values (a multiple of `slices`)."""
+    chunks: list[_Chunk] = []
+    pieces: list[_Piece] = []
+    filled = 0
+    for index, size in enumerate(sizes):
+        taken = 0
+        while taken < size:
+            take = min(size - taken, chunk - filled)
+            pieces.append(_Piece(index, slice(taken, taken + take), slice(filled, filled + take)))
+            taken, filled = taken + take, filled + take
+            if filled == chunk:
+                chunks.append(_Chunk(pieces, chunk, chunk))
+                pieces, filled = [], 0
+    if pieces:
+        chunks.append(_Chunk(pieces, filled, -(-filled // slices) * slices))
+    return chunks
+
+
+@dataclass(frozen=True)
+class _Buffers:
+    """The sync's working memory, made once and reused every round (empty where pseudo_grad_dtype needs none)."""
+
+    values: torch.Tensor
+    """fp32, the largest chunk: its pseudo-gradient, then the sites' average."""
+    wire: torch.Tensor
+    """bf16: this rank's slice of a chunk as sent."""
+    codes: torch.Tensor
+    """int8: this rank's slice as sent."""
+    every_codes: torch.Tensor
+    """int8: every site's codes of the slice, site after site."""
+    worth: torch.Tensor
+    """int8: one site's codes times their scales, fp32."""
+
+
+def _buffers(chunks: list[_Chunk], slices: int, sites: int, dtype: str, device: torch.device) -> _Buffers:
+    """Room for the largest chunk, and for what its slice is sent as."""
+    largest = max((chunk.padded for chunk in chunks), default=0)
+    part = largest // slices
+
+    def made(size: int, kind: torch.dtype, needed: bool) -> torch.Tensor:
+        return torch.empty(size if needed else 0, dtype=kind, device=device)
+
+    int8 = dtype == "int8"
+    return _Buffers(made(largest, torch.float32, True), made(part, torch.bfloat16, dtype == "bf16"),
+                    made(part, torch.int8, int8), made(sites * part, torch.int8, int8), made(part, torch.float32, int8))
+
+
 class OuterSync:
     """The outer loop's state on one rank: round-start weights (fp32) and the outer momentum, per trainable
-    parameter, and the group of this rank's counterparts in the other sites."""
+    parameter, the group of this rank's counterparts in the other sites, and the sync's buffers."""
 
     def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, mesh: DeviceMesh, info: DistInfo) -> None:
         self.cfg = cfg
@@ -58,14 +132,16 @@ class OuterSync:
         copies = _copies_within_site(cfg.inner)
         """The site's ranks that hold the same weights (all of them under DDP, the replicas of a shard under HSDP,
         none under FSDP): they split the sync between them, one slice each."""
-        self.slicers = mesh[copies].get_group() if copies else None
         self.slices = mesh.size(mesh.mesh_dim_names.index(copies)) if copies else 1
+        self.slicers = mesh[copies].get_group() if self.slices > 1 else None
         self.slice = mesh.get_local_rank(copies) if copies else 0
         named = [(name, p) for name, p in unwrap(model).named_parameters() if p.requires_grad]
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.start = [_own(p).float().clone() for p in self.params]
         self.momentum = [torch.zeros_like(s) for s in self.start]
+        self.chunks = _walk([s.numel() for s in self.start], cfg.chunk_elements(self.slices), self.slices)
+        self.buffers = _buffers(self.chunks, self.slices, self.sites, cfg.pseudo_grad_dtype, info.device)
 
     def due(self, step: int) -> bool:
         return step % self.cfg.sync_every == 0
@@ -74,64 +150,103 @@ class OuterSync:
     def sync(self) -> dict[str, float]:
         """Average the pseudo-gradients over sites, take the outer step, start the next round.
 
-        Ranks of a site that hold the same weights hold the same pseudo-gradient, so each takes one slice of it
-        across sites (its own all-reduce with its counterparts) and they gather the slices back over the site's
-        fast links: the bytes between sites are one model's worth per site, not one per rank."""
+        One chunk at a time, through buffers made once: the sync holds about two chunks beyond the outer state,
+        not copies of the model. Ranks of a site that hold the same weights hold the same pseudo-gradient, so
+        each takes one slice of a chunk across sites (its own all-reduce with its counterparts) and they gather
+        the slices back over the site's fast links: the bytes between sites are one model's worth per site, not
+        one per rank."""
         started = time.monotonic()
-        pseudo_grads = [(s - _own(p).float()).flatten() for s, p in zip(self.start, self.params, strict=True)]
-        flat = torch.cat(pseudo_grads)
-        size = -(-flat.numel() // self.slices)
-        padded = torch.nn.functional.pad(flat, (0, size * self.slices - flat.numel()))
-        mine = slice(self.slice * size, (self.slice + 1) * size)
-        if self.cfg.pseudo_grad_dtype == "int8":
-            summed, sent_bytes = self._sum_int8(pseudo_grads, padded.numel(), padded[mine], mine)
-        else:
-            summed, sent_bytes = self._sum(padded[mine])
-        if self.slicers is not None:
-            slices = [torch.empty_like(summed) for _ in range(self.slices)]
-            torch_dist.all_gather(slices, summed, group=self.slicers)
-            summed = torch.cat(slices)
-        average = summed[: flat.numel()].float() / self.sites
+        scales = self._int8_scales() if self.cfg.pseudo_grad_dtype == "int8" else None
+        for chunk in self.chunks:
+            values = self._pseudo_grad(chunk)
+            part = chunk.padded // self.slices
+            mine = values[self.slice * part : (self.slice + 1) * part]
+            if scales is None:
+                self._sum(mine)
+            else:
+                self._sum_int8(mine, self._pieces_in_slice(chunk, part), scales)
+            if self.slicers is not None:
+                torch_dist.all_gather(list(values.split(part)), mine, group=self.slicers)
+            values[: chunk.length].div_(self.sites)
+            self._outer_step(chunk, values)
+        return {"outer_sync_s": time.monotonic() - started, "outer_sync_bytes": self._sent_bytes()}
+
+    def _pseudo_grad(self, chunk: _Chunk) -> torch.Tensor:
+        """The chunk's round-start weights minus current weights, in the buffer, zero-padded."""
+        values = self.buffers.values[: chunk.padded]
+        for piece in chunk.pieces:
+            start = self.start[piece.index].view(-1)[piece.source]
+            values[piece.target].copy_(start).sub_(_own(self.params[piece.index]).view(-1)[piece.source])
+        values[chunk.length :].zero_()
+        return values
+
+    def _outer_step(self, chunk: _Chunk, average: torch.Tensor) -> None:
+        """Nesterov SGD on the chunk's round-start weights, which the parameters then take."""
         lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
-        offset = 0
-        for start, momentum, param in zip(self.start, self.momentum, self.params, strict=True):
-            pseudo_grad = average[offset : offset + start.numel()].view_as(start)
-            offset += start.numel()
+        for piece in chunk.pieces:
+            pseudo_grad = average[piece.target]
+            start = self.start[piece.index].view(-1)[piece.source]
+            momentum = self.momentum[piece.index].view(-1)[piece.source]
             momentum.mul_(mu).add_(pseudo_grad)
-            start.sub_(pseudo_grad.add(momentum, alpha=mu) if mu else pseudo_grad, alpha=lr)  # Nesterov
-            _own(param).copy_(start)
-        return {"outer_sync_s": time.monotonic() - started, "outer_sync_bytes": sent_bytes}
+            if mu:  # the step looks ahead along the momentum
+                pseudo_grad.add_(momentum, alpha=mu)
+            start.sub_(pseudo_grad, alpha=lr)
+            _own(self.params[piece.index]).view(-1)[piece.source].copy_(start)
 
-    def _sum(self, mine: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """The sites' sum of this rank's slice, in one all-reduce of pseudo_grad_dtype; and the bytes it sent."""
-        sent = mine.to(torch.bfloat16 if self.cfg.pseudo_grad_dtype == "bf16" else torch.float32)
-        torch_dist.all_reduce(sent, group=self.group)
-        ring = 2 * (self.sites - 1) / self.sites  # what a ring all-reduce sends per rank
-        return sent, ring * sent.numel() * sent.element_size()
+    def _sum(self, mine: torch.Tensor) -> None:
+        """The sites' sum of this rank's slice, in place, by one all-reduce of pseudo_grad_dtype."""
+        if self.cfg.pseudo_grad_dtype == "bf16":
+            sent = self.buffers.wire[: mine.numel()].copy_(mine)
+            torch_dist.all_reduce(sent, group=self.group)
+            mine.copy_(sent)
+        else:
+            torch_dist.all_reduce(mine, group=self.group)
 
-    def _sum_int8(
-        self, pseudo_grads: list[torch.Tensor], padded: int, mine: torch.Tensor, where: slice
-    ) -> tuple[torch.Tensor, float]:
-        """The same sum from int8 codes with one fp32 scale per tensor (its largest magnitude / 127). Summing int8
-        would overflow, so every site's codes and scales are gathered and summed in fp32 on each rank, in site
-        order: the same result everywhere. A quarter of fp32's bytes between 2 sites, half of bf16's."""
-        scales = torch.stack([g.abs().amax() if g.numel() else g.new_zeros(()) for g in pseudo_grads]) / 127
+    def _int8_scales(self) -> torch.Tensor:
+        """Every site's scale per tensor, sites x tensors: its pseudo-gradient's largest magnitude / 127 (1 where
+        that is 0). A tensor spans chunks, so this walks them once before the sums."""
+        peaks = self.buffers.values.new_zeros(len(self.params))
+        for chunk in self.chunks:
+            values = self._pseudo_grad(chunk)
+            for piece in chunk.pieces:
+                low, high = torch.aminmax(values[piece.target])
+                peaks[piece.index] = torch.maximum(peaks[piece.index], torch.maximum(-low, high))
+        scales = peaks / 127
         scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-        sizes = torch.tensor([g.numel() for g in pseudo_grads], device=scales.device)
+        every = scales.new_empty(self.sites, scales.numel())
+        torch_dist.all_gather(list(every), scales, group=self.group)
+        return every
 
-        def per_element(tensor_scales: torch.Tensor) -> torch.Tensor:
-            spread = torch.repeat_interleave(tensor_scales, sizes)
-            return torch.nn.functional.pad(spread, (0, padded - spread.numel()), value=1.0)[where]
+    def _pieces_in_slice(self, chunk: _Chunk, part: int) -> list[tuple[slice, int]]:
+        """Where each parameter's values lie in this rank's slice of the chunk, with the parameter's index."""
+        first, last = self.slice * part, (self.slice + 1) * part
+        overlaps = [(max(p.target.start, first), min(p.target.stop, last), p.index) for p in chunk.pieces]
+        return [(slice(low - first, high - first), index) for low, high, index in overlaps if low < high]
 
-        codes = (mine / per_element(scales)).round().clamp(-127, 127).to(torch.int8)
-        every_codes = [torch.empty_like(codes) for _ in range(self.sites)]
-        every_scales = [torch.empty_like(scales) for _ in range(self.sites)]
-        torch_dist.all_gather(every_codes, codes, group=self.group)
-        torch_dist.all_gather(every_scales, scales, group=self.group)
-        summed = torch.zeros_like(mine)
-        for site_codes, site_scales in zip(every_codes, every_scales, strict=True):
-            summed += site_codes.float() * per_element(site_scales)
-        return summed, (self.sites - 1) * (codes.numel() + scales.numel() * scales.element_size())
+    def _sum_int8(self, mine: torch.Tensor, pieces: list[tuple[slice, int]], scales: torch.Tensor) -> None:
+        """The same sum, in place, from int8 codes with one fp32 scale per tensor. Summing int8 would overflow, so
+        every site's codes are gathered and summed in fp32 on each rank, in site order: the same result
+        everywhere. A quarter of fp32's bytes between 2 sites, half of bf16's."""
+        for where, index in pieces:
+            mine[where].div_(scales[self.site, index])
+        codes = self.buffers.codes[: mine.numel()].copy_(mine.round_().clamp_(-127, 127))
+        every_codes = self.buffers.every_codes[: self.sites * mine.numel()].view(self.sites, -1)
+        torch_dist.all_gather(list(every_codes), codes, group=self.group)
+        worth = self.buffers.worth[: mine.numel()]
+        mine.zero_()
+        for site_codes, site_scales in zip(every_codes, scales, strict=True):
+            worth.copy_(site_codes)
+            for where, index in pieces:
+                worth[where].mul_(site_scales[index])
+            mine.add_(worth)
+
+    def _sent_bytes(self) -> float:
+        """What this rank sent to other sites: a ring all-reduce's share, or int8's gathered codes and scales."""
+        values = sum(chunk.padded for chunk in self.chunks) // self.slices
+        if self.cfg.pseudo_grad_dtype == "int8":
+            return (self.sites - 1) * (values + 4 * len(self.params))
+        ring = 2 * (self.sites - 1) / self.sites
+        return ring * values * (2 if self.cfg.pseudo_grad_dtype == "bf16" else 4)
 
     def worst_norm(self, grad_norm: torch.Tensor) -> torch.Tensor:
         """The largest site's gradient norm on every rank: each site clips its own, but the non-finite branch

@@ -5,6 +5,8 @@ the estimate share. Imports no other room.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import psutil
@@ -66,9 +68,99 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     return peak_flops(torch.cuda.get_device_name(device), precision) if precision else None
 
 
-def flops_per_token(total_params: int, trainable_params: int, n_layers: int, hidden: int, seq_len: int) -> float:
-    """Forward 2N, backward 2N for activations plus 2N_trainable for weight grads; attention 12·L·H·T."""
-    return 4 * total_params + 2 * trainable_params + 12 * n_layers * hidden * seq_len
+@dataclass(frozen=True)
+class FlopShape:
+    """What a training token costs in FLOPs, read from the model once (`flop_shape`); the documents come per step."""
+
+    active: float
+    """Matmul weights a token passes through: every weight of two or more dimensions but the embedding lookup (a
+    tied lm_head counts once, as the lm_head), routed experts at top-k of all (shared experts and dense layers in
+    full). Norms and biases are not matmuls."""
+    trainable: float
+    """Of those, the ones with weight gradients (LoRA: the adapters alone)."""
+    heads: int
+    qk_head_dim: int
+    """Per head, the width queries and keys multiply over (MLA: its nope + rope dims)."""
+    v_head_dim: int
+    windows: tuple[int | None, ...]
+    """Per attention layer, its sliding window (None: full causal attention)."""
+
+
+def flop_shape(model: torch.nn.Module) -> FlopShape:
+    """The model's FlopShape, from its parameters (meta ones too) and its HF config."""
+    config = model.config
+    routed_share = _routed_share(config)
+    lookup = _lookup_only(model)
+    active = trainable = 0.0
+    for name, weight in model.named_parameters():
+        if weight.ndim < 2 or name.endswith("bias") or weight is lookup:
+            continue
+        share = routed_share if "experts" in name.split(".") else 1.0
+        active += weight.numel() * share
+        trainable += weight.numel() * share if weight.requires_grad else 0.0
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if getattr(config, "qk_nope_head_dim", None):  # MLA: head_dim names the rope part alone
+        head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    return FlopShape(active, trainable, heads, head_dim, getattr(config, "v_head_dim", None) or head_dim,
+                     _windows(config))
+
+
+def _routed_share(config) -> float:  # type: ignore[no-untyped-def]
+    """The share of a routed expert stack one token runs through: top-k of the experts (1 on a dense model)."""
+    experts = next((getattr(config, field) for field in ("n_routed_experts", "num_local_experts", "num_experts")
+                    if getattr(config, field, None)), 0)
+    return (getattr(config, "num_experts_per_tok", None) or experts) / experts if experts else 1.0
+
+
+def _lookup_only(model: torch.nn.Module) -> torch.nn.Parameter | None:
+    """The input embedding, unless the lm_head multiplies by it too (tied): a lookup costs no FLOPs."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    return None if head is not None and head.weight is embedding else embedding
+
+
+def _windows(config) -> tuple[int | None, ...]:  # type: ignore[no-untyped-def]
+    """Per layer, the window its attention sees: transformers' layer_types, else sliding_window on every layer."""
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    return tuple(window if kind == "sliding_attention" else None for kind in kinds)
+
+
+def attended_pairs(length: float, window: int | None) -> float:
+    """(query, key) pairs a causal document of `length` tokens scores: query i sees keys 0..i, or the last `window`
+    of them (transformers' rule, key > query - window)."""
+    if window is None or window >= length:
+        return length * (length + 1) / 2
+    return window * (window + 1) / 2 + (length - window) * window
+
+
+def attention_flops(shape: FlopShape, documents: Sequence[float]) -> float:
+    """Forward scores (Q K^T) and weighted values (P V) of every layer, each document on its own: 2 x heads x
+    (qk + v head dims) per attended pair. Causal attention counts only the pairs a query sees, what varlen and
+    flash kernels compute (torch's FlopCounterMode counts sdpa's full length x length square)."""
+    width = 2 * shape.heads * (shape.qk_head_dim + shape.v_head_dim)
+    return width * sum(count * sum(attended_pairs(n, window) for n in documents)
+                       for window, count in Counter(shape.windows).items())
+
+
+def forward_flops(shape: FlopShape, documents: Sequence[float]) -> float:
+    """One forward over the documents' tokens: 2 x active per token, and attention."""
+    return 2 * shape.active * sum(documents) + attention_flops(shape, documents)
+
+
+def training_flops(shape: FlopShape, documents: Sequence[float]) -> float:
+    """Model FLOPs of forward and backward over these documents (real tokens: padding computed is not counted).
+    Backward: activation gradients cost the forward's matmuls again (2 x active) and attention's twice (dQ, dK,
+    dV and the scores'); weight gradients 2 x trainable per token (LoRA: frozen weights take none). Recomputation
+    (activation checkpointing) is not model FLOPs."""
+    attention = attention_flops(shape, documents)
+    return (4 * shape.active + 2 * shape.trainable) * sum(documents) + 3 * attention
+
+
+def flops_per_token(shape: FlopShape, documents: Sequence[float]) -> float:
+    """training_flops over these documents, per token."""
+    return training_flops(shape, documents) / max(sum(documents), 1)
 
 
 MIB = 2**20

@@ -77,17 +77,20 @@ class LogWindow:
 
     def reset(self) -> None:
         self.sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, targets, real tokens
+        self.flops = 0.0  # model FLOPs of every rank (hardware.training_flops over the documents each step saw)
         self.seconds = 0.0  # training time only: eval and checkpoints do not dilute tokens/s
         self.data_wait = 0.0
         self.steps = 0
 
     def add(
-        self, loss_sum: torch.Tensor, targets: torch.Tensor, real_tokens: torch.Tensor, seconds: float, data_wait: float
+        self, loss_sum: torch.Tensor, targets: torch.Tensor, real_tokens: torch.Tensor, flops: float, seconds: float,
+        data_wait: float,
     ) -> None:
-        """One trained step: this rank's loss sum; target and real tokens already summed over ranks."""
+        """One trained step: this rank's loss sum; target and real tokens and model FLOPs already summed over ranks."""
         self.sums[0] += loss_sum
         self.sums[1] += targets
         self.sums[2] += real_tokens
+        self.flops += flops
         self.seconds += seconds
         self.data_wait += data_wait
         self.steps += 1
@@ -99,9 +102,9 @@ class LogWindow:
         if self.comm_timer is not None:
             self.comm_timer.end_step(keep=False)
 
-    def figures(self, world_size: int, flops_token: float) -> dict[str, Any]:
+    def figures(self, world_size: int) -> dict[str, Any]:
         """The interval's figures, with one all-gather: loss sums to add up, each rank's busy time
-        to spot stragglers. Every rank must call it."""
+        to spot stragglers. Every rank must call it. MFU: the steps' model FLOPs per rank-second over the peak."""
         mine = torch.stack([self.sums[0], torch.tensor(self.seconds, dtype=torch.float64, device=self.device)])
         every = all_gather_rows(mine)
         targets = self.sums[1].item()
@@ -109,7 +112,7 @@ class LogWindow:
         median = times.median().item()
         elapsed = max(self.seconds, 1e-9)
         tokens_per_s = self.sums[2].item() / elapsed
-        achieved = tokens_per_s * flops_token / world_size
+        achieved = self.flops / elapsed / world_size
         return {
             "loss": every[:, 0].sum().item() / max(targets, 1.0),
             "target_tokens": int(targets),

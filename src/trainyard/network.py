@@ -17,22 +17,36 @@ from trainyard.errors import ConfigError
 
 _PRESETS: dict[str, dict[str, str]] = {
     "default": {},
-    # Plain TCP: seed 002's stable path when InfiniBand probing misbehaves.
-    "socket": {"NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket", "GLOO_USE_IPV6": "0"},
-    "infiniband": {"NCCL_IB_DISABLE": "0", "NCCL_NET_GDR_LEVEL": "PHB"},
+    # Plain TCP: seed 002's stable path when InfiniBand probing misbehaves; seed 000 ran it over 100G TCP.
+    "socket": {
+        "NCCL_IB_DISABLE": "1",  # no IB/RoCE transport: NCCL falls back to IP sockets
+        "NCCL_NET": "Socket",  # NCCL's own TCP network by name, so no plugin or other network is picked
+        # NCCL's docs: "for generic 100G networks" 4 helper threads per connection and 4 sockets per thread
+        # (their defaults are 1 and 1 off AWS and GCP); threads x sockets must not exceed 64.
+        "NCCL_SOCKET_NTHREADS": "4",
+        "NCCL_NSOCKS_PERTHREAD": "4",
+    },
+    # IB on, also over an /etc/nccl.conf that disables it (the environment wins). NCCL_NET_GDR_LEVEL stays unset:
+    # NCCL then picks GPU Direct RDMA's reach from the topology (its docs); a fixed PHB forced it through the CPU.
+    "infiniband": {"NCCL_IB_DISABLE": "0"},
     # Long fat pipes between sites: more sockets and threads, bigger buffers, no IB. Tuning helps a WAN
     # only so far: a job whose gradients cross it every step should run dist.strategy: diloco, which
     # crosses it once per diloco.sync_every steps (benchmarks/diloco_wan.py measures the difference).
+    # TORCH_NCCL_ASYNC_ERROR_HANDLING stays at torch's default, 3: on an error the process is torn down without
+    # ncclCommAbort, which (under 1) can block on a partitioned network and leave the job hanging.
     "wan": {
-        "NCCL_IB_DISABLE": "1",
-        "NCCL_NET": "Socket",
+        "NCCL_IB_DISABLE": "1",  # IB does not cross sites: IP sockets
+        "NCCL_NET": "Socket",  # NCCL's own TCP network by name, so no plugin or other network is picked
+        # NCCL's docs: more sockets per thread help "where per-socket speed is limited", as a long round trip
+        # limits each TCP stream; threads may be 1 to 16; 8 x 4 = 32 streams, within the 64 allowed.
         "NCCL_SOCKET_NTHREADS": "8",
         "NCCL_NSOCKS_PERTHREAD": "4",
+        # 8 MiB, twice NCCL's default, a power of 2 as its docs advise: a channel has at most one buffer in flight,
+        # so a long round trip caps it near NCCL_BUFFSIZE / RTT (larger is faster up to a point: NVIDIA/nccl#387).
         "NCCL_BUFFSIZE": "8388608",
-        "GLOO_USE_IPV6": "0",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     },
 }
+"""Only variables NCCL reads, each for the reason beside it; no GLOO_USE_IPV6, which neither Gloo nor torch reads."""
 
 
 def network_env(network: str, nic: str | None) -> dict[str, str]:

@@ -202,6 +202,13 @@ def test_betas_outside_zero_one_are_rejected_before_the_optimizer_sees_them():
         load_config("tiny", ["train.betas=[1.5,0.9]"])
 
 
+def test_model_download_timeout_s_waits_without_limit_unless_set_above_zero() -> None:
+    assert load_config("tiny").model.download_timeout_s is None
+    assert load_config("tiny", ["model.download_timeout_s=7200"]).model.download_timeout_s == 7200
+    with pytest.raises(ConfigError, match="model.download_timeout_s"):
+        load_config("tiny", ["model.download_timeout_s=0"])
+
+
 def test_the_config_remembers_where_each_field_was_set(tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text("run_name: x\ndata:\n  path: a.jsonl\n")

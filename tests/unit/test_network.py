@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import get_args
 
 import psutil
 import pytest
@@ -87,3 +88,33 @@ def test_gloos_own_error_for_a_missing_interface_becomes_a_user_error(environ: d
     assert err is not None and err.exit_code == 2
     assert "GLOO_SOCKET_IFNAME=nosuch1" in err.what and "lo (127.0.0.1)" in err.what
     assert network.interface_error("Connection reset by peer") is None
+
+
+PRESETS = get_args(DistConfig.model_fields["network"].annotation)
+
+
+def test_socket_preset_tunes_tcp_as_nccl_documents_for_100g() -> None:
+    """Seed 000 ran this preset over 100G TCP with NCCL's one thread and one socket per connection."""
+    preset = network.network_env("socket", None)
+    assert (preset["NCCL_SOCKET_NTHREADS"], preset["NCCL_NSOCKS_PERTHREAD"]) == ("4", "4")
+    assert (preset["NCCL_IB_DISABLE"], preset["NCCL_NET"]) == ("1", "Socket")
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_no_preset_sets_async_error_handling(name: str) -> None:
+    """1 aborts communicators before tearing down, which can block on a partitioned network: torch's default (3)
+    tears down without the abort."""
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in network.network_env(name, "eth0")
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_socket_threads_stay_within_what_nccl_accepts(name: str) -> None:
+    preset = network.network_env(name, None)
+    threads, sockets = int(preset.get("NCCL_SOCKET_NTHREADS", 1)), int(preset.get("NCCL_NSOCKS_PERTHREAD", 1))
+    assert 1 <= threads <= 16 and threads * sockets <= 64, preset
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_no_preset_sets_a_variable_nothing_reads_or_overrides_nccls_topology_choice(name: str) -> None:
+    preset = network.network_env(name, None)
+    assert "GLOO_USE_IPV6" not in preset and "NCCL_NET_GDR_LEVEL" not in preset, preset

@@ -94,13 +94,14 @@ def test_gpu_shape_options_need_a_gpu_kind() -> None:
 def test_step_tokens_follow_how_the_job_batches_its_real_lengths() -> None:
     lengths = estimate_time.Lengths((10, 20, 30, 100), "test")
     free = load_config(TINY, ["train.micro_batch_size=2", "data.max_length=128"])
-    assert lengths.per_row(free) == (40.0, (100 + 400 + 900 + 10000) / 160)
+    assert lengths.per_row(free) == (40.0, (10, 20, 30, 100))
     packed = load_config(TINY, ["data.packing=true", "data.max_length=128"])
-    assert lengths.per_row(packed) == (128, 128)
+    assert lengths.per_row(packed) == (128, (10, 20, 30, 100))  # full rows, attention per document
     padded = load_config(TINY, ["data.padding_free=false", "train.micro_batch_size=2", "data.max_length=128"])
     # E[max of 2 draws] over {10, 20, 30, 100}: 10/16 + 20*3/16 + 30*5/16 + 100*7/16
-    assert lengths.per_row(padded)[0] == pytest.approx((10 + 60 + 150 + 700) / 16)
-    assert estimate_time.Lengths().per_row(free) == (128, 128)
+    row, documents = lengths.per_row(padded)
+    assert row == pytest.approx((10 + 60 + 150 + 700) / 16) and documents == (row,)
+    assert estimate_time.Lengths().per_row(free) == (128, (128,))
 
 
 def test_estimate_reads_the_data_and_says_what_it_assumed(tmp_path: Path) -> None:

@@ -33,11 +33,12 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path) -> dict[str, object]:
     step = find_checkpoint(checkpoint)
     info = dist.init(cfg.dist, nic_where=cfg.where("dist.nic"))
     log = logging.getLogger("trainyard").info
+    model_source = source_room.fetch_hub_model(cfg.model)  # before any collective: a download outlasts its timeout
     model_path = None
     with dist.first_on_node(info):
-        if cfg.model.path is not None:
-            model_path = source_room.resolve_model_path(cfg.model)
-        tokenizer = source_room.load_tokenizer(cfg.model, model_path)
+        if model_source.path is not None:
+            model_path = source_room.resolve_model_path(model_source)
+        tokenizer = source_room.load_tokenizer(model_source, model_path)
     cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output_dir) / ".cache" / "data"
     data = prepare_datasets(cfg.data, tokenizer, cache_root, log=log)
     if data.eval is None or len(data.eval) == 0:

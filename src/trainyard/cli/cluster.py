@@ -21,6 +21,7 @@ from trainyard.redaction import redact_text
 
 if TYPE_CHECKING:
     from trainyard.config import JobConfig
+    from trainyard.plan import Target
 
 # Options that `slurm` and `k8s` share, declared once so both keep the same flag and help.
 ForceOption = Annotated[bool, typer.Option("--force", help="replace the file at --out if it exists")]
@@ -136,8 +137,8 @@ def _load_job_and_check_out(args: list[str], out: Path | None, force: bool) -> t
 
 
 def _check_before_writing(
-    cfg: "JobConfig", gpu: str | None, gpus_per_node: int | None, nproc_per_node: int, nodes: int, skip_data: bool
-) -> None:
+    cfg: JobConfig, gpu: str | None, gpus_per_node: int | None, nproc_per_node: int, nodes: int, skip_data: bool
+) -> Target:
     """`train --dry-run`'s check for the cluster the script asks for (--gpu, else h100-80gb nodes, or cpu without
     GPUs): a job that does not fit, or whose data or resume point is unusable, fails here (exit 2) rather than once
     the nodes are allocated."""
@@ -154,6 +155,7 @@ def _check_before_writing(
         err_console.print(text, highlight=False, markup=False, soft_wrap=True)
         raise PlanError("the job cannot run as planned:\n- " + "\n- ".join(problems),
                         fix="change what each line names; --skip-data-check if the data is only on the cluster")
+    return target
 
 
 @app.command()
@@ -295,6 +297,9 @@ def k8s(
     skip_data_check: SkipDataCheckOption = False,
 ) -> None:
     """Write Kubernetes manifests: the job, its ConfigMap, a shared volume, secret references."""
+    import dataclasses
+
+    from trainyard.estimate import Hardware, host_memory
     from trainyard.launch import k8s as k8s_room
 
     _, _, cfg = _load_job_and_check_out(args, out, force)
@@ -312,8 +317,10 @@ def k8s(
         grace_s=grace,
         runtime=runtime,
     )
-    text = k8s_room.render_manifests(cfg, job)  # checks the options first
-    _check_before_writing(cfg, gpu, gpus_per_node, k8s_room.nproc_per_node(job), nodes, skip_data_check)
+    k8s_room.render_manifests(cfg, job)  # checks the options before the job is planned
+    target = _check_before_writing(cfg, gpu, gpus_per_node, k8s_room.nproc_per_node(job), nodes, skip_data_check)
+    host = host_memory(cfg, Hardware(target.gpu, target.gpus_per_node, target.nodes))
+    text = k8s_room.render_manifests(cfg, dataclasses.replace(job, memory_gib=host.request_gib))
     moves = [f"  {move.describe()}" for move in k8s_room.volume_moves(cfg)]
     if moves:
         notes = [f"paths moved onto the shared volume at {k8s_room.DATA_MOUNT}:", *moves]

@@ -35,6 +35,12 @@ def estimate_command(
         float, typer.Option("--spot-discount", help="spot price = on-demand x (1 - this)")
     ] = 0.0,
     as_json: Annotated[bool, typer.Option("--json", help="print every figure as JSON")] = False,
+    trace: Annotated[
+        bool,
+        typer.Option("--trace", help="instead, run one real optimizer step on fake tensors and a fake process group "
+                     "of the real world size: its peak per rank beside the formula's, and every collective (cut the "
+                     "depth of a model.config job with an override: model.config.num_hidden_layers=2)"),
+    ] = False,
 ) -> None:
     """Estimate memory per device (fits or not, and the cheapest fix), step time, job time and cost."""
     from trainyard import config_file as config_room
@@ -45,6 +51,12 @@ def estimate_command(
     assumptions = estimate.Assumptions(mfu, diloco_h, disk_gbytes_s, price_per_gpu_hour, spot_discount)
     estimate.check_options(hardware, assumptions)  # before the model is built: bad options fail at once
     cfg = config_room.load_config(config_path, overrides)
+    if trace:
+        from trainyard.train import trace as step_trace
+
+        traced = step_trace.trace(cfg, hardware)
+        print(json.dumps(step_trace.to_json(traced), indent=2) if as_json else step_trace.render(traced))
+        return
     from trainyard.plan import data_lengths
 
     lengths = data_lengths(cfg, gpus_per_node * nodes)

@@ -18,6 +18,7 @@ from trainyard import hardware as machines  # `hardware` names the Hardware a fu
 from trainyard.batch import accumulation_steps
 from trainyard.config import JobConfig
 from trainyard.errors import ConfigError, ModelError, OptionError
+from trainyard.estimate import host as host_room
 from trainyard.estimate import memory as mem
 from trainyard.estimate import timing as estimate_time
 
@@ -136,6 +137,13 @@ def estimate(cfg: JobConfig, hardware: Hardware, assumptions: Assumptions = Assu
     return result
 
 
+def host_memory(cfg: JobConfig, hardware: Hardware) -> host_room.HostMemory:
+    """Host memory one node of the job needs (what a pod or an allocation requests)."""
+    result = estimate(cfg, hardware, suggest=False)
+    return host_room.host_memory(cfg, result.memory, result.layout.gpu, hardware.gpus_per_node,
+                                 result.total_params, result.trainable_params)
+
+
 def planned_peak(cfg: JobConfig, strategy: str, world: int, per_node: int, device_bytes: int) -> int:
     """The job's predicted peak bytes per rank under `strategy` on `world` ranks, `per_node` of them per node,
     on devices of `device_bytes`: what `dist.strategy: auto` (plan.choose_strategy) decides from."""
@@ -232,7 +240,7 @@ def render(result: Estimate) -> str:
     parts = [("weights", memory.weights), ("lora adapters", memory.lora_adapters), ("gradients", memory.gradients),
              ("tied grad (end)", memory.tied_gradient),
              ("optimizer (AdamW)", memory.optimizer), ("ddp buckets", memory.ddp_buckets),
-             ("diloco outer state", memory.diloco_outer),
+             ("diloco outer state", memory.diloco_outer), ("diloco sync chunks", memory.diloco_sync),
              ("autocast copies", memory.mixed_precision_copies), ("fsdp buffers", memory.fsdp_buffers),
              ("activations", memory.activations), ("logits (loss)", memory.logits),
              ("allocator slack", memory.allocator_slack), ("cuda context", memory.cuda_context)]

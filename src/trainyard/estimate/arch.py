@@ -12,6 +12,7 @@ from transformers.utils import logging as hf_logging
 
 from trainyard.config import JobConfig
 from trainyard.errors import ModelError
+from trainyard.hardware import FlopShape, flop_shape
 from trainyard.model import build as model_room
 from trainyard.model import lora as lora_room
 from trainyard.model import source as source_room
@@ -72,14 +73,14 @@ class Counts:
     """Sum of in_features over the LoRA-adapted linear layers of one block (dropout copies those inputs)."""
     lora_ranks_per_block: int
     """Sum of ranks over those layers (each saves its A output for B)."""
+    flops: FlopShape
+    """What a token costs in FLOPs (hardware's one counter, shared with the training loop's MFU)."""
     lora_parameters_per_block: int = 0
     """Elements of the 3-D parameters (fused MoE experts) LoRA adapts in one block: PEFT folds W + BA into a new
     tensor of that size on every forward, which the experts' matmuls save."""
     lora_largest_parameter: int = 0
     """Elements of the largest of those: a whole-stack gradient of one folded weight appears in backward while the
     block's folded weights are still saved (the largest, not knowing which comes first)."""
-    active_expert_share: float = 1.0
-    """Share of the parameters a token passes through (MoE: top-k of the routed experts)."""
 
 
 def hf_config(cfg: JobConfig):  # -> PretrainedConfig
@@ -159,21 +160,12 @@ def count(model: torch.nn.Module, shape: Shape) -> Counts:
         tied=output is not None and getattr(output, "weight", None) is embedding,
         lora_inputs_per_block=sum(m.base_layer.in_features for m in linear),
         lora_ranks_per_block=sum(sum(m.r.values()) for m in linear),
+        flops=flop_shape(model),
         lora_parameters_per_block=sum(folded),
         lora_largest_parameter=max(folded, default=0),
-        active_expert_share=_active_share(model, shape, total),
     )
 
 
 def _sizes(block: torch.nn.Module) -> tuple[int, int]:
     params = list(block.parameters())
     return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
-
-
-def _active_share(model: torch.nn.Module, shape: Shape, total: int) -> float:
-    """Parameters a token uses / all: routed experts count top-k of `experts` (3-D fused expert weights)."""
-    if not shape.experts:
-        return 1.0
-    experts = sum(p.numel() for name, p in model.named_parameters() if p.ndim == 3 and "experts" in name)
-    unused = experts * (1 - shape.experts_per_token / shape.experts)
-    return (total - unused) / total

@@ -3,8 +3,9 @@ and whether it fits; step time and cost are in estimate_time.py.
 
 Memory is the sum of named parts, each a count times the bytes its dtype takes (precision.py's dtypes):
 weights, gradients and AdamW's two moments (divided by the shard group under FSDP2/HSDP), DDP's gradient
-buckets, autocast's bf16 copies of fp32 weights, FSDP2's unsharded buffers, activations (a per-layer formula
-of the tensors autograd saves, with or without activation checkpointing) and the loss's logits. The peak adds
+buckets, DiLoCo's outer state and sync chunks, autocast's bf16 copies of fp32 weights, FSDP2's unsharded buffers,
+activations (a per-layer formula of the tensors autograd saves, with or without activation checkpointing) and the
+loss's logits. The peak adds
 the allocator's slack and the CUDA context on a GPU.
 """
 
@@ -73,6 +74,8 @@ class Memory:
     ddp_buckets: float
     diloco_outer: float
     """DiLoCo's round-start weights and outer momentum, fp32."""
+    diloco_sync: float
+    """DiLoCo's outer sync: its chunk buffers, made once, and what its collectives hold (diloco.py)."""
     mixed_precision_copies: float
     fsdp_buffers: float
     activations: float
@@ -187,6 +190,7 @@ def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_ro
         optimizer=2 * trainable,
         ddp_buckets=counts.trainable * size.master if replicas_bucket else 0.0,
         diloco_outer=2 * counts.trainable * 4 / shard if layout.strategy == "diloco" else 0.0,
+        diloco_sync=_diloco_sync(cfg, counts, layout) if layout.strategy == "diloco" else 0.0,
         mixed_precision_copies=0.0 if sharded or not size.mixed else _autocast_copies(counts, size),
         fsdp_buffers=_fsdp_buffers(counts, size) if sharded else 0.0,
         activations=activation_bytes(cfg, model.shape, counts, size, layout.gpu),
@@ -203,6 +207,22 @@ def _autocast_copies(counts: Counts, size: Dtypes) -> float:
     trainable weights but an untied input embedding (embedding lookups are not autocast)."""
     untied_embedding = counts.embedding if not counts.tied and counts.root_trainable else 0
     return (counts.trainable - untied_embedding) * size.compute
+
+
+def _diloco_sync(cfg: JobConfig, counts: Counts, layout: Layout) -> float:
+    """The outer sync's largest fp32 chunk of this rank's pseudo-gradient, and the gather of its slices where a
+    site's ranks split it (the collective's own copy); bf16 adds a bf16 slice; int8 the slice's codes, every site's
+    codes (twice: the collective's copy) and their fp32 worth. Counted as held throughout: the buffers are."""
+    site = layout.gpus_per_node if cfg.diloco.groups == "node" else max(1, layout.world // cfg.diloco.groups)
+    sites, slices = layout.world // site, max(1, site // layout.shard)
+    chunk = min(cfg.diloco.chunk_elements(slices), counts.trainable / layout.shard)
+    part = chunk / slices
+    held = 4 * chunk * (2 if slices > 1 else 1)
+    if cfg.diloco.pseudo_grad_dtype == "bf16":
+        held += 2 * part
+    elif cfg.diloco.pseudo_grad_dtype == "int8":
+        held += part * (1 + 2 * sites + 4)
+    return held
 
 
 def _tied_gradient(counts: Counts, size: Dtypes, shard: int) -> float:
@@ -229,7 +249,7 @@ def _add_peak(parts: Memory, cfg: JobConfig, layout: Layout) -> None:
     peak at different times. With accumulation the gradients of earlier micro-batches stay while the next one's
     activations build up."""
     static = (parts.weights + parts.lora_adapters + parts.optimizer + parts.ddp_buckets + parts.diloco_outer
-              + parts.mixed_precision_copies + parts.fsdp_buffers)
+              + parts.diloco_sync + parts.mixed_precision_copies + parts.fsdp_buffers)
     # With checkpointing the logits and their gradients are gone before the last layer is recomputed.
     forward = parts.activations - parts.recomputed_layer + max(parts.recomputed_layer, parts.logits)
     accumulates = accumulation_steps(cfg, layout.world) > 1

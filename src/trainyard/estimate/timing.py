@@ -30,19 +30,20 @@ class Lengths:
     documents: tuple[int, ...] = ()
     source: str = "data.max_length (the data was not read)"
 
-    def per_row(self, cfg: JobConfig) -> tuple[float, float]:
-        """(tokens computed per micro-batch row, attention length a token sees on average) as the job batches:
-        packing fills rows of max_length; padding-free computes each document's own tokens; padding computes
-        the longest of the micro-batch's documents for each."""
+    def per_row(self, cfg: JobConfig) -> tuple[float, tuple[float, ...]]:
+        """(tokens computed per micro-batch row, the documents whose tokens and attention the rows compute) as the
+        job batches: packing fills rows of max_length with whole documents, each attending to itself;
+        padding-free computes each document's own tokens; padding computes the longest of the micro-batch's
+        documents for each."""
         data, length = cfg.data, cfg.data.max_length
-        if not self.documents or data.packing:
-            return length, length
-        mean = sum(self.documents) / len(self.documents)
-        seen = sum(n * n for n in self.documents) / sum(self.documents)  # E[L^2]/E[L]: a token's attention span
+        if not self.documents:
+            return length, (length,)
+        if data.packing:
+            return length, self.documents
         if data.padding_free:
-            return mean, seen
+            return sum(self.documents) / len(self.documents), self.documents
         padded = expected_max(sorted(self.documents), cfg.train.micro_batch_size)
-        return padded, padded
+        return padded, (padded,)
 
 
 def expected_max(ordered: list[int], draws: int) -> float:
@@ -80,16 +81,13 @@ class Timing:
         return self.train_s + self.lost_work_s + self.checkpoint_overhead_s
 
 
-def flops_per_token(cfg: JobConfig, model: Model, seq: float | None = None) -> float:
-    """hardware.flops_per_token (6N, LoRA-aware: 4N + 2 x trainable) over the parameters a token passes through
-    (MoE: top-k experts), plus the forward recomputed under activation checkpointing. `seq`: the attention span a
-    token sees (default data.max_length)."""
-    shape, counts = model.shape, model.counts
-    active, trainable = counts.total * counts.active_expert_share, counts.trainable * counts.active_expert_share
-    seq = int(seq or cfg.data.max_length)
-    flops = hardware.flops_per_token(int(active), int(trainable), shape.layers, shape.hidden, seq)
+def flops_per_token(cfg: JobConfig, model: Model, documents: tuple[float, ...]) -> float:
+    """hardware's counter (active parameters, LoRA-aware, attention per document) over the documents the rows
+    compute, plus the forward that activation checkpointing recomputes: it takes time, though it is no model FLOP."""
+    shape = model.counts.flops
+    flops = hardware.flops_per_token(shape, documents)
     if cfg.model.gradient_checkpointing:
-        flops += 2 * active + 4 * shape.layers * shape.hidden * seq
+        flops += hardware.forward_flops(shape, documents) / sum(documents)
     return flops
 
 
@@ -144,9 +142,9 @@ def young_daly_interval_s(save_s: float, mtbf_s: float) -> float:
 def timing(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: int, mfu: float,
            network_gbps: float, diloco_h: int, disk_gbytes_s: float, lengths: Lengths = Lengths()) -> Timing:
     """Step time, the job's time, and what failures cost it with checkpoints every Young/Daly interval."""
-    per_row, seq = lengths.per_row(cfg)
+    per_row, documents = lengths.per_row(cfg)
     tokens = round(cfg.train.micro_batch_size * per_row * accum * layout.world)
-    per_token = flops_per_token(cfg, model, seq)
+    per_token = flops_per_token(cfg, model, documents)
     compute = per_token * tokens / (layout.world * kind_peak_flops(layout.gpu, size.compute_dtype) * mfu)
     comm = comm_s(cfg, model, layout, size, accum, network_gbps, diloco_h)
     ckpt = checkpoint_bytes(cfg, model, size)

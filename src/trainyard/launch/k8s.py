@@ -60,6 +60,8 @@ class K8sJob:
     backoff_limit: int = 10
     runtime: str | None = None
     """TrainJob only: an existing ClusterTrainingRuntime instead of the generated runtime."""
+    memory_gib: int | None = None
+    """Host memory a pod requests: `trainyard estimate`'s peak for one node (estimate/host.py)."""
 
 
 def k8s_name(run_name: str) -> str:
@@ -226,9 +228,12 @@ def _volumes(name: str, job: K8sJob) -> tuple[list[dict[str, Any]], list[dict[st
 
 
 def _resources(job: K8sJob) -> dict[str, Any]:
+    """GPUs as a limit (the device plugin's rule); the estimated host memory as a request, so the scheduler places
+    a pod where it fits and the kubelet does not evict it first under memory pressure."""
+    memory = {"memory": f"{job.memory_gib}Gi"} if job.memory_gib else {}
     if job.gpus_per_node:
-        return {"limits": {"nvidia.com/gpu": job.gpus_per_node}}
-    return {"requests": {"cpu": nproc_per_node(job)}}
+        return {"limits": {"nvidia.com/gpu": job.gpus_per_node}, **({"requests": memory} if memory else {})}
+    return {"requests": {"cpu": nproc_per_node(job), **memory}}
 
 
 def _labels(name: str) -> dict[str, str]:
@@ -420,6 +425,13 @@ def _moves_note(cfg: JobConfig) -> str:
     return "\n".join(lines + [f"  {move.describe()}" for move in moves])
 
 
+def _memory_note(job: K8sJob) -> str:
+    if not job.memory_gib:
+        return ""
+    return (f"\nresources.requests.memory {job.memory_gib}Gi: the host memory `trainyard estimate` predicts for one "
+            "node's processes\n(libraries, the load and async-save copies, a random init drawn once per node).")
+
+
 def _comments(name: str, cfg: JobConfig, job: K8sJob) -> dict[str, str]:
     grace = job.grace_s
     return {
@@ -440,7 +452,7 @@ preempted pod comes back and resumes from checkpoints/LATEST. A config error (2)
 stays failed instead of looping. A node that vanishes is retried (137); runPolicy.backoffLimit caps retries.
 terminationGracePeriodSeconds {grace}: SIGTERM reaches trainyard, the workers save, and torchrun
 gives them {grace - SHUTDOWN_MARGIN_S} s before it kills them, ahead of the kubelet's SIGKILL.
-Secrets are env entries from Secrets (secretKeyRef): no value is in this file.""",
+Secrets are env entries from Secrets (secretKeyRef): no value is in this file.{_memory_note(job)}""",
         "runtime": f"""
 A TrainingRuntime for '{name}' (Kubeflow Trainer v2). Its Job's podFailurePolicy carries the
 restart rules: exit 75 (stopped after a committed checkpoint) is ignored by the backoff count and
@@ -451,7 +463,7 @@ terminationGracePeriodSeconds {grace} gives the preemption save its time.""",
 Kubeflow Trainer v2 TrainJob '{name}': {job.nodes} node(s) x {nproc_per_node(job)} process(es). The controller sets
 PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK and PET_MASTER_ADDR/PORT; `trainyard launch` reads them.
 Restarts and the grace period come from the runtime it references ({job.runtime or f"{name}-runtime, above"}).
-Secrets are env entries from Secrets (secretKeyRef): no value is in this file.""",
+Secrets are env entries from Secrets (secretKeyRef): no value is in this file.{_memory_note(job)}""",
     }
 
 

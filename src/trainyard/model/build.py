@@ -4,17 +4,25 @@ a whole model in memory for export; counts and decoder blocks.
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
+import os
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from accelerate import init_empty_weights
 from huggingface_hub.errors import StrictDataclassError
 from peft import PeftModel
 from safetensors import SafetensorError
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
+from trainyard.atomic import exclusive_lock
 from trainyard.config import ModelConfig
 from trainyard.errors import ModelError
 from trainyard.model import attention
@@ -69,12 +77,40 @@ def kept_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> Callable[[str], 
 def random_init(cfg: ModelConfig, config, seed: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
     """Seeded fp32 random weights by checkpoint name, as transformers' own init draws them.
 
-    The one place a whole model is in memory: transformers draws every tensor from one random
-    stream in its construction order, so a rank cannot draw only its own part and get the same
-    numbers. It is freed once each rank has copied its part."""
+    A whole model in memory: transformers draws every tensor from one random stream in its
+    construction order, so a rank cannot draw only its own part and get the same numbers."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
     return model.state_dict()
+
+
+def random_init_file(cfg: ModelConfig, config, seed: int, cache_dir: Path) -> Path:  # type: ignore[no-untyped-def]
+    """The seeded random init drawn once per cache folder (a node, or every node sharing it) and written as
+    safetensors: one process holds the whole model while it draws, the others wait on a file lock (no collective)
+    and every rank then reads only its own rows. The same numbers as `random_init`, at any world size."""
+    identity = json.dumps([config.to_json_string(), seed, transformers.__version__, torch.__version__])
+    target = cache_dir / "random-init" / hashlib.sha256(identity.encode()).hexdigest()[:16] / "model.safetensors"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(target.with_suffix(".lock"), timeout_s=None, done=target.is_file) as held:
+        if held and not target.is_file():
+            tensors = _unshared(random_init(cfg, copy.deepcopy(config), seed))  # from_config edits its config
+            partial = target.with_suffix(f".{os.getpid()}.partial")
+            save_file(tensors, str(partial))
+            os.replace(partial, target)
+    return target
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share memory (tied embeddings): each name gets its own copy."""
+    seen: set[int] = set()
+    own = {}
+    for name, tensor in tensors.items():
+        pointer = tensor.data_ptr()
+        own[name] = tensor.clone() if pointer in seen else tensor.contiguous()
+        seen.add(pointer)
+    return own
 
 
 def load_model(

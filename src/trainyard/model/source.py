@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from huggingface_hub import snapshot_download
+from huggingface_hub import constants, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, StrictDataclassError
+from huggingface_hub.file_download import repo_folder_name
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from trainyard.atomic import publish_folder, temp_sibling
+from trainyard.atomic import LockTimeout, exclusive_lock, publish_folder, temp_sibling
 from trainyard.config import ModelConfig
 from trainyard.data.tokenizer import build_byte_tokenizer
 from trainyard.errors import ModelError
@@ -47,6 +48,13 @@ def default_model_cache() -> Path:
     return Path(os.environ.get("TRAINYARD_CACHE", Path.home() / ".cache" / "trainyard")) / "models"
 
 
+def model_cache_dir(cfg: ModelConfig) -> Path:
+    """model.cache_dir, else the default: where converted GGUF files and random inits are kept."""
+    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_model_cache()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    return cache_dir
+
+
 def _gguf_cache_key(gguf: Path) -> str:
     stat = gguf.stat()
     return hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
@@ -76,10 +84,28 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     return target
 
 
+def is_hub_id(path: str) -> bool:
+    """Neither a built-in model, a GGUF file nor a folder: a hub id, to download."""
+    local = path in BUILTIN_MODELS or path.endswith(".gguf") or path.startswith((".", "/", "~"))
+    return not (local or Path(path).expanduser().exists())
+
+
+def fetch_hub_model(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with a hub id's model.path replaced by its downloaded folder; any other source unchanged.
+
+    Call it before any collective: a large download outlasts a collective's timeout (dist.timeout_s), and
+    whoever waits in one then kills every rank; `download` makes the others wait on a file lock instead.
+    """
+    if cfg.path is None or not is_hub_id(cfg.path):
+        return cfg
+    return cfg.model_copy(update={"path": download(cfg.path, timeout_s=cfg.download_timeout_s)})
+
+
 def resolve_model_path(cfg: ModelConfig) -> str:
-    """A folder or hub id that from_pretrained can load; GGUF files are converted first."""
+    """A folder that from_pretrained can load: hub ids are downloaded and GGUF files converted first."""
     assert cfg.path is not None
-    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_model_cache()
+    if is_hub_id(cfg.path):
+        return download(cfg.path, timeout_s=cfg.download_timeout_s)
     if cfg.path in BUILTIN_MODELS:
         gguf = builtin_gguf_file(cfg.path)
     elif cfg.path.endswith(".gguf"):
@@ -88,17 +114,38 @@ def resolve_model_path(cfg: ModelConfig) -> str:
             raise ModelError(f"model.path: GGUF file {gguf} does not exist", fix="check the path")
     else:
         local = Path(cfg.path).expanduser()
-        if local.exists():
-            return str(local)
-        if cfg.path.startswith((".", "/", "~")):
+        if not local.exists():
             raise ModelError(f"model.path: folder {cfg.path} does not exist", fix="check the path")
-        return download(cfg.path)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    return str(convert_gguf(gguf, cache_dir))
+        return str(local)
+    return str(convert_gguf(gguf, model_cache_dir(cfg)))
 
 
-def download(repo_id: str) -> str:
-    """A hub model's config, tokenizer and safetensors weights in the local HF cache (once per node)."""
+def download_lock(repo_id: str) -> Path:
+    """Beside the HF cache's own locks for the repo: shared by exactly the processes that share that cache."""
+    repo_folder = repo_folder_name(repo_id=repo_id, repo_type="model")
+    return Path(constants.HF_HUB_CACHE) / ".locks" / repo_folder / "trainyard-download.lock"
+
+
+def download(repo_id: str, *, timeout_s: float | None = None) -> str:
+    """A hub model's config, tokenizer and safetensors weights in the local HF cache, fetched by one process at a
+    time: the first to take the lock downloads, the others then find the files there."""
+    if constants.HF_HUB_OFFLINE:  # only reads the cache, which may be read-only: nothing to wait for
+        return _snapshot(repo_id)
+    lock = download_lock(repo_id)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with exclusive_lock(lock, timeout_s=timeout_s):
+            return _snapshot(repo_id)
+    except LockTimeout as waited:
+        raise ModelError(
+            f"waited {timeout_s:g}s (model.download_timeout_s) for another process to download {repo_id}; its "
+            f"lock {lock} is held by {waited.held_by}",
+            fix="raise model.download_timeout_s, or remove it to wait as long as the download takes; "
+            f"if no process is downloading {repo_id}, delete {lock}",
+        ) from None
+
+
+def _snapshot(repo_id: str) -> str:
     try:
         return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
     except (HfHubHTTPError, OSError, ValueError) as err:

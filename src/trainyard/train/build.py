@@ -55,10 +55,11 @@ def build_and_wrap(
     mesh = dist.build_mesh(info, strategy, cfg.dist.shard_size, sites, cfg.diloco.inner)
     shards = mesh.size(-1) if mesh is not None and parallel.shards_within(strategy, cfg.diloco.inner) else 1
     plan.check_fits(strategy, cfg.dist.strategy, shards, model, info, cfg.where("dist.strategy"))
-    if cfg.model.config is not None:
-        source: weights.SafetensorsFolder | weights.InMemory = weights.InMemory(
-            model_room.random_init(cfg.model, config, cfg.train.seed)
-        )
+    if cfg.model.config is not None and info.local_world_size > 1:  # one whole model per node, not per rank
+        init = model_room.random_init_file(cfg.model, config, cfg.train.seed, source_room.model_cache_dir(cfg.model))
+        source: weights.SafetensorsFolder | weights.InMemory = weights.SafetensorsFolder.open(init.parent)
+    elif cfg.model.config is not None:
+        source = weights.InMemory(model_room.random_init(cfg.model, config, cfg.train.seed))
     else:
         assert model_path is not None
         source = weights.SafetensorsFolder.open(model_path, model)

@@ -16,6 +16,7 @@ from trainyard.checkpoint import save as checkpoint
 from trainyard.config import JobConfig
 from trainyard.data import PreparedData, ResumableSampler
 from trainyard.data.mixture import MixtureStream
+from trainyard.hardware import FlopShape
 from trainyard.metrics import MetricsSink
 from trainyard.parallel import comm
 from trainyard.runs import layout as run_layout
@@ -36,7 +37,8 @@ class Job:
     tokenizer: Any
     sink: MetricsSink
     accum: int
-    flops_token: float
+    flops: FlopShape
+    """What a token costs in FLOPs: with each step's documents, the model FLOPs MFU reports."""
     facts: dict[str, Any]
     """What a checkpoint must match to be resumed by this job (see checkpoint.check_compatible)."""
     saves: checkpoint.Checkpointer

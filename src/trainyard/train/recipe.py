@@ -33,7 +33,7 @@ from trainyard.data.mixture import MixtureStream, mixture_stream
 from trainyard.data.pretraining import prepare_pretraining
 from trainyard.errors import NonFiniteError
 from trainyard.evaluate import evaluate, samples_file
-from trainyard.hardware import device_peak_flops, flops_per_token
+from trainyard.hardware import device_peak_flops, flop_shape, training_flops
 from trainyard.loss import token_loss_sum
 from trainyard.metrics import (
     LogWindow,
@@ -43,6 +43,7 @@ from trainyard.metrics import (
     setup_logging,
     write_json,
 )
+from trainyard.model import attention
 from trainyard.model import build as model_room
 from trainyard.model import source as source_room
 from trainyard.parallel import comm
@@ -63,6 +64,7 @@ class StepVotes:
 
     targets: float = 0.0  # target tokens (labels not masked) in this rank's window
     real_tokens: float = 0.0  # tokens that are not padding, for tokens/s
+    flops: float = 0.0  # model FLOPs of this rank's window (hardware.training_flops), for MFU
     save_written: float = 0.0  # this rank's part of the async save in flight is on disk
     save_failed: float = 0.0  # this rank's part of it failed
     preempted: float = 0.0  # this rank caught a preemption signal
@@ -120,6 +122,7 @@ def _train_steps(
         votes = StepVotes(
             targets=sum(int((b["labels"][:, 1:] != -100).sum()) for b in window),
             real_tokens=sum(int(b.pop("real_tokens")) for b in window),
+            flops=sum(training_flops(job.flops, _document_lengths(b)) for b in window),
             save_written=float(job.saves.written_here()),
             save_failed=float(job.saves.failed_here()),
             preempted=float(bool(loop_state.SIGNALLED)),
@@ -170,7 +173,7 @@ def _train_steps(
         if step > 1:
             state.steady_tokens += int(votes.real_tokens)
             state.steady_time += step_time
-        interval.add(step_loss, votes.targets, votes.real_tokens, step_time, data_wait)
+        interval.add(step_loss, votes.targets, votes.real_tokens, votes.flops, step_time, data_wait)
         heartbeat.step = step
         if step % cfg.log.every_steps == 0 or step == cfg.train.max_steps:
             _log_interval(state, job, interval, lr, grad_norm)
@@ -207,6 +210,15 @@ def _forward_backward(job: Job, window: list[dict[str, torch.Tensor]], targets: 
     return step_loss
 
 
+def _document_lengths(batch: dict[str, torch.Tensor]) -> list[int]:
+    """The documents a micro-batch computes, each attending to itself: a padded row's unmasked tokens, or the blocks
+    its position_ids restart (padding-free rows). A padded packed row's padding restarts too: the one padding MFU
+    counts."""
+    if "attention_mask" in batch:
+        return batch["attention_mask"].sum(dim=1).tolist()
+    return [end - start for row in attention.document_bounds(batch["position_ids"]) for start, end in row]
+
+
 def _check_replicas(job: Job, step: int) -> None:
     """Every desync_check_steps, DDP replicas compare their weights (FSDP shards differ by design)."""
     cfg, info = job.cfg, job.info
@@ -221,7 +233,7 @@ def _check_replicas(job: Job, step: int) -> None:
 
 
 def _log_interval(state: LoopState, job: Job, interval: LogWindow, lr: float, grad_norm: torch.Tensor) -> None:
-    figures = interval.figures(job.info.world_size, job.flops_token)  # every rank: one all-gather
+    figures = interval.figures(job.info.world_size)  # every rank: one all-gather
     interval.reset()
     state.first_loss = figures["loss"] if state.first_loss is None else state.first_loss
     state.last_loss = figures["loss"]
@@ -303,11 +315,12 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     if info.is_main:
         write_json(run_dir / run_layout.ENV, environment)
 
+    model_source = source_room.fetch_hub_model(cfg.model)  # before any collective: a download outlasts its timeout
     model_path = None
     with dist.first_on_node(info):  # one process per node converts/loads caches first
-        if cfg.model.path is not None:
-            model_path = source_room.resolve_model_path(cfg.model)
-        tokenizer = source_room.load_tokenizer(cfg.model, model_path)
+        if model_source.path is not None:
+            model_path = source_room.resolve_model_path(model_source)
+        tokenizer = source_room.load_tokenizer(model_source, model_path)
     cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output_dir) / ".cache" / "data"
     if cfg.data.mixture:
         data, shards = prepare_pretraining(cfg, tokenizer, cache_root, logger.info, show_progress=info.is_main)
@@ -327,7 +340,6 @@ def run(cfg: JobConfig) -> dict[str, Any]:
 
     torch.manual_seed(cfg.train.seed + info.rank)  # dropout differs per rank, data order does not
     optimizer, scheduler = build_optimizer(model, cfg)
-    hf_config = parallel.unwrap(model).config
     sink = MetricsSink(cfg, info, logger)
     job = Job(
         cfg=cfg,
@@ -340,9 +352,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         tokenizer=tokenizer,
         sink=sink,
         accum=accum,
-        flops_token=flops_per_token(
-            total_params, trainable_params, hf_config.num_hidden_layers, hf_config.hidden_size, cfg.data.max_length
-        ),
+        flops=flop_shape(parallel.unwrap(model)),
         facts={
             "model_signature": checkpoint.model_signature(model),
             "lora": cfg.lora.model_dump(mode="json") if cfg.lora.enabled else None,

@@ -6,11 +6,16 @@ checkpoint.py writes and reads; this room decides when and with what, so the loo
 
 from __future__ import annotations
 
+import base64
 import logging
+import random
 import signal
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import numpy as np
+import torch
 
 from trainyard import dist
 from trainyard.batch import accumulation_steps
@@ -72,6 +77,50 @@ def save_interval_minutes(job: Job) -> float:
     return minutes
 
 
+def _encode_tensor(tensor: torch.Tensor) -> str:
+    return base64.b64encode(tensor.cpu().numpy().tobytes()).decode()
+
+
+def _decode_bytes(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def rng_state() -> dict[str, Any]:
+    """This rank's random streams (dropout, sampling): Python's, NumPy's, torch's CPU generator and, with CUDA,
+    the generator of this rank's own device only. Every visible device's would tie the checkpoint to how many
+    GPUs each process sees."""
+    numpy_state = np.random.get_state()
+    state = {
+        "torch": _encode_tensor(torch.get_rng_state()),
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = _encode_tensor(torch.cuda.get_rng_state(torch.cuda.current_device()))
+    return state
+
+
+def own_cuda_state(saved: str | list[str], device_index: int) -> str:
+    """This rank's device's CUDA generator state from a saved "cuda" entry. Checkpoints written before it held
+    one device's state held a list, one per visible device: keep reading them, taking the current device's entry,
+    or the first when this process sees fewer devices than the one that saved it."""
+    if isinstance(saved, str):
+        return saved
+    return saved[device_index] if device_index < len(saved) else saved[0]
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` saved; a CUDA state is set on the current device, and skipped without CUDA."""
+    torch.set_rng_state(_decode_bytes(state["torch"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        torch.cuda.set_rng_state(_decode_bytes(own_cuda_state(state["cuda"], device)), device)
+
+
 def save_full(job: Job, state: LoopState, async_save: bool) -> bool:
     """A full checkpoint of where the loop stands; True once it is committed."""
     trainer_state = {
@@ -81,7 +130,7 @@ def save_full(job: Job, state: LoopState, async_save: bool) -> bool:
         "loop": asdict(state),
         **job.facts,
     }
-    rank_state = {"sampler": job.sampler.state_dict(), "rng": checkpoint.rng_state()}
+    rank_state = {"sampler": job.sampler.state_dict(), "rng": rng_state()}
     return job.saves.save_full(job.model, job.optimizer, state.step, trainer_state, rank_state, async_save)
 
 
@@ -124,7 +173,7 @@ def resume(job: Job) -> LoopState:
     )
     job.scheduler.load_state_dict(saved["scheduler"])
     if saved["world_size"] == world:  # per-rank streams (dropout) only fit the same ranks
-        checkpoint.set_rng_state(rank_state["rng"])
+        set_rng_state(rank_state["rng"])
     if isinstance(job.sampler, MixtureStream):
         job.sampler.load_state_dict(rank_state["sampler"])  # a global row: fits any world size
     else:

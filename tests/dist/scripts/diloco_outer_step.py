@@ -1,5 +1,6 @@
 """Run under torchrun with 2 or 4 ranks (2 sites of 1 or 2): two rounds of OuterSync.sync on a small module whose weights
-each site moves by its own amount; writes what went in and came out, for the test to recompute by hand."""
+each site moves by its own amount; writes what went in and came out, for the test to recompute by hand. The sync walks
+chunks of 3 values (4 where 2 ranks split each), so tensors straddle chunks and slices."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def main() -> None:
     mesh = dist.build_mesh(info, "diloco", None, sites=2)
     torch.manual_seed(0)  # the same start on both sites
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
-    outer = OuterSync(model, DilocoConfig(outer_lr=lr, outer_momentum=momentum, pseudo_grad_dtype=dtype), mesh, info)
+    cfg = DilocoConfig(outer_lr=lr, outer_momentum=momentum, pseudo_grad_dtype=dtype, sync_chunk_mib=3 * 4 / 2**20)
+    outer = OuterSync(model, cfg, mesh, info)
     site = info.rank // (info.world_size // 2)
     generator = torch.Generator().manual_seed(100 + site)  # each site's own inner progress, the same on its ranks
     rounds = []

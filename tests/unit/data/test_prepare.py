@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from trainyard.atomic import process_identity
 from trainyard.config import DataConfig
 from trainyard.data import build_byte_tokenizer, data_fingerprint, prepare_datasets
 from trainyard.data import prepare as prepare_module
-from trainyard.data.cache import process_identity
 from trainyard.errors import DataError
 
 

@@ -79,6 +79,26 @@ def test_diloco_with_inner_hsdp_shards_over_a_node_of_a_site_of_several_nodes() 
     assert hsdp.memory.optimizer == pytest.approx(2 * fsdp.memory.optimizer) and hsdp.memory.ddp_buckets == 0
 
 
+def test_diloco_counts_the_outer_syncs_chunks_not_copies_of_the_model() -> None:
+    """2 sites of 4 ranks. The sync holds its largest fp32 chunk (the shard it syncs, when smaller) and, where a
+    site's ranks split each chunk, the gather of their slices; bf16 adds a bf16 slice; int8 the slice's codes,
+    every site's codes twice (the gather's own copy) and their fp32 worth."""
+    diloco = ["dist.strategy=diloco", "train.precision=fp32"]
+    small = [*diloco, f"diloco.sync_chunk_mib={4096 * 4 / 2**20}"]  # 4096 values, slices of 1024 under ddp
+    whole = run(diloco, per_node=4, nodes=2)
+    ddp = run(small, per_node=4, nodes=2)
+    assert whole.memory.diloco_sync == 2 * TINY_PARAMS * 4  # the model fits a chunk
+    assert ddp.memory.diloco_sync == 2 * 4096 * 4
+    bf16 = run([*small, "diloco.pseudo_grad_dtype=bf16"], per_node=4, nodes=2).memory.diloco_sync
+    int8 = run([*small, "diloco.pseudo_grad_dtype=int8"], per_node=4, nodes=2).memory.diloco_sync
+    assert bf16 == 2 * 4096 * 4 + 1024 * 2 and int8 == 2 * 4096 * 4 + 1024 * (1 + 2 * 2 + 4)
+    assert run([*small, "diloco.inner=fsdp"], per_node=4, nodes=2).memory.diloco_sync == 4096 * 4  # no slicers
+    growth = whole.memory.peak_tensor_bytes - ddp.memory.peak_tensor_bytes
+    assert growth == pytest.approx(whole.memory.diloco_sync - ddp.memory.diloco_sync)
+    assert "diloco sync chunks" in estimate.render(ddp)
+    assert run(["dist.strategy=ddp"], per_node=4, nodes=2).memory.diloco_sync == 0
+
+
 def test_activation_checkpointing_keeps_only_block_inputs_and_one_block() -> None:
     plain = run(["model.gradient_checkpointing=false"]).memory
     ckpt = run(["model.gradient_checkpointing=true"]).memory

@@ -207,3 +207,18 @@ def test_bad_options_are_user_errors(options: dict, needle: str) -> None:
     with pytest.raises(OptionError) as err:
         render(**options)
     assert needle in err.value.render()
+
+
+@pytest.mark.parametrize("kind", ["pytorchjob", "trainjob"])
+def test_pods_request_the_host_memory_the_estimate_predicts(tmp_path: Path, kind: str) -> None:
+    from trainyard.estimate import Hardware, host_memory
+
+    out = tmp_path / "job.yaml"
+    result = run_cli("k8s", TINY, f"output_dir={tmp_path}", "--image", "img:1", "--kind", kind, "--nodes", "2",
+                     "--gpus-per-node", "8", "--gpu", "h100-80gb", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    predicted = host_memory(load_config(TINY, [f"output_dir={tmp_path}"]), Hardware("h100-80gb", 8, 2)).request_gib
+    text = out.read_text()
+    requests = [doc for doc in yaml.safe_load_all(text) if "memory:" in yaml.safe_dump(doc)]
+    assert requests, "no document requests memory"
+    assert f"memory: {predicted}Gi" in text and f"requests.memory {predicted}Gi" in text

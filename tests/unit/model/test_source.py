@@ -1,15 +1,21 @@
 """One HF-config resolver: the estimate counts the parameters of exactly the model the build makes, for every
-shipped config whose architecture this machine has (the hub ones come from the estimator's table)."""
+shipped config whose architecture this machine has (the hub ones come from the estimator's table). A hub id is
+downloaded by one process at a time, under a lock the others wait on for at most model.download_timeout_s."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import constants
 
 from tests.conftest import REPO
+from trainyard.atomic import process_identity
+from trainyard.config import ModelConfig
 from trainyard.config_file import load_config
+from trainyard.errors import ModelError
 from trainyard.estimate import arch as estimate_arch
 from trainyard.estimate import memory as estimate_memory
 from trainyard.model import build as model_room
@@ -40,3 +46,51 @@ def built_counts(config_path: Path) -> tuple[int, int]:
 def test_the_estimate_counts_the_parameters_of_the_model_the_build_makes(config_path: Path) -> None:
     counts = estimate_memory.model_of(load_config(str(config_path))).counts
     assert (counts.total, counts.trainable) == built_counts(config_path)
+
+
+@pytest.fixture
+def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This test's own, empty HF cache."""
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return tmp_path / "hub"
+
+
+def test_a_hub_id_is_downloaded_holding_the_lock_then_read_as_a_folder(
+    hub_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lock = source_room.download_lock("org/model")
+    held_while_downloading = []
+
+    def snapshot_download(repo_id: str, **_: object) -> str:
+        held_while_downloading.append(lock.exists())
+        return str(tmp_path)
+
+    monkeypatch.setattr(source_room, "snapshot_download", snapshot_download)
+    fetched = source_room.fetch_hub_model(ModelConfig(path="org/model"))
+    assert fetched.path == str(tmp_path) and held_while_downloading == [True]
+    assert lock.is_relative_to(hub_cache) and not lock.exists()
+    assert source_room.resolve_model_path(fetched) == str(tmp_path)
+
+
+def test_waiting_longer_than_model_download_timeout_s_for_another_download_names_the_setting(
+    hub_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(source_room, "snapshot_download", lambda *_, **__: pytest.fail("downloaded past the lock"))
+    lock = source_room.download_lock("org/model")
+    lock.parent.mkdir(parents=True)
+    lock.write_text(json.dumps(dict(process_identity(), pid=1)))  # a live process on this host: still downloading
+    with pytest.raises(ModelError) as err:
+        source_room.fetch_hub_model(ModelConfig(path="org/model", download_timeout_s=0.3))
+    assert "model.download_timeout_s" in err.value.what and str(lock) in err.value.what
+    assert "raise model.download_timeout_s" in err.value.fix
+    assert err.value.exit_code == 2
+    assert lock.exists()
+
+
+def test_offline_a_hub_id_is_read_from_the_cache_without_a_lock(
+    hub_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(source_room, "snapshot_download", lambda *_, **__: str(tmp_path))
+    assert source_room.fetch_hub_model(ModelConfig(path="org/model")).path == str(tmp_path)
+    assert not hub_cache.exists()  # a read-only cache works as before
