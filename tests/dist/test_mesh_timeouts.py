@@ -4,14 +4,19 @@ while the failure message quoted dist.timeout_s."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, TINY
 
 pytestmark = pytest.mark.dist
 
@@ -27,3 +32,43 @@ def test_every_group_of_every_mesh_carries_the_job_timeout(tmp_path: Path) -> No
     timeouts = json.loads(out.read_text())
     assert set(timeouts) >= {"hsdp.replicate", "hsdp.shard", "diloco.site", "diloco.local", "diloco-hsdp.shard"}
     assert timeouts == dict.fromkeys(timeouts, 123.0)  # the script's dist.timeout_s, on the default group too
+
+
+def test_a_rank_stopped_inside_fsdp2_on_four_processes_is_named_within_the_timeout(tmp_path: Path) -> None:
+    """HSDP on 2 x 2 ranks: most collectives of a step are all-gathers and reduce-scatters on the shard groups, split
+    off the default group. The job ends, naming the rank, within dist.timeout_s + 10 s. (The ranks outside the
+    stopped rank's shard group already reported in time through the default group's per-step vote before the mesh
+    groups carried the timeout; the test above is the one that reads each group's timeout.)"""
+    timeout_s = 10
+    command = [sys.executable, "-m", "trainyard.cli", "train", TINY, f"output_dir={tmp_path}",
+               "train.max_steps=1000000", "train.micro_batch_size=2", "train.global_batch_size=8", f"dist.timeout_s={timeout_s}",
+               "dist.strategy=hsdp", "dist.shard_size=2", "log.every_steps=1000", "eval.every_steps=0", "eval.at_end=false",
+               "checkpoint.at_end=false", "log.tensorboard=false", "--nproc", "4"]
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    heartbeat = tmp_path / "tiny" / "heartbeats" / "rank-3.json"
+    deadline = time.monotonic() + 180
+    while not heartbeat.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stopped_pid = json.loads(heartbeat.read_text())["pid"]
+    lines: list[tuple[float, str]] = []  # stderr as the user sees it, with arrival times
+    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in proc.stderr))
+    reader.start()
+    time.sleep(1)  # into the steps
+    os.kill(stopped_pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    while not any("lost its peers" in line for _, line in lines) and time.monotonic() - stopped_at < 120:
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(stopped_pid, signal.SIGKILL)  # a stopped process ignores the launcher's SIGTERM
+    try:
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(timeout=10)
+    stderr = "".join(line for _, line in lines)
+    reported = [at for at, line in lines if "lost its peers" in line]
+    assert reported, stderr[-3000:]
+    assert reported[0] - stopped_at <= timeout_s + 10, f"reported {reported[0] - stopped_at:.0f}s after the stop"
+    assert "3 did not arrive" in stderr, stderr[-3000:]
