@@ -9,9 +9,11 @@ holds, syncs and keeps the outer state of its own shard only. The sync walks the
 step is SGD with Nesterov momentum on the round-start weights (Douillard et al. 2023), and every rank starts the next
 round from the result.
 
-What else crosses sites: the step's token-count vote (a few floats) and the logging gathers. The inner loss is
-normalised by the world's target tokens, so with one site, or with H = 1, outer_lr 1 and no momentum over a
-linear inner update (SGD), DiLoCo is DDP.
+Nothing else crosses sites between syncs: an inner step's votes, non-finite check and log figures stay within the
+site (`OuterSync.within`), so a slow or stalled site holds the others up only at the sync. What the sites must agree
+on (a stop, a timed save, the tokens of the round) rides a few floats across sites right after the sync (the
+recipe's `agree_at_sync`). The inner loss is normalised by the site's target tokens, so with one site, or with
+H = 1, outer_lr 1, no momentum, a linear inner update (SGD) and equal target tokens per site, DiLoCo is DDP.
 
 Between syncs, the sites' weights differ. An eval mid-round runs each rank's rows on its own site's weights,
 so its loss averages the sites' models; after a sync every site holds the same weights. A lite checkpoint saves
@@ -32,10 +34,11 @@ import torch.distributed as torch_dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from trainyard import dist
 from trainyard.config import DilocoConfig, JobConfig
 from trainyard.dist import DistInfo
 from trainyard.errors import ConfigError
-from trainyard.parallel.parallelize import unwrap
+from trainyard.parallel.parallelize import unwrap, within_site
 
 
 def site_count(cfg: JobConfig, info: DistInfo) -> int:
@@ -129,6 +132,8 @@ class OuterSync:
     def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, mesh: DeviceMesh, info: DistInfo) -> None:
         self.cfg = cfg
         self.group, self.sites, self.site = mesh["site"].get_group(), mesh.size(0), mesh.get_local_rank("site")
+        self.within = _site_ranks_group(mesh, info)
+        """The ranks of this rank's site: an inner step's collectives outside the inner strategy span them only."""
         copies = _copies_within_site(cfg.inner)
         """The site's ranks that hold the same weights (all of them under DDP, the replicas of a shard under HSDP,
         none under FSDP): they split the sync between them, one slice each."""
@@ -248,13 +253,6 @@ class OuterSync:
         ring = 2 * (self.sites - 1) / self.sites
         return ring * values * (2 if self.cfg.pseudo_grad_dtype == "bf16" else 4)
 
-    def worst_norm(self, grad_norm: torch.Tensor) -> torch.Tensor:
-        """The largest site's gradient norm on every rank: each site clips its own, but the non-finite branch
-        gathers over the world, so every rank must take it together."""
-        norm = grad_norm.detach().float().reshape(1).clone()
-        torch_dist.all_reduce(norm, op=torch_dist.ReduceOp.MAX)
-        return norm[0]
-
     def arrangement(self) -> Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]:
         """How a full checkpoint lays out this rank's state (see checkpoint.Arrange): `model` holds the round-start
         weights, the same on every rank; this site's weights and optimizer go under `site-<s>`, written once per
@@ -279,6 +277,16 @@ class OuterSync:
             }
 
         return arrange
+
+
+def _site_ranks_group(mesh: DeviceMesh, info: DistInfo) -> torch_dist.ProcessGroup:
+    """One process group of the site's ranks: the "local" dimension, or replicate x shard flattened (every rank
+    calls it; the new group waits dist.timeout_s like the mesh's own)."""
+    inner = within_site(mesh)
+    if inner.ndim == 1:
+        return inner.get_group()
+    options = dist.timeout_options(info)
+    return inner._flatten("site_ranks", backend_override=(info.backend, options) if options else None).get_group()
 
 
 def _copies_within_site(inner: str) -> str | None:

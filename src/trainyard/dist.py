@@ -151,12 +151,12 @@ def build_mesh(
 def _mesh(info: DistInfo, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     """init_device_mesh gives the groups it splits off torch's default timeout (30 minutes), not the default
     group's: each dimension gets the job's timeout through its backend options."""
-    options = _timeout_options(info)
+    options = timeout_options(info)
     override = {name: (info.backend, options) for name in names} if options is not None else None
     return init_device_mesh(info.device.type, shape, mesh_dim_names=names, backend_override=override)
 
 
-def _timeout_options(info: DistInfo):  # -> Backend.Options | None
+def timeout_options(info: DistInfo):  # -> Backend.Options | None
     """Backend options carrying dist.timeout_s, for the backend the default group uses."""
     if info.timeout_s is None or info.backend not in ("gloo", "nccl"):
         return None
@@ -192,20 +192,27 @@ def exit_process(code: int) -> None:
     sys.exit(code)
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks in place; a no-op when running alone."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum over the group's ranks (the world by default) in place; a no-op when running alone."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
 
-def all_gather_rows(row: torch.Tensor) -> torch.Tensor:
-    """Every rank's `row`, stacked in rank order (just the row when running alone)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+def all_gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's `row` in the group (the world by default), stacked in rank order (just the row alone)."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
         return row.unsqueeze(0)
-    rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, row)
+    rows = [torch.zeros_like(row) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, row, group=group)
     return torch.stack(rows)
+
+
+def group_ranks(group: dist.ProcessGroup | None = None) -> list[int]:
+    """The global ranks of a group (the world by default), in its rank order."""
+    if not dist.is_initialized():
+        return [0]
+    return dist.get_process_group_ranks(group or dist.group.WORLD)
 
 
 def barrier() -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainyard.dist import FLIGHT_DIR, DistInfo, flight_recorder_enabled
+from trainyard.dist import FLIGHT_DIR, DistInfo, all_gather_rows, flight_recorder_enabled, group_ranks
 from trainyard.errors import DistError
 from trainyard.parallel.parallelize import unwrap
 from trainyard.runs import layout as run_layout
@@ -40,14 +40,14 @@ def corrupt_one_parameter(model: torch.nn.Module) -> None:
         next(p for p in unwrap(model).parameters() if p.requires_grad).add_(0.5)
 
 
-def flagged_ranks(flag: bool, info: DistInfo) -> list[int]:
-    """Ranks where `flag` holds; call only where every rank reaches this line."""
+def flagged_ranks(flag: bool, info: DistInfo, group: dist.ProcessGroup | None = None) -> list[int]:
+    """Global ranks of the group (the world by default) where `flag` holds; call only where every rank of the group
+    reaches this line (a DiLoCo site checks its own steps without waiting for the other sites)."""
     if not info.distributed:
         return [0] if flag else []
     mine = torch.tensor([1.0 if flag else 0.0], device=info.device)
-    every = [torch.zeros_like(mine) for _ in range(info.world_size)]
-    dist.all_gather(every, mine)
-    return [rank for rank, value in enumerate(every) if value.item() > 0]
+    every = all_gather_rows(mine, group)
+    return [rank for rank, value in zip(group_ranks(group), every.view(-1).tolist(), strict=True) if value > 0]
 
 
 def replica_norm(model: torch.nn.Module) -> float:

@@ -26,11 +26,13 @@ from rich.console import Console
 
 from trainyard.atomic import write_atomically
 from trainyard.config import JobConfig
-from trainyard.dist import DistInfo, all_gather_rows, host_summary
+from trainyard.dist import DistInfo, all_gather_rows, group_ranks, host_summary
 from trainyard.redaction import redact, redact_text
 from trainyard.runs import layout as run_layout
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from trainyard.parallel.comm import CommTimer
 
 
@@ -77,7 +79,7 @@ class LogWindow:
 
     def reset(self) -> None:
         self.sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, targets, real tokens
-        self.flops = 0.0  # model FLOPs of every rank (hardware.training_flops over the documents each step saw)
+        self.flops = 0.0  # this rank's model FLOPs (hardware.training_flops over the documents each step saw)
         self.seconds = 0.0  # training time only: eval and checkpoints do not dilute tokens/s
         self.data_wait = 0.0
         self.steps = 0
@@ -86,7 +88,8 @@ class LogWindow:
         self, loss_sum: torch.Tensor, targets: torch.Tensor, real_tokens: torch.Tensor, flops: float, seconds: float,
         data_wait: float,
     ) -> None:
-        """One trained step: this rank's loss sum; target and real tokens and model FLOPs already summed over ranks."""
+        """One trained step: this rank's own loss sum, target and real tokens and model FLOPs (`figures` sums them
+        over the ranks it reports on)."""
         self.sums[0] += loss_sum
         self.sums[1] += targets
         self.sums[2] += real_tokens
@@ -102,28 +105,31 @@ class LogWindow:
         if self.comm_timer is not None:
             self.comm_timer.end_step(keep=False)
 
-    def figures(self, world_size: int) -> dict[str, Any]:
-        """The interval's figures, with one all-gather: loss sums to add up, each rank's busy time
-        to spot stragglers. Every rank must call it. MFU: the steps' model FLOPs per rank-second over the peak."""
-        mine = torch.stack([self.sums[0], torch.tensor(self.seconds, dtype=torch.float64, device=self.device)])
-        every = all_gather_rows(mine)
-        targets = self.sums[1].item()
-        times = every[:, 1]
+    def figures(self, group: ProcessGroup | None = None) -> dict[str, Any]:
+        """The interval's figures over the group's ranks (the world by default; a DiLoCo site's between outer syncs),
+        with one all-gather: sums to add up, each rank's busy time to spot stragglers. Every rank of the group must
+        call it. MFU: the steps' model FLOPs per rank-second over the peak."""
+        own = [self.seconds, self.flops]
+        mine = torch.cat([self.sums, torch.tensor(own, dtype=torch.float64, device=self.device)])
+        every = all_gather_rows(mine, group)
+        loss_sum, targets, real_tokens, _, flops = every.sum(dim=0).tolist()
+        ranks = group_ranks(group)
+        times = every[:, 3]
         median = times.median().item()
         elapsed = max(self.seconds, 1e-9)
-        tokens_per_s = self.sums[2].item() / elapsed
-        achieved = self.flops / elapsed / world_size
+        tokens_per_s = real_tokens / elapsed
+        achieved = flops / elapsed / len(ranks)
         return {
-            "loss": every[:, 0].sum().item() / max(targets, 1.0),
+            "loss": loss_sum / max(targets, 1.0),
             "target_tokens": int(targets),
             "tokens_per_s": tokens_per_s,
-            "tokens_per_s_per_rank": tokens_per_s / world_size,
+            "tokens_per_s_per_rank": tokens_per_s / len(ranks),
             "achieved_flops_per_rank": achieved,
             "mfu": achieved / self.peak if self.peak else None,
             "data_wait_share": self.data_wait / elapsed,
             "step_time_spread": (times.max() - times.min()).item() / max(median, 1e-9),
             "comm_share": self.comm_timer.take() / elapsed if self.comm_timer is not None else None,
-            "stragglers": [r for r, t in enumerate(times.tolist()) if median > 0 and t > 1.2 * median],
+            "stragglers": [r for r, t in zip(ranks, times.tolist(), strict=True) if median > 0 and t > 1.2 * median],
         }
 
 

@@ -183,3 +183,30 @@ def test_bad_diloco_settings_exit_2_naming_the_field(overrides: list[str], needl
     for needle in needles:
         assert needle in flat, flat
     assert "Traceback" not in result.stderr
+
+
+def test_inner_steps_collectives_stay_within_the_site(tmp_path: Path) -> None:
+    """2 sites of 2, rounds of 4 steps, a train event every step: from each step's start to its outer sync (or the
+    next step), every collective the flight recorder saw (votes, DDP's gradients, log figures) is within the rank's
+    site. A WAN stall then holds the sites up only at the sync, where the cross-site traffic is."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+         str(REPO / "tests" / "dist" / "scripts" / "diloco_inner_collectives.py"), str(tmp_path / "out"),
+         str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    for rank in range(4):
+        record = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        site = [r for r in range(4) if r // 2 == rank // 2]
+        ends = [mark[2] for mark in record["marks"][1:]] + [max(e["id"] for e in record["entries"]) + 1]
+        inner = [(step, low, high) for (kind, step, low), high in zip(record["marks"], ends, strict=True)
+                 if kind == "step"]
+        assert [step for step, _, _ in inner] == list(range(1, 9))
+        for step, low, high in inner:
+            within = [e for e in record["entries"] if low <= e["id"] < high]
+            assert within, f"rank {rank} step {step}: no collective recorded"
+            crossing = [(e["op"], e["ranks"]) for e in within if e["ranks"] != site]
+            assert not crossing, f"rank {rank} step {step} left its site {site}: {crossing}"
+        after_syncs = {tuple(e["ranks"]) for e in record["entries"] if e["id"] >= record["marks"][4][2]}
+        assert (rank % 2, rank % 2 + 2) in after_syncs, "the outer sync's all-reduce across sites was recorded"

@@ -1,4 +1,5 @@
-"""Communication share is measured for DDP (comm hook) and FSDP2 (its own collectives, timed)."""
+"""Communication share is measured for DDP (comm hook), FSDP2 (its own collectives, timed) and HSDP (its replicate
+all-reduce too)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ from tests.conftest import REPO, TINY, assert_ok, events, trainyard
 pytestmark = pytest.mark.dist
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_comm_share_is_measured(tmp_path: Path, strategy: str) -> None:
+@pytest.mark.parametrize(
+    "strategy", [["dist.strategy=ddp"], ["dist.strategy=fsdp"], ["dist.strategy=hsdp", "dist.shard_size=1"]],
+    ids=["ddp", "fsdp", "hsdp"],
+)
+def test_comm_share_is_measured(tmp_path: Path, strategy: list[str]) -> None:
     result = trainyard(
-        "train", TINY, f"output_dir={tmp_path}", f"dist.strategy={strategy}", "train.max_steps=6", "log.every_steps=2",
+        "train", TINY, f"output_dir={tmp_path}", *strategy, "train.max_steps=6", "log.every_steps=2",
         "eval.every_steps=0", "eval.at_end=false", "checkpoint.at_end=false", "log.tensorboard=false", "--nproc", "2",
     )
     assert_ok(result)
@@ -40,3 +44,16 @@ def test_fsdp2_comm_counts_trained_steps_only(tmp_path: Path) -> None:
     assert seconds["trained"] > 0  # the all-gathers and reduce-scatters of a training step
     assert seconds["skipped"] == 0.0  # a step dropped for a non-finite loss
     assert seconds["evaluated"] == 0.0  # an evaluation's all-gathers are not training time
+
+
+@pytest.mark.parametrize(("nproc", "shard_size"), [(2, 1), (4, 2)], ids=["hsdp-2x1", "hsdp-2x2"])
+def test_hsdp_comm_includes_the_replicate_all_reduce(tmp_path: Path, nproc: int, shard_size: int) -> None:
+    out = tmp_path / "seconds.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+         str(REPO / "tests" / "dist" / "scripts" / "time_hsdp_all_reduce.py"), str(out), str(shard_size)],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    seconds = json.loads(out.read_text())
+    assert seconds["seconds"] >= seconds["all_reduce_delay"], seconds  # each unit's all-reduce, slowed, was timed

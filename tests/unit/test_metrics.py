@@ -111,13 +111,13 @@ def test_a_skipped_step_stays_out_of_the_window() -> None:
     timer = CommTimer(cuda=False)
     window = LogWindow(torch.device("cpu"), timer, peak=None)
     one = torch.tensor(1.0, dtype=torch.float64)
-    timer.add_seconds(0.5)
+    timer.add_interval(0.0, 0.5)
     window.add(torch.tensor(30.0, dtype=torch.float64), 10 * one, 100 * one, flops=600.0, seconds=2.0, data_wait=0.5)
-    timer.add_seconds(9.0)
+    timer.add_interval(2.0, 11.0)
     window.skip()  # a NaN step: its loss, tokens and time never reach the window
-    timer.add_seconds(1.5)
+    timer.add_interval(11.0, 12.5)
     window.add(torch.tensor(10.0, dtype=torch.float64), 30 * one, 300 * one, flops=1800.0, seconds=2.0, data_wait=0.5)
-    figures = window.figures(world_size=1)
+    figures = window.figures()
     assert figures["loss"] == pytest.approx(40 / 40)
     assert figures["target_tokens"] == 40
     assert figures["tokens_per_s"] == pytest.approx(400 / 4.0)
@@ -127,7 +127,7 @@ def test_a_skipped_step_stays_out_of_the_window() -> None:
     assert figures["data_wait_share"] == pytest.approx(1.0 / 4.0)
     rated = LogWindow(torch.device("cpu"), None, peak=1200.0)
     rated.add(torch.tensor(1.0, dtype=torch.float64), one, 100 * one, flops=600.0, seconds=1.0, data_wait=0.0)
-    assert rated.figures(world_size=1)["mfu"] == pytest.approx(600 / 1200)
+    assert rated.figures()["mfu"] == pytest.approx(600 / 1200)
 
 
 def test_the_report_still_finds_a_non_finite_loss_written_as_null(tmp_path: Path) -> None:

@@ -183,10 +183,13 @@ def signal_lead(job: SlurmJob, cfg: JobConfig) -> SignalLead:
             f"cannot estimate the full checkpoint's save time for the preemption signal: {err.what}",
             fix="pass --signal-lead SECONDS: more than one step plus one full save",
         ) from None
-    window = max(MIN_SAVE_WINDOW_S, math.ceil(SAVE_MARGIN * (timing.step_s + timing.save_s)) + SAVE_MARGIN_S)
+    # Under DiLoCo a stop takes effect at the round's outer sync (sites agree only there): up to sync_every steps.
+    steps = cfg.diloco.sync_every if cfg.dist.strategy == "diloco" else 1
+    window = max(MIN_SAVE_WINDOW_S, math.ceil(SAVE_MARGIN * (steps * timing.step_s + timing.save_s)) + SAVE_MARGIN_S)
     assumed = "" if job.gpu or kind == "cpu" else " (assumed: pass --gpu KIND)"
+    rounds = f"{steps} steps (to the round's outer sync) x " if steps > 1 else ""
     reason = (
-        f"estimated by trainyard for {job.nodes} x {nproc_per_node(job)} {kind}{assumed}: a step "
+        f"estimated by trainyard for {job.nodes} x {nproc_per_node(job)} {kind}{assumed}: {rounds}a step "
         f"{timing.step_s:.3g} s + a full save {timing.save_s:.3g} s ({timing.checkpoint_bytes / 1e9:.3g} GB at "
         f"{DEFAULT_DISK_GBYTES_S:g} GB/s), x{SAVE_MARGIN:g} + {SAVE_MARGIN_S} s (at least {MIN_SAVE_WINDOW_S} s) "
         f"for the workers, + {SHUTDOWN_MARGIN_S} s for the agent; --signal-lead N overrides"

@@ -1,7 +1,7 @@
 """The training recipe, top to bottom, and the explicit loop.
 
 `run` is the whole job in the order DESIGN.md draws it; `fit` is the loop: gather one
-accumulation window, count its target tokens across ranks with one all-reduce, run
+accumulation window, count its target tokens across ranks (a DiLoCo site's) with one all-reduce, run
 forward/backward (gradients reduced as `parallel.gradient_sync` says), clip, step, log,
 and at their intervals evaluate and checkpoint. When a full save is due, what it holds, resuming and
 preemption are loop_state.py's.
@@ -9,15 +9,17 @@ preemption are loop_state.py's.
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, field, replace
 from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
+from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import FSDPModule
 
 from trainyard import diloco, dist, health
@@ -71,11 +73,24 @@ class StepVotes:
     timed_save: float = 0.0  # rank 0: checkpoint.every_minutes passed since the last full save
     data_ended: float = 0.0  # this rank's pretraining stream ended before a full window (mixture_exhausted: stop)
 
-    def summed(self, device: torch.device) -> StepVotes:
-        """Every field summed over all ranks, in one all-reduce."""
+    def summed(self, device: torch.device, group: ProcessGroup | None = None) -> StepVotes:
+        """Every field summed over the group's ranks (the world by default), in one all-reduce."""
         values = torch.tensor(astuple(self), dtype=torch.float64, device=device)
-        dist.all_reduce_sum(values)
+        dist.all_reduce_sum(values, group)
         return StepVotes(*values.tolist())
+
+    def plus(self, other: StepVotes) -> StepVotes:
+        return StepVotes(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+
+@dataclass
+class RoundTally:
+    """DiLoCo: what a site's steps since the last outer sync add up to, for the sites to agree on at the sync."""
+
+    stops: StepVotes = field(default_factory=StepVotes)
+    """The site's votes summed over the round's steps: a preemption, a timed save or an ended stream anywhere in it."""
+    trained_tokens: float = 0.0
+    """Real tokens of the steps the site trained (not the skipped or idle ones)."""
 
 
 def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
@@ -110,91 +125,174 @@ def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
 def _train_steps(
     job: Job, batches: Any, state: LoopState, run_eval: Any, heartbeat: BackgroundHeartbeat, interval: LogWindow
 ) -> None:
-    """Steps until max_steps. An async save may still be in flight at the end (job.saves)."""
-    cfg, info, model = job.cfg, job.info, job.model
+    """Steps until max_steps. An async save may still be in flight at the end (job.saves).
+
+    Without DiLoCo every step's votes span the world and are acted on at once. Under DiLoCo they span the site, so
+    an inner step never waits for another site: a site skips its own non-finite step, a site whose stream ended
+    idles, and the stops (preemption, ended data, timed save) are agreed right after the outer sync."""
+    cfg, info = job.cfg, job.info
     last_full = time.monotonic()
+    tally = RoundTally()
     for step in range(state.step + 1, cfg.train.max_steps + 1):
         step_start = time.monotonic()
         position = job.sampler.state_dict()  # where this step's data starts: a preemption save resumes here
         window = list(islice(batches, job.accum))
         data_wait = time.monotonic() - step_start
         health.record_progress(info, step, health.CONTROL)
-        votes = StepVotes(
-            targets=sum(int((b["labels"][:, 1:] != -100).sum()) for b in window),
-            real_tokens=sum(int(b.pop("real_tokens")) for b in window),
-            flops=sum(training_flops(job.flops, _document_lengths(b)) for b in window),
-            save_written=float(job.saves.written_here()),
-            save_failed=float(job.saves.failed_here()),
-            preempted=float(bool(loop_state.SIGNALLED)),
-            timed_save=float(info.is_main and loop_state.timed_save_due(job, last_full)),
-            data_ended=float(len(window) < job.accum),
-        ).summed(info.device)
-        job.saves.settle(
-            written_everywhere=votes.save_written == info.world_size, failed_somewhere=votes.save_failed > 0
-        )
-        if votes.preempted or votes.data_ended:
-            job.sampler.load_state_dict(position)  # the window drawn above is never trained on
-        if votes.preempted:
-            loop_state.stop_for_preemption(job, state)
-        if votes.data_ended:
-            job.sink.emit("system", step=state.step, event="data_exhausted", tokens_per_source=_per_source(job))
+        own = _own_votes(job, window, last_full)
+        votes = own.summed(info.device, _step_group(job))
+        if job.outer is None and _stops_before_training(job, state, votes, position):
             return
-        step_loss = _forward_backward(job, window, votes.targets, step)
-        health.record_progress(info, step, health.REPORT)  # clipping and logging gather next
-        grad_norm = grad_norm_and_clip(model, cfg.train.max_grad_norm)
-        if job.outer is not None:
-            grad_norm = job.outer.worst_norm(grad_norm)
-        if not torch.isfinite(grad_norm):  # the norm is global: every rank takes this branch
-            job.optimizer.zero_grad(set_to_none=True)
-            culprits = health.flagged_ranks(not bool(torch.isfinite(step_loss)), info)
-            if cfg.train.on_nonfinite == "error":
-                raise NonFiniteError(
-                    f"non-finite loss or gradient at step {step}: "
-                    + (
-                        f"the loss was non-finite on rank(s) {culprits}"
-                        if culprits
-                        else f"gradient norm {grad_norm.item()}, losses finite"
-                    ),
-                    fix="lower train.lr, check that rank's data, or set train.on_nonfinite: skip",
-                )
-            job.sink.emit("system", step=step, event="skipped_nonfinite_step", ranks=culprits)
-            interval.skip()  # its loss, tokens, time and comm stay out of the next train event
-            continue
+        tally.stops = tally.stops.plus(votes)
+        idle = job.outer is not None and tally.stops.data_ended > 0
+        if idle:
+            job.sampler.load_state_dict(position)  # this site's stream ended: it waits for the round's sync
         lr = job.scheduler.get_last_lr()[0]
-        job.optimizer.step()
-        job.scheduler.step()
-        job.optimizer.zero_grad(set_to_none=True)
+        step_loss, grad_norm = (None, torch.tensor(float("nan"))) if idle else _train_window(job, window, votes, step)
+        if step_loss is None:
+            interval.skip()  # its loss, tokens, time and comm stay out of the next train event
+            if job.outer is None:
+                continue  # every rank skipped it
+            job.scheduler.step()  # the schedule follows the step count, the same on every site
+        tokens = 0 if step_loss is None else int(votes.real_tokens * (job.outer.sites if job.outer else 1))
+        state.tokens += tokens  # under DiLoCo an estimate (this site's times the sites) until the sync
+        tally.trained_tokens += 0 if step_loss is None else votes.real_tokens
+        agreed = votes if job.outer is None else None
         if job.outer is not None and job.outer.due(step):
             job.sink.emit("system", step=step, event="outer_sync", **job.outer.sync())
+            agreed = _agree_at_sync(job, tally, votes)
+            state.tokens += int(agreed.real_tokens - job.outer.sites * tally.trained_tokens)  # the estimate, made exact
+            tally = RoundTally()
         _check_replicas(job, step)
         step_time = time.monotonic() - step_start
         state.step = step
-        state.tokens += int(votes.real_tokens)
-        if step > 1:
-            state.steady_tokens += int(votes.real_tokens)
-            state.steady_time += step_time
-        interval.add(step_loss, votes.targets, votes.real_tokens, votes.flops, step_time, data_wait)
+        if step_loss is not None:
+            if step > 1:
+                state.steady_tokens += tokens
+                state.steady_time += step_time
+            interval.add(step_loss, own.targets, own.real_tokens, own.flops, step_time, data_wait)
         heartbeat.step = step
+        if job.outer is not None and agreed is not None and _stops_at_sync(job, state, agreed):
+            return
         if step % cfg.log.every_steps == 0 or step == cfg.train.max_steps:
-            _log_interval(state, job, interval, lr, grad_norm)
+            _log_interval(state, job, interval, lr, grad_norm, whole_world=agreed is not None)
         if run_eval and cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
             state.last_eval = run_eval(step)
             job.sink.emit("eval", step=step, **state.last_eval)
-        full_due = (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or votes.timed_save > 0
+        timed_save = agreed is not None and agreed.timed_save > 0
+        full_due = (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or timed_save
         if full_due and step < cfg.train.max_steps:
             loop_state.save_full(job, state, async_save=cfg.checkpoint.async_save)
             last_full = time.monotonic()
         elif cfg.checkpoint.lite_every_steps and step % cfg.checkpoint.lite_every_steps == 0:
-            job.saves.save_lite(model, step)
+            job.saves.save_lite(job.model, step)
+
+
+def _step_group(job: Job) -> ProcessGroup | None:
+    """The ranks an inner step's votes, non-finite check and log figures span: under DiLoCo the site's (sites meet
+    only at the outer sync), otherwise the world (None)."""
+    return job.outer.within if job.outer is not None else None
+
+
+def _own_votes(job: Job, window: list[dict[str, torch.Tensor]], last_full: float) -> StepVotes:
+    """This rank's part of the step's votes."""
+    return StepVotes(
+        targets=sum(int((b["labels"][:, 1:] != -100).sum()) for b in window),
+        real_tokens=sum(int(b.pop("real_tokens")) for b in window),
+        flops=sum(training_flops(job.flops, _document_lengths(b)) for b in window),
+        save_written=float(job.saves.written_here()),
+        save_failed=float(job.saves.failed_here()),
+        preempted=float(bool(loop_state.SIGNALLED)),
+        timed_save=float(job.info.is_main and loop_state.timed_save_due(job, last_full)),
+        data_ended=float(len(window) < job.accum),
+    )
+
+
+def _stops_before_training(job: Job, state: LoopState, votes: StepVotes, position: dict[str, Any]) -> bool:
+    """The world's votes, acted on before the step trains: the async save settled, a preemption saved and raised,
+    True where the data ended. The window drawn for a step that does not train is put back."""
+    job.saves.settle(
+        written_everywhere=votes.save_written == job.info.world_size, failed_somewhere=votes.save_failed > 0
+    )
+    if votes.preempted or votes.data_ended:
+        job.sampler.load_state_dict(position)
+    if votes.preempted:
+        loop_state.stop_for_preemption(job, state)
+    if votes.data_ended:
+        job.sink.emit("system", step=state.step, event="data_exhausted", tokens_per_source=_per_source(job))
+    return votes.data_ended > 0
+
+
+def _agree_at_sync(job: Job, tally: RoundTally, votes: StepVotes) -> StepVotes:
+    """DiLoCo: the round's stops and trained tokens and this step's save votes, summed over the world by one small
+    all-reduce across sites right after the outer sync. Each rank holds its site's sums, so summing over the ranks at
+    its position in every site gives the world's; the async save in flight settles here."""
+    assert job.outer is not None
+    round_votes = replace(
+        tally.stops, real_tokens=tally.trained_tokens, save_written=votes.save_written, save_failed=votes.save_failed
+    )
+    agreed = round_votes.summed(job.info.device, job.outer.group)
+    job.saves.settle(
+        written_everywhere=agreed.save_written == job.info.world_size, failed_somewhere=agreed.save_failed > 0
+    )
+    return agreed
+
+
+def _stops_at_sync(job: Job, state: LoopState, agreed: StepVotes) -> bool:
+    """DiLoCo: a preemption or an ended stream on any site, agreed at the sync, stops every site after it (the
+    preemption saves and raises); True where the data ended."""
+    if agreed.preempted:
+        loop_state.stop_for_preemption(job, state)
+    if agreed.data_ended:
+        job.sink.emit("system", step=state.step, event="data_exhausted", tokens_per_source=_per_source(job))
+    return agreed.data_ended > 0
+
+
+def _train_window(
+    job: Job, window: list[dict[str, torch.Tensor]], votes: StepVotes, step: int
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Forward, backward, clip and the optimizer step: this rank's loss sum and the gradient norm, or no loss where
+    the norm was non-finite and the step skipped. The norm spans the step's group, so its ranks skip together."""
+    step_loss = _forward_backward(job, window, votes.targets, step)
+    health.record_progress(job.info, step, health.REPORT)  # clipping and logging gather next
+    grad_norm = grad_norm_and_clip(job.model, job.cfg.train.max_grad_norm)
+    if not torch.isfinite(grad_norm):
+        job.optimizer.zero_grad(set_to_none=True)
+        _report_nonfinite(job, step, step_loss, grad_norm)
+        return None, grad_norm
+    job.optimizer.step()
+    job.scheduler.step()
+    job.optimizer.zero_grad(set_to_none=True)
+    return step_loss, grad_norm
+
+
+def _report_nonfinite(job: Job, step: int, step_loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    """Name the ranks of the step's group whose loss went non-finite; raise under on_nonfinite: error."""
+    culprits = health.flagged_ranks(not bool(torch.isfinite(step_loss)), job.info, _step_group(job))
+    if job.cfg.train.on_nonfinite == "error":
+        raise NonFiniteError(
+            f"non-finite loss or gradient at step {step}: "
+            + (
+                f"the loss was non-finite on rank(s) {culprits}"
+                if culprits
+                else f"gradient norm {grad_norm.item()}, losses finite"
+            ),
+            fix="lower train.lr, check that rank's data, or set train.on_nonfinite: skip",
+        )
+    job.sink.emit("system", step=step, event="skipped_nonfinite_step", ranks=culprits,
+                  **_site_field(job, whole_world=False))
+    if job.outer is not None and not job.info.is_main:  # rank 0 sees its own site's only: the site's logs say it
+        logging.getLogger("trainyard").warning("skipped non-finite step %d (site %d, ranks %s)", step,
+                                               job.outer.site, culprits)
 
 
 def _forward_backward(job: Job, window: list[dict[str, torch.Tensor]], targets: float, step: int) -> torch.Tensor:
     """Forward and backward over the window; gradients reduced as `parallel.gradient_sync` says.
     Returns the summed (unscaled) loss of this rank's window."""
     info, model = job.info, job.model
-    # DDP/FSDP average gradients over ranks; multiplying back by world makes the
-    # gradient that of the summed loss over every target token in the global batch.
-    scale = info.world_size / max(targets, 1.0)
+    # DDP/FSDP average gradients over ranks; multiplying back by the ranks that counted `targets` (the world, or a
+    # DiLoCo site) makes the gradient that of the summed loss over every target token they hold.
+    scale = len(dist.group_ranks(_step_group(job))) / max(targets, 1.0)
     step_loss = torch.zeros((), dtype=torch.float64, device=info.device)
     for i, batch in enumerate(window):
         last = i == len(window) - 1
@@ -232,17 +330,25 @@ def _check_replicas(job: Job, step: int) -> None:
     health.check_replicas_agree(job.model, info, step, cfg.dist.desync_tolerance)
 
 
-def _log_interval(state: LoopState, job: Job, interval: LogWindow, lr: float, grad_norm: torch.Tensor) -> None:
-    figures = interval.figures(job.info.world_size)  # every rank: one all-gather
+def _log_interval(
+    state: LoopState, job: Job, interval: LogWindow, lr: float, grad_norm: torch.Tensor, whole_world: bool
+) -> None:
+    """The train event: over the world, or under DiLoCo between outer syncs over rank 0's site only (`site`)."""
+    figures = interval.figures(None if whole_world else _step_group(job))  # every rank of the group: one all-gather
     interval.reset()
     state.first_loss = figures["loss"] if state.first_loss is None else state.first_loss
     state.last_loss = figures["loss"]
     job.sink.emit(
-        "train", step=state.step, lr=lr, grad_norm=float(grad_norm), **figures,
+        "train", step=state.step, lr=lr, grad_norm=float(grad_norm), **figures, **_site_field(job, whole_world),
         peak_memory_bytes=peak_memory_bytes(job.info.device), tokens=state.tokens,
         **({"tokens_per_source": _per_source(job)} if isinstance(job.sampler, MixtureStream) else {}),
         **({"epoch": _epoch(job.sampler)} if isinstance(job.sampler, ResumableSampler) else {}),
     )
+
+
+def _site_field(job: Job, whole_world: bool) -> dict[str, int]:
+    """`site`: the DiLoCo site an event's figures come from, where they are not the whole world's."""
+    return {} if whole_world or job.outer is None else {"site": job.outer.site}
 
 
 def _epoch(sampler: ResumableSampler) -> float:

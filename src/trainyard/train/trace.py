@@ -364,15 +364,14 @@ def optimizer_step(
     micro_batches: int, outer: diloco.OuterSync | None,
 ) -> None:
     """The loop's step (recipe._train_steps): each micro-batch's forward and backward under `gradient_sync`,
-    the clip over every rank, DiLoCo's worst norm across sites, AdamW's step, gradients freed."""
+    the clip over the ranks that hold the gradients (a DiLoCo site's), AdamW's step, gradients freed. `outer`
+    is only held: its outer state counts in the peak, and an inner step sends nothing across sites."""
     for index in range(micro_batches):
         with parallel.gradient_sync(model, last=index == micro_batches - 1, defer=cfg.dist.defer_grad_sync):
             with precision_room.autocast(precision, CPU, enabled=not isinstance(model, FSDPModule)):
                 loss = micro_batch_loss(model, cfg)
             loss.backward()
-    norm = grad_norm_and_clip(model, cfg.train.max_grad_norm)
-    if outer is not None:
-        outer.worst_norm(norm)
+    grad_norm_and_clip(model, cfg.train.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

@@ -232,3 +232,16 @@ def test_signal_lead_flag_overrides_the_estimate(tmp_path: Path) -> None:
     text = render(tmp_path, signal_lead=1200)
     assert "#SBATCH --signal=USR1@1200" in text and "--shutdown-timeout 1190" in text
     assert "1200 s: --signal-lead." in text
+
+
+def test_under_diloco_the_lead_covers_the_steps_to_the_rounds_outer_sync(tmp_path: Path) -> None:
+    """DiLoCo's sites agree on a stop only at the outer sync: the save can wait up to sync_every steps."""
+    from trainyard.estimate import Hardware, estimate
+
+    scratch = str(REPO / "configs" / "scratch-1.5b.yaml")
+    cfg = load_config(scratch)
+    job = SlurmJob(config=scratch, overrides=(), nodes=4, gpus_per_node=4, gpu="h100-80gb")
+    timing = estimate(cfg, Hardware("h100-80gb", 4, 4), suggest=False).timing
+    _, lead = resolve(job, cfg)
+    assert lead.save_window_s > cfg.diloco.sync_every * timing.step_s + timing.save_s
+    assert f"{cfg.diloco.sync_every} steps (to the round's outer sync)" in render_sbatch(job, cfg)

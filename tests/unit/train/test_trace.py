@@ -94,12 +94,12 @@ def test_ddp_all_reduces_the_gradients_over_the_world(traced) -> None:
 
 
 def test_diloco_inner_steps_stay_within_a_site(traced) -> None:
-    """scratch-1.5b on 4 sites of 4, DiLoCo over DDP: an inner step all-reduces the gradients within the site;
-    across sites goes only the gradient norm (one float: every rank takes the non-finite branch together)."""
+    """scratch-1.5b on 4 sites of 4, DiLoCo over DDP: an inner step all-reduces the gradients within the site, and
+    nothing crosses sites (each site takes its own non-finite branch)."""
     result = traced["scratch"]
     assert result.mesh == "site 4 x local 4"
     assert sum(one.bytes_in for one in on(result, "local", "all_reduce")) == result.formula.gradients
-    assert [(one.kind, one.bytes_in) for one in on(result, "world")] == [("all_reduce", 4)]
+    assert not on(result, "world")
     assert not on(result, "site")
 
 
