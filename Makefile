@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/trainyard train
 
 test: $(STAMP)
-	$(PY) -m pytest -q -rs --durations=15 tests
+	$(PY) -m pytest -q -rs --durations=40 tests
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
