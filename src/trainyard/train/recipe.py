@@ -172,10 +172,10 @@ def _train_steps(
                 state.steady_time += step_time
             interval.add(step_loss, own.targets, own.real_tokens, own.flops, step_time, data_wait)
         heartbeat.step = step
+        if step % cfg.log.every_steps == 0 or step == cfg.train.max_steps:  # before a stop: the step was trained
+            _log_interval(state, job, interval, lr, grad_norm, whole_world=agreed is not None)
         if job.outer is not None and agreed is not None and _stops_at_sync(job, state, agreed):
             return
-        if step % cfg.log.every_steps == 0 or step == cfg.train.max_steps:
-            _log_interval(state, job, interval, lr, grad_norm, whole_world=agreed is not None)
         if run_eval and cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
             state.last_eval = run_eval(step)
             job.sink.emit("eval", step=step, **state.last_eval)
