@@ -1,7 +1,7 @@
 """The training recipe, top to bottom, and the explicit loop.
 
 `run` is the whole job in the order DESIGN.md draws it; `fit` is the loop: gather one
-accumulation window, count its target tokens across ranks (a DiLoCo site's) with one all-reduce, run
+accumulation window, count its target tokens across ranks (a DiLoCo site's) with one all-reduce (votes.py), run
 forward/backward (gradients reduced as `parallel.gradient_sync` says), clip, step, log,
 and at their intervals evaluate and checkpoint. When a full save is due, what it holds, resuming and
 preemption are loop_state.py's.
@@ -12,14 +12,12 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from dataclasses import astuple, dataclass, field, replace
 from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import FSDPModule
 
 from trainyard import diloco, dist, health
@@ -35,7 +33,7 @@ from trainyard.data.mixture import MixtureStream, mixture_stream
 from trainyard.data.pretraining import prepare_pretraining
 from trainyard.errors import NonFiniteError
 from trainyard.evaluate import evaluate, samples_file
-from trainyard.hardware import device_peak_flops, flop_shape, training_flops
+from trainyard.hardware import device_peak_flops, flop_shape
 from trainyard.loss import token_loss_sum
 from trainyard.metrics import (
     LogWindow,
@@ -45,7 +43,6 @@ from trainyard.metrics import (
     setup_logging,
     write_json,
 )
-from trainyard.model import attention
 from trainyard.model import build as model_room
 from trainyard.model import source as source_room
 from trainyard.parallel import comm
@@ -54,43 +51,10 @@ from trainyard.runs import layout as run_layout
 from trainyard.runs.status import BackgroundHeartbeat
 from trainyard.train import build
 from trainyard.train import state as loop_state
+from trainyard.train import votes as agreement
 from trainyard.train.job import Job
 from trainyard.train.optim import build_optimizer, grad_norm_and_clip
 from trainyard.train.state import LoopState
-
-
-@dataclass
-class StepVotes:
-    """What every rank puts into the step's one all-reduce outside DDP/FSDP, by name: token
-    counts for the loss normalisation, and facts every rank must agree on before acting."""
-
-    targets: float = 0.0  # target tokens (labels not masked) in this rank's window
-    real_tokens: float = 0.0  # tokens that are not padding, for tokens/s
-    flops: float = 0.0  # model FLOPs of this rank's window (hardware.training_flops), for MFU
-    save_written: float = 0.0  # this rank's part of the async save in flight is on disk
-    save_failed: float = 0.0  # this rank's part of it failed
-    preempted: float = 0.0  # this rank caught a preemption signal
-    timed_save: float = 0.0  # rank 0: checkpoint.every_minutes passed since the last full save
-    data_ended: float = 0.0  # this rank's pretraining stream ended before a full window (mixture_exhausted: stop)
-
-    def summed(self, device: torch.device, group: ProcessGroup | None = None) -> StepVotes:
-        """Every field summed over the group's ranks (the world by default), in one all-reduce."""
-        values = torch.tensor(astuple(self), dtype=torch.float64, device=device)
-        dist.all_reduce_sum(values, group)
-        return StepVotes(*values.tolist())
-
-    def plus(self, other: StepVotes) -> StepVotes:
-        return StepVotes(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
-
-
-@dataclass
-class RoundTally:
-    """DiLoCo: what a site's steps since the last outer sync add up to, for the sites to agree on at the sync."""
-
-    stops: StepVotes = field(default_factory=StepVotes)
-    """The site's votes summed over the round's steps: a preemption, a timed save or an ended stream anywhere in it."""
-    trained_tokens: float = 0.0
-    """Real tokens of the steps the site trained (not the skipped or idle ones)."""
 
 
 def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
@@ -132,15 +96,15 @@ def _train_steps(
     idles, and the stops (preemption, ended data, timed save) are agreed right after the outer sync."""
     cfg, info = job.cfg, job.info
     last_full = time.monotonic()
-    tally = RoundTally()
+    tally = agreement.RoundTally()
     for step in range(state.step + 1, cfg.train.max_steps + 1):
         step_start = time.monotonic()
         position = job.sampler.state_dict()  # where this step's data starts: a preemption save resumes here
         window = list(islice(batches, job.accum))
         data_wait = time.monotonic() - step_start
         health.record_progress(info, step, health.CONTROL)
-        own = _own_votes(job, window, last_full)
-        votes = own.summed(info.device, _step_group(job))
+        own = agreement.own_votes(job, window, last_full)
+        votes = own.summed(info.device, agreement.step_group(job))
         if job.outer is None and _stops_before_training(job, state, votes, position):
             return
         tally.stops = tally.stops.plus(votes)
@@ -160,9 +124,9 @@ def _train_steps(
         agreed = votes if job.outer is None else None
         if job.outer is not None and job.outer.due(step):
             job.sink.emit("system", step=step, event="outer_sync", **job.outer.sync())
-            agreed = _agree_at_sync(job, tally, votes)
+            agreed = agreement.agree_at_sync(job, tally, votes)
             state.tokens += int(agreed.real_tokens - job.outer.sites * tally.trained_tokens)  # the estimate, made exact
-            tally = RoundTally()
+            tally = agreement.RoundTally()
         _check_replicas(job, step)
         step_time = time.monotonic() - step_start
         state.step = step
@@ -188,27 +152,7 @@ def _train_steps(
             job.saves.save_lite(job.model, step)
 
 
-def _step_group(job: Job) -> ProcessGroup | None:
-    """The ranks an inner step's votes, non-finite check and log figures span: under DiLoCo the site's (sites meet
-    only at the outer sync), otherwise the world (None)."""
-    return job.outer.within if job.outer is not None else None
-
-
-def _own_votes(job: Job, window: list[dict[str, torch.Tensor]], last_full: float) -> StepVotes:
-    """This rank's part of the step's votes."""
-    return StepVotes(
-        targets=sum(int((b["labels"][:, 1:] != -100).sum()) for b in window),
-        real_tokens=sum(int(b.pop("real_tokens")) for b in window),
-        flops=sum(training_flops(job.flops, _document_lengths(b)) for b in window),
-        save_written=float(job.saves.written_here()),
-        save_failed=float(job.saves.failed_here()),
-        preempted=float(bool(loop_state.SIGNALLED)),
-        timed_save=float(job.info.is_main and loop_state.timed_save_due(job, last_full)),
-        data_ended=float(len(window) < job.accum),
-    )
-
-
-def _stops_before_training(job: Job, state: LoopState, votes: StepVotes, position: dict[str, Any]) -> bool:
+def _stops_before_training(job: Job, state: LoopState, votes: agreement.StepVotes, position: dict[str, Any]) -> bool:
     """The world's votes, acted on before the step trains: the async save settled, a preemption saved and raised,
     True where the data ended. The window drawn for a step that does not train is put back."""
     job.saves.settle(
@@ -223,22 +167,7 @@ def _stops_before_training(job: Job, state: LoopState, votes: StepVotes, positio
     return votes.data_ended > 0
 
 
-def _agree_at_sync(job: Job, tally: RoundTally, votes: StepVotes) -> StepVotes:
-    """DiLoCo: the round's stops and trained tokens and this step's save votes, summed over the world by one small
-    all-reduce across sites right after the outer sync. Each rank holds its site's sums, so summing over the ranks at
-    its position in every site gives the world's; the async save in flight settles here."""
-    assert job.outer is not None
-    round_votes = replace(
-        tally.stops, real_tokens=tally.trained_tokens, save_written=votes.save_written, save_failed=votes.save_failed
-    )
-    agreed = round_votes.summed(job.info.device, job.outer.group)
-    job.saves.settle(
-        written_everywhere=agreed.save_written == job.info.world_size, failed_somewhere=agreed.save_failed > 0
-    )
-    return agreed
-
-
-def _stops_at_sync(job: Job, state: LoopState, agreed: StepVotes) -> bool:
+def _stops_at_sync(job: Job, state: LoopState, agreed: agreement.StepVotes) -> bool:
     """DiLoCo: a preemption or an ended stream on any site, agreed at the sync, stops every site after it (the
     preemption saves and raises); True where the data ended."""
     if agreed.preempted:
@@ -249,7 +178,7 @@ def _stops_at_sync(job: Job, state: LoopState, agreed: StepVotes) -> bool:
 
 
 def _train_window(
-    job: Job, window: list[dict[str, torch.Tensor]], votes: StepVotes, step: int
+    job: Job, window: list[dict[str, torch.Tensor]], votes: agreement.StepVotes, step: int
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Forward, backward, clip and the optimizer step: this rank's loss sum and the gradient norm, or no loss where
     the norm was non-finite and the step skipped. The norm spans the step's group, so its ranks skip together."""
@@ -268,7 +197,7 @@ def _train_window(
 
 def _report_nonfinite(job: Job, step: int, step_loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
     """Name the ranks of the step's group whose loss went non-finite; raise under on_nonfinite: error."""
-    culprits = health.flagged_ranks(not bool(torch.isfinite(step_loss)), job.info, _step_group(job))
+    culprits = health.flagged_ranks(not bool(torch.isfinite(step_loss)), job.info, agreement.step_group(job))
     if job.cfg.train.on_nonfinite == "error":
         raise NonFiniteError(
             f"non-finite loss or gradient at step {step}: "
@@ -292,7 +221,7 @@ def _forward_backward(job: Job, window: list[dict[str, torch.Tensor]], targets: 
     info, model = job.info, job.model
     # DDP/FSDP average gradients over ranks; multiplying back by the ranks that counted `targets` (the world, or a
     # DiLoCo site) makes the gradient that of the summed loss over every target token they hold.
-    scale = len(dist.group_ranks(_step_group(job))) / max(targets, 1.0)
+    scale = len(dist.group_ranks(agreement.step_group(job))) / max(targets, 1.0)
     step_loss = torch.zeros((), dtype=torch.float64, device=info.device)
     for i, batch in enumerate(window):
         last = i == len(window) - 1
@@ -306,15 +235,6 @@ def _forward_backward(job: Job, window: list[dict[str, torch.Tensor]], targets: 
             (loss_sum * scale).backward()
         step_loss += loss_sum.detach().double()
     return step_loss
-
-
-def _document_lengths(batch: dict[str, torch.Tensor]) -> list[int]:
-    """The documents a micro-batch computes, each attending to itself: a padded row's unmasked tokens, or the blocks
-    its position_ids restart (padding-free rows). A padded packed row's padding restarts too: the one padding MFU
-    counts."""
-    if "attention_mask" in batch:
-        return batch["attention_mask"].sum(dim=1).tolist()
-    return [end - start for row in attention.document_bounds(batch["position_ids"]) for start, end in row]
 
 
 def _check_replicas(job: Job, step: int) -> None:
@@ -334,7 +254,7 @@ def _log_interval(
     state: LoopState, job: Job, interval: LogWindow, lr: float, grad_norm: torch.Tensor, whole_world: bool
 ) -> None:
     """The train event: over the world, or under DiLoCo between outer syncs over rank 0's site only (`site`)."""
-    figures = interval.figures(None if whole_world else _step_group(job))  # every rank of the group: one all-gather
+    figures = interval.figures(None if whole_world else agreement.step_group(job))  # the group's ranks: one all-gather
     interval.reset()
     state.first_loss = figures["loss"] if state.first_loss is None else state.first_loss
     state.last_loss = figures["loss"]
