@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, TINY, events, trainyard
+from tests.dist.stop_a_rank import stop_a_rank
 
 pytestmark = pytest.mark.dist
 
@@ -96,35 +97,11 @@ def test_stopped_rank_is_named_within_the_timeout_and_diagnosed(tmp_path: Path) 
         "--nproc",
         "2",
     ]
-    proc = subprocess.Popen(
-        command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
     run_dir = tmp_path / "tiny"
-    heartbeat = run_dir / "heartbeats" / "rank-1.json"
-    deadline = time.monotonic() + 120
-    while not heartbeat.exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    stopped_pid = json.loads(heartbeat.read_text())["pid"]
-    lines: list[tuple[float, str]] = []  # stderr as the user sees it, with arrival times
-    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in proc.stderr))
-    reader.start()
-    os.kill(stopped_pid, signal.SIGSTOP)
-    stopped_at = time.monotonic()
-    while not any("lost its peers" in line for _, line in lines) and time.monotonic() - stopped_at < 90:
-        time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError):  # already killed by the launcher after its grace
-        os.kill(stopped_pid, signal.SIGKILL)  # a stopped process ignores the launcher's SIGTERM
-    try:
-        proc.wait(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    reader.join(timeout=10)
-    stderr = "".join(line for _, line in lines)
-    reported = [at for at, line in lines if "lost its peers" in line]
-    assert proc.returncode != 0
-    assert reported, stderr[-3000:]
-    assert reported[0] - stopped_at <= timeout_s + 10, f"reported {reported[0] - stopped_at:.0f}s after the stop"
+    code, stderr, after = stop_a_rank(command, run_dir / "heartbeats" / "rank-1.json")
+    assert code != 0
+    assert after is not None, stderr[-3000:]
+    assert after <= timeout_s + 10, f"reported {after:.0f}s after the stop"
     assert "ranks 1 did not arrive" in stderr, stderr[-3000:]
     assert (run_dir / "logs" / "stack-rank-0.txt").stat().st_size > 0
     logged = (run_dir / "logs" / "rank-0.log").read_text()

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, TINY
+from tests.dist.stop_a_rank import stop_a_rank
 
 pytestmark = pytest.mark.dist
 
@@ -44,31 +45,8 @@ def test_a_rank_stopped_inside_fsdp2_on_four_processes_is_named_within_the_timeo
                "train.max_steps=1000000", "train.micro_batch_size=2", "train.global_batch_size=8", f"dist.timeout_s={timeout_s}",
                "dist.strategy=hsdp", "dist.shard_size=2", "log.every_steps=1000", "eval.every_steps=0", "eval.at_end=false",
                "checkpoint.at_end=false", "log.tensorboard=false", "--nproc", "4"]
-    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    heartbeat = tmp_path / "tiny" / "heartbeats" / "rank-3.json"
-    deadline = time.monotonic() + 180
-    while not heartbeat.exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    stopped_pid = json.loads(heartbeat.read_text())["pid"]
-    lines: list[tuple[float, str]] = []  # stderr as the user sees it, with arrival times
-    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in proc.stderr))
-    reader.start()
-    time.sleep(1)  # into the steps
-    os.kill(stopped_pid, signal.SIGSTOP)
-    stopped_at = time.monotonic()
-    while not any("lost its peers" in line for _, line in lines) and time.monotonic() - stopped_at < 120:
-        time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(stopped_pid, signal.SIGKILL)  # a stopped process ignores the launcher's SIGTERM
-    try:
-        proc.wait(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    reader.join(timeout=10)
-    stderr = "".join(line for _, line in lines)
-    reported = [at for at, line in lines if "lost its peers" in line]
-    assert reported, stderr[-3000:]
-    assert reported[0] - stopped_at <= timeout_s + 10, f"reported {reported[0] - stopped_at:.0f}s after the stop"
+    code, stderr, after = stop_a_rank(command, tmp_path / "tiny" / "heartbeats" / "rank-3.json", settle_s=1)
+    assert code != 0
+    assert after is not None, stderr[-3000:]
+    assert after <= timeout_s + 10, f"reported {after:.0f}s after the stop"
     assert "3 did not arrive" in stderr, stderr[-3000:]
