@@ -71,10 +71,15 @@ class LogWindow:
     communication would otherwise leak into the next logged figures.
     """
 
-    def __init__(self, device: torch.device, comm_timer: CommTimer | None = None, peak: float | None = None) -> None:
+    def __init__(
+        self, device: torch.device, comm_timer: CommTimer | None = None, peak: float | None = None,
+        expert_load: Any = None,
+    ) -> None:
         self.device = device
         self.comm_timer = comm_timer
         self.peak = peak
+        self.expert_load = expert_load
+        """model.routing.ExpertLoad for an MoE: its counts ride the window's one all-gather."""
         self.reset()
 
     def reset(self) -> None:
@@ -83,6 +88,8 @@ class LogWindow:
         self.seconds = 0.0  # training time only: eval and checkpoints do not dilute tokens/s
         self.data_wait = 0.0
         self.steps = 0
+        if self.expert_load is not None:
+            self.expert_load.reset()
 
     def add(
         self, loss_sum: torch.Tensor, targets: torch.Tensor, real_tokens: torch.Tensor, flops: float, seconds: float,
@@ -111,8 +118,10 @@ class LogWindow:
         call it. MFU: the steps' model FLOPs per rank-second over the peak."""
         own = [self.seconds, self.flops]
         mine = torch.cat([self.sums, torch.tensor(own, dtype=torch.float64, device=self.device)])
+        if self.expert_load is not None:
+            mine = torch.cat([mine, self.expert_load.row()])
         every = all_gather_rows(mine, group)
-        loss_sum, targets, real_tokens, _, flops = every.sum(dim=0).tolist()
+        loss_sum, targets, real_tokens, _, flops = every[:, :5].sum(dim=0).tolist()
         ranks = group_ranks(group)
         times = every[:, 3]
         median = times.median().item()
@@ -130,6 +139,7 @@ class LogWindow:
             "step_time_spread": (times.max() - times.min()).item() / max(median, 1e-9),
             "comm_share": self.comm_timer.take() / elapsed if self.comm_timer is not None else None,
             "stragglers": [r for r, t in zip(ranks, times.tolist(), strict=True) if median > 0 and t > 1.2 * median],
+            **(self.expert_load.figures(every[:, 5:].sum(dim=0)) if self.expert_load is not None else {}),
         }
 
 

@@ -62,6 +62,8 @@ PLOTS = (
     Plot("peak_memory.png", "peak memory (rank 0)", "GiB", (Line("train", "peak_memory_bytes", "", "-", 1 / GIB),)),
     Plot("lr.png", "learning rate", "lr", (Line("train", "lr", "", "-"),)),
     Plot("grad_norm.png", "gradient norm (before clipping)", "grad norm", (Line("train", "grad_norm", "", "-"),)),
+    Plot("router_aux_loss.png", "MoE router auxiliary (load-balancing) loss", "aux loss",
+         (Line("train", "router_aux_loss", "", "-"),)),
 )
 
 
@@ -281,6 +283,22 @@ def samples_section(runs: list[Run]) -> list[str]:
     return lines
 
 
+def experts_section(runs: list[Run]) -> list[str]:
+    """The MoE layers' load in each run's last logged window: max/mean tokens per expert and idle experts."""
+    lines = []
+    for run in runs:
+        last = next((e for e in reversed(run.events) if e.get("kind") == "train" and e.get("expert_load")), None)
+        if last is None:
+            continue
+        load = last["expert_load"]
+        lines += [f"`{run.name}`, step {last.get('step')}: router aux loss {_fmt(last.get('router_aux_loss'), '.4f')}",
+                  "", "| layer | max / mean tokens per expert | experts with no token |", "|---|---|---|"]
+        for layer, ratio, idle in zip(load["layers"], load["max_over_mean"], load["idle_experts"], strict=True):
+            lines.append(f"| {layer} | {_fmt(ratio, '.2f')} | {len(idle)}{f' {idle[:8]}' if idle else ''} |")
+        lines.append("")
+    return ["## Experts", "", *lines] if lines else []
+
+
 def markdown(runs: list[Run], plots: list[Path]) -> str:
     lines = ["# trainyard report", ""]
     lines += [f"- `{run.name}`: {run.path}" for run in runs]
@@ -288,7 +306,7 @@ def markdown(runs: list[Run], plots: list[Path]) -> str:
     for run in runs:
         notes = notable_events(run)
         lines.append(f"- `{run.name}`: " + ("; ".join(notes) if notes else "nothing unusual"))
-    lines += ["", *samples_section(runs), "## Plots", ""]
+    lines += ["", *experts_section(runs), *samples_section(runs), "## Plots", ""]
     lines += [f"![{path.stem}]({path.name})" for path in plots]
     return "\n".join(lines) + "\n"
 

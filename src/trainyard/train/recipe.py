@@ -44,6 +44,7 @@ from trainyard.metrics import (
     write_json,
 )
 from trainyard.model import build as model_room
+from trainyard.model import routing
 from trainyard.model import source as source_room
 from trainyard.parallel import comm
 from trainyard.parallel import parallelize as parallel
@@ -59,7 +60,9 @@ from trainyard.train.state import LoopState
 
 def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
     cfg, info, model = job.cfg, job.info, job.model
-    interval = LogWindow(info.device, job.comm_timer, device_peak_flops(info.device, job.precision.compute_dtype))
+    routers = routing.find_routers(model)
+    interval = LogWindow(info.device, job.comm_timer, device_peak_flops(info.device, job.precision.compute_dtype),
+                         routing.ExpertLoad(routers, info.device) if routers else None)
     run_eval = _evaluator(job)
     if cfg.eval.baseline and run_eval and state.step == 0:
         state.baseline_eval = run_eval(0)
@@ -256,6 +259,7 @@ def _log_interval(
     """The train event: over the world, or under DiLoCo between outer syncs over rank 0's site only (`site`)."""
     figures = interval.figures(None if whole_world else agreement.step_group(job))  # the group's ranks: one all-gather
     interval.reset()
+    _warn_idle_experts(job, state.step, figures.get("expert_load"))
     state.first_loss = figures["loss"] if state.first_loss is None else state.first_loss
     state.last_loss = figures["loss"]
     job.sink.emit(
@@ -264,6 +268,18 @@ def _log_interval(
         **({"tokens_per_source": _per_source(job)} if isinstance(job.sampler, MixtureStream) else {}),
         **({"epoch": _epoch(job.sampler)} if isinstance(job.sampler, ResumableSampler) else {}),
     )
+
+
+def _warn_idle_experts(job: Job, step: int, load: dict[str, Any] | None) -> None:
+    """An expert that no token reached for a whole log window is learning nothing: a router collapsing, or too few
+    tokens per window for the experts (a longer log.every_steps tells the two apart)."""
+    idle = routing.idle_by_layer(load)
+    if idle:
+        job.sink.emit("system", step=step, event="idle_experts", idle_experts={str(k): v for k, v in idle.items()})
+        if job.info.is_main:
+            logging.getLogger("trainyard").warning(
+                "step %d: experts that received no token since the last log, by layer: %s", step,
+                "; ".join(f"layer {layer}: {experts}" for layer, experts in idle.items()))
 
 
 def _site_field(job: Job, whole_world: bool) -> dict[str, int]:
