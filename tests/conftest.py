@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import subprocess
 import sys
 import traceback
@@ -17,6 +18,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
 TINY_MOE = str(REPO / "configs" / "tiny-moe.yaml")
+# Interruption steps are random but replayable: a failure names the seed that draws them again.
+SEED = int(os.environ.get("TRAINYARD_TEST_SEED") or random.SystemRandom().randrange(10**6))
 
 
 def trainyard(
@@ -78,3 +81,16 @@ def assert_ok(result: subprocess.CompletedProcess[str]) -> None:
 @pytest.fixture
 def tiny() -> str:
     return TINY
+
+
+@pytest.fixture
+def draw_step(request: pytest.FixtureRequest):
+    """A step in [low, high] from this test's own seeded RNG, printed with how to replay it."""
+    rng = random.Random(f"{SEED}:{request.node.nodeid}")
+
+    def draw(low: int, high: int) -> int:
+        step = rng.randint(low, high)
+        print(f"interrupting at step {step} (TRAINYARD_TEST_SEED={SEED} replays it)")
+        return step
+
+    return draw

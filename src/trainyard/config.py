@@ -100,7 +100,13 @@ class LoraConfig(Section):
     as the pre-fusion names of the experts on the MoE models transformers fuses (glm4_moe, qwen2_moe, mixtral, ...):
     it moves them to these fused parameters (gate_up_proj at twice the rank) and the router's weight, so there the
     dense layers' MLP and the shared experts carry no adapter. trainyard keeps PEFT's choice: an exported adapter
-    loads the same way."""
+    loads the same way. The router is the exception: it stays frozen (in fp32, as the family keeps it) unless
+    target_modules names `gate` itself, or target_parameters names its `gate.weight`."""
+    moe_adapter: Literal["grouped", "peft"] = "grouped"
+    """How fused experts' adapters run. grouped: the experts as transformers' grouped products over the tokens routed
+    to each, each expert's adapter applied to its own tokens as two rank-r products (no expert-stack-sized tensor).
+    peft: PEFT's own forward, which folds W + B·A over every expert of the layer on every step (for comparison).
+    Same parameters and adapter files either way."""
 
 
 class MixtureSource(Section):
@@ -220,6 +226,11 @@ class TrainConfig(Section):
     compile: bool = False
     """torch.compile every decoder block's MLP. On CPU it cut a SmolLM2 LoRA step by ~12% once compiled, after
     ~15 s of compiling at the first step: worth it for long runs, not short ones. Needs a C++ compiler on CPU."""
+    loss_chunk_tokens: int | None = Field(None, ge=0)
+    """The loss projects hidden states onto the vocabulary this many target tokens at a time, and computes each
+    chunk's gradients at once, so only one chunk of [tokens, vocab] fp32 logits ever exists, forward and backward.
+    None: as many tokens as fit LOSS_CHUNK_BYTES (256 MiB) of fp32 logits (512 for a 128k vocabulary); 0: the
+    whole [tokens, vocab] logits at once, as transformers computes them."""
     precision: Literal["auto", "bf16-mixed", "fp32", "bf16"] = "auto"
     """bf16-mixed: fp32 master weights and AdamW moments, bf16 compute, fp32 gradient reduction.
     bf16: everything in bf16 (least memory; small updates round away). auto: bf16-mixed on GPUs with
@@ -313,6 +324,35 @@ class DilocoConfig(Section):
     """The outer sync walks the pseudo-gradient in chunks of this many MiB of fp32 values, through buffers made
     once: it holds about two chunks beyond the outer state instead of several copies of the model. Smaller chunks
     take more collectives per sync."""
+    fault_tolerant: bool = False
+    """Sites that drop out and come back (torchft, the `ft` extra): each site is its own launch and torch world, the
+    outer average is over the sites present at each sync, and a returning site loads the round-start weights and
+    outer state from a live peer. Needs diloco.site, diloco.sites and a lighthouse."""
+    site: int | None = Field(None, ge=0)
+    """fault_tolerant: this launch's site, 0 to sites - 1 (e.g. `diloco.site=1` on the launch's command line)."""
+    sites: int | None = Field(None, ge=1)
+    """fault_tolerant: how many sites the job has; each reads its own slice of the data, as one world would."""
+    lighthouse: str | None = None
+    """fault_tolerant: the torchft lighthouse, HOST:PORT (default: the TORCHFT_LIGHTHOUSE variable)."""
+    quorum_timeout_s: float = Field(3600.0, gt=0)
+    """fault_tolerant: how long a site waits at a sync for the quorum. A returning site waits in it for the others'
+    next sync, so make it longer than a round."""
+
+    @model_validator(mode="after")
+    def _fault_tolerant_needs_its_site(self) -> "DilocoConfig":
+        if not self.fault_tolerant:
+            return self
+        if self.site is None or self.sites is None or self.site >= self.sites:
+            raise ValueError(
+                f"diloco.fault_tolerant needs diloco.site below diloco.sites (site {self.site}, sites {self.sites}): "
+                "set diloco.sites to the job's number of sites and diloco.site=S on each site's launch"
+            )
+        if self.pseudo_grad_dtype == "int8":
+            raise ValueError(
+                "diloco.pseudo_grad_dtype int8 is gathered, not reduced: torchft reduces only; with "
+                "diloco.fault_tolerant use fp32 or bf16"
+            )
+        return self
 
     def chunk_elements(self, slices: int) -> int:
         """Values per chunk of the outer sync: a multiple of the ranks that split each chunk between them."""
@@ -438,6 +478,14 @@ class JobConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _fault_tolerance_is_diloco_s(self) -> "JobConfig":
+        if self.diloco.fault_tolerant and self.dist.strategy != "diloco":
+            raise ValueError(
+                f"diloco.fault_tolerant is set but dist.strategy is {self.dist.strategy}: set dist.strategy: diloco"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _epochs_need_rows(self, info: ValidationInfo) -> "JobConfig":
         """A mixture is an endless stream of token rows: it has no rows to count epochs over."""
         if self.train.epochs is not None and self.data.mixture:
@@ -476,7 +524,9 @@ class JobConfig(Section):
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.output_dir) / self.run_name
+        """A fault-tolerant DiLoCo site keeps its own run dir: its launch comes and goes on its own."""
+        root = Path(self.output_dir) / self.run_name
+        return root / f"site-{self.diloco.site}" if self.diloco.fault_tolerant else root
 
 
 # ---------------------------------------------------------------- loading

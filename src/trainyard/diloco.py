@@ -42,7 +42,10 @@ from trainyard.parallel.parallelize import unwrap, within_site
 
 
 def site_count(cfg: JobConfig, info: DistInfo) -> int:
-    """How many sites the world splits into; they must be equal, so the count must divide the world."""
+    """How many sites the world splits into; they must be equal, so the count must divide the world. A
+    fault-tolerant site is a world of its own (diloco_ft.py carries the sync across sites)."""
+    if cfg.diloco.fault_tolerant:
+        return 1
     groups = cfg.diloco.groups
     count = info.world_size // info.local_world_size if groups == "node" else groups
     if count < 1 or info.world_size % count:

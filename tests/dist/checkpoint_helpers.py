@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -20,8 +19,6 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.conftest import REPO, TINY
 
-# Interruption steps are random but replayable: a failure names the seed that draws them again.
-SEED = int(os.environ.get("TRAINYARD_TEST_SEED") or random.SystemRandom().randrange(10**6))
 STEPS = 24
 EVERY = 4
 COMMON = [

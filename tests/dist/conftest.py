@@ -2,26 +2,12 @@
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import TINY_MOE, assert_ok, trainyard
-from tests.dist.checkpoint_helpers import FULL_FSDP, LORA_DDP, LORA_FSDP, SEED, train_args
-
-
-@pytest.fixture
-def draw_step(request: pytest.FixtureRequest):
-    """A step in [low, high] from this test's own seeded RNG, printed with how to replay it."""
-    rng = random.Random(f"{SEED}:{request.node.nodeid}")
-
-    def draw(low: int, high: int) -> int:
-        step = rng.randint(low, high)
-        print(f"interrupting at step {step} (TRAINYARD_TEST_SEED={SEED} replays it)")
-        return step
-
-    return draw
+from tests.dist.checkpoint_helpers import FULL_FSDP, LORA_DDP, LORA_FSDP, train_args
 
 
 def _reference(out: Path, overrides: list[str]) -> Path:

@@ -9,13 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import assert_ok, events, trainyard
+from tests.conftest import SEED, assert_ok, events, trainyard
 from tests.dist.checkpoint_helpers import (
     EVERY,
     FULL_FSDP,
     LORA_DDP,
     LORA_FSDP,
-    SEED,
     STEPS,
     adapter_tensors,
     assert_same_tensors,

@@ -4,7 +4,6 @@ averaged pseudo-gradient, and a run killed mid-round resumes to the uninterrupte
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ from tests.conftest import REPO, TINY, assert_ok, events, trainyard
 from tests.dist.checkpoint_helpers import (
     assert_same_tensors,
     kill_tree,
+    last_step,
     model_tensors,
     resumed_events,
     start,
@@ -132,18 +132,26 @@ def test_the_outer_step_is_nesterov_sgd_on_the_average_of_the_sites_pseudo_gradi
 
 
 @INNER
-def test_sigkill_mid_round_then_resume_ends_bitwise_equal(tmp_path: Path, inner: list[str], nproc: int) -> None:
-    """Checkpoints every 3 steps with rounds of 4: most saves are mid-round, where the sites' weights differ."""
+def test_sigkill_mid_round_then_resume_ends_bitwise_equal(
+    tmp_path: Path, inner: list[str], nproc: int, draw_step
+) -> None:
+    """Checkpoints every 3 steps with rounds of 4: the saves before the end (3, 6, 9) are all mid-round, where the
+    sites' weights differ. A step's outer sync comes before its train event, so a kill after the event of any step
+    in 4..10 lands after one sync and before the next one's event (in a save or the next steps' inner work), and
+    the resume starts mid-round too."""
     job = [*TWO_SITES, *inner, "diloco.sync_every=4", "train.max_steps=12",
            "checkpoint.every_steps=3", "checkpoint.keep_last=2"]
     reference = run(tmp_path / "reference", *job, nproc=nproc)
 
-    kill_at = random.Random().randint(4, 10)
+    kill_at = draw_step(4, 10)
     killed = tmp_path / "killed"
     proc = start(["train", TINY, f"output_dir={killed}", *COMMON, *job, "--nproc", str(nproc)])
     wait_for_step(proc, killed / "tiny", kill_at)
     kill_tree(proc)
-    assert latest_full(killed / "tiny" / "checkpoints") is not None, f"killed at {kill_at} before a save"
+    landed = last_step(killed / "tiny")  # the kill came after this step's event, before the next one's
+    context = f"killed after step {landed} (drew {kill_at})"
+    assert landed < 12, context
+    assert latest_full(killed / "tiny" / "checkpoints") is not None, f"{context}: before a save"
     run(killed, *job, nproc=nproc)
 
     sites = consolidated(step_dir(reference / "checkpoints", 9))  # mid-round: each site moved on its own
@@ -156,13 +164,14 @@ def test_sigkill_mid_round_then_resume_ends_bitwise_equal(tmp_path: Path, inner:
     assert torch.equal(sites["model"]["lm_head.weight"], sites["model"]["model.embed_tokens.weight"])
 
     resumed_at = resumed_events(killed / "tiny")[-1]["step"]
+    assert resumed_at in (3, 6, 9) and resumed_at <= landed, f"{context}, resumed after {resumed_at}"
     assert_same_tensors(
         model_tensors(step_dir(killed / "tiny" / "checkpoints", 12)),
         model_tensors(step_dir(reference / "checkpoints", 12)),
     )
     after = [(e["step"], e["loss"]) for e in events(killed / "tiny", "train") if e["step"] > resumed_at]
     want = [(e["step"], e["loss"]) for e in events(reference, "train") if e["step"] > resumed_at]
-    assert after[-len(want):] == want, f"killed at {kill_at}, resumed after {resumed_at}"
+    assert after[-len(want):] == want, f"{context}, resumed after {resumed_at}"
 
 
 @pytest.mark.parametrize(

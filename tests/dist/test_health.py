@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, events, trainyard
+from tests.conftest import TINY, events, run_cli, trainyard
 from tests.dist.stop_a_rank import stop_a_rank
 
 pytestmark = pytest.mark.dist
@@ -38,23 +32,6 @@ def test_injected_nan_stops_the_run_naming_step_and_rank(tmp_path: Path) -> None
     assert "rank(s) [1]" in result.stderr
 
 
-def test_nan_step_is_skipped_when_configured(tmp_path: Path) -> None:
-    result = trainyard(
-        "train",
-        TINY,
-        f"output_dir={tmp_path}",
-        "train.max_steps=5",
-        "train.on_nonfinite=skip",
-        *FAST,
-        "--nproc",
-        "2",
-        env={"TRAINYARD_FAULT": "nan@rank0:step2"},
-    )
-    assert result.returncode == 0, result.stderr
-    skipped = [e for e in events(tmp_path / "tiny", "system") if e.get("event") == "skipped_nonfinite_step"]
-    assert [(e["step"], e["ranks"]) for e in skipped] == [(2, [0])]
-
-
 def test_desynced_replica_is_detected(tmp_path: Path) -> None:
     result = trainyard(
         "train",
@@ -72,11 +49,24 @@ def test_desynced_replica_is_detected(tmp_path: Path) -> None:
     assert "rank 1:" in result.stderr
 
 
-def test_healthy_replicas_pass_the_desync_check(tmp_path: Path) -> None:
+def test_a_nan_step_is_skipped_when_configured_and_the_replicas_still_pass_the_desync_check(tmp_path: Path) -> None:
+    """One run for both: every rank skips the step rank 0 found non-finite, so the replicas checked at steps 2
+    and 4 still agree."""
     result = trainyard(
-        "train", TINY, f"output_dir={tmp_path}", "train.max_steps=4", "dist.desync_check_steps=2", *FAST, "--nproc", "2"
+        "train",
+        TINY,
+        f"output_dir={tmp_path}",
+        "train.max_steps=4",
+        "train.on_nonfinite=skip",
+        "dist.desync_check_steps=2",
+        *FAST,
+        "--nproc",
+        "2",
+        env={"TRAINYARD_FAULT": "nan@rank0:step3"},
     )
     assert result.returncode == 0, result.stderr
+    skipped = [e for e in events(tmp_path / "tiny", "system") if e.get("event") == "skipped_nonfinite_step"]
+    assert [(e["step"], e["ranks"]) for e in skipped] == [(3, [0])]
 
 
 def test_stopped_rank_is_named_within_the_timeout_and_diagnosed(tmp_path: Path) -> None:
@@ -108,10 +98,10 @@ def test_stopped_rank_is_named_within_the_timeout_and_diagnosed(tmp_path: Path) 
     assert "Traceback (most recent call last)" in logged, logged[-3000:]
     assert f"Timed out waiting {timeout_s * 1000}ms" in logged, logged[-3000:]
 
-    report = json.loads(trainyard("diagnose", str(run_dir), "--json").stdout)
+    report = json.loads(run_cli("diagnose", str(run_dir), "--json").stdout)
     hang = report["hangs"][0]
     assert hang["group_desc"] == "default_pg" and hang["entered"] == [0] and hang["no_record"] == [1]
-    text = trainyard("diagnose", str(run_dir)).stdout
+    text = run_cli("diagnose", str(run_dir)).stdout
     assert f"ranks 1 did not join {hang['op']} #{hang['seq']} of group 0" in text, text
     assert "rank 1: left no flight record" in text, text
-    assert "trainyard diagnose" in trainyard("status", str(run_dir)).stdout
+    assert "trainyard diagnose" in run_cli("status", str(run_dir)).stdout

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import TINY, assert_ok, events, trainyard
+from tests.conftest import TINY, assert_ok, events, run_cli, trainyard
 from tests.dist.checkpoint_helpers import (
     assert_same_tensors,
     kill_tree,
@@ -92,17 +92,18 @@ def summary(run_dir: Path) -> dict[str, Any]:
 
 
 def test_sigkill_then_resume_feeds_the_same_tokens_ends_bitwise_equal_and_another_world_skips_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, draw_step
 ) -> None:
     monkeypatch.setenv("TRAINYARD_RECORD_SAMPLES", "1")
     job = write_job(tmp_path)
-    assert_ok(trainyard("prepare", str(job), f"output_dir={tmp_path / 'reference'}"))  # the shards, before timing
+    # The shards, made once before any run; in this process: `prepare` forms no process group.
+    assert_ok(run_cli("prepare", str(job), f"output_dir={tmp_path / 'reference'}"))
     reference = tmp_path / "reference" / "tiny"
     assert_ok(trainyard(*run_args(job, tmp_path / "reference", 2)))
     want_rows = trained_rows(reference, 0)
     assert sorted(want_rows) == list(range(STEPS * GLOBAL_TOKENS // ROW))
 
-    kill_at = random.Random().randint(EVERY + 1, STEPS - 2)
+    kill_at = draw_step(EVERY + 1, STEPS - 2)
     killed = tmp_path / "killed"
     proc = start(run_args(job, killed, 2))
     wait_for_step(proc, killed / "tiny", kill_at)

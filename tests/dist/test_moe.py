@@ -13,11 +13,10 @@ from peft import PeftModel
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import TINY_MOE, assert_ok, events, trainyard
+from tests.conftest import SEED, TINY_MOE, assert_ok, events, trainyard
 from tests.dist.checkpoint_helpers import (
     EVERY,
     LORA_FSDP,
-    SEED,
     STEPS,
     adapter_tensors,
     assert_same_tensors,
@@ -32,8 +31,8 @@ from tests.dist.checkpoint_helpers import (
 )
 from tests.dist.test_checkpoint_export import greedy, logits, trained_model
 from tests.dist.test_checkpoint_resume import assert_same_final_weights
-from trainyard.checkpoint.save import committed, latest_full, step_dir
 from trainyard.checkpoint.export import export
+from trainyard.checkpoint.save import committed, latest_full, step_dir
 from trainyard.model.lora import describe_lora_reach
 
 pytestmark = pytest.mark.dist
@@ -122,7 +121,9 @@ def test_export_loads_in_transformers_and_peft_and_computes_the_trained_logits(
     adapted = PeftModel.from_pretrained(base, str(unmerged / "adapter")).eval()
     assert "4 expert parameters" in describe_lora_reach(adapted)
     exported_tokenizer = AutoTokenizer.from_pretrained(unmerged)
-    assert torch.equal(logits(adapted, exported_tokenizer), want)
+    # training ran the experts' adapters as grouped low-rank products, PEFT's own forward folds W + B·A: equal up to
+    # rounding (tests/unit/model/test_moe_lora.py), so within fp32 tolerance rather than bitwise
+    torch.testing.assert_close(logits(adapted, exported_tokenizer), want, rtol=1e-5, atol=1e-5)
     assert torch.equal(greedy(adapted, exported_tokenizer), greedy(want_model, tokenizer))
 
     merged = export(moe_reference, tmp_path / "merged", merge_lora=True)

@@ -29,10 +29,11 @@ from tests.dist.checkpoint_helpers import (
     assert_same_tensors,
     dcp_adapter_tensors,
     events_after_last_resume,
+    last_step,
     resumed_events,
 )
 from tests.dist.test_moe import assert_written_by_both_ranks, expert_keys
-from trainyard.checkpoint.save import committed
+from trainyard.checkpoint.save import committed, latest_full, step_dir
 
 pytestmark = pytest.mark.e2e
 
@@ -196,29 +197,65 @@ def test_sharded_across_two_hosts_follows_the_one_process_trajectory(
     assert [e["grad_norm"] for e in got] == pytest.approx([e["grad_norm"] for e in one_process], rel=1e-4)
 
 
-# tiny-moe with LoRA, 2 hosts x 2 processes x 4 samples = 16 per step; one full checkpoint, at step 4 of 6.
+# tiny-moe with LoRA, 2 hosts x 2 processes x 4 samples = 16 per step; full checkpoints at steps 2, 4 and the end.
 MOE_HSDP = [
     "train.max_steps=6", "train.micro_batch_size=4", "train.global_batch_size=16", "train.precision=bf16-mixed",
-    "lora.enabled=true", "dist.strategy=hsdp", "checkpoint.every_steps=4", "checkpoint.every_minutes=0", *FAST,
+    "lora.enabled=true", "dist.strategy=hsdp", "checkpoint.every_steps=2", "checkpoint.every_minutes=0", *FAST,
+    "checkpoint.at_end=true",
 ]
 
 
-def test_tiny_moe_lora_under_hsdp_across_two_hosts_saves_every_shard_and_resumes_exactly(
-    hosts: tuple[Host, Host], tmp_path: Path
+def _kill_hosts(hosts: tuple[Host, ...], nodes: list[subprocess.Popen[str]]) -> list[str]:
+    """SIGKILL every process of every host, as a power cut would, until none is left (bounded): the launchers'
+    output."""
+    for _ in range(20):
+        pids = [pid for host in hosts for pid in _namespace_pids(host.namespace)]
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
+    return [node.communicate(timeout=30)[0] for node in nodes]
+
+
+def _wait_for_step(
+    run_dir: Path, step: int, timeout: float, hosts: tuple[Host, ...], nodes: list[subprocess.Popen[str]]
+) -> None:
+    """Until rank 0 logged `step`, polled often enough that a kill lands on the step after it."""
+    deadline = time.monotonic() + timeout
+    while last_step(run_dir) < step:
+        if any(node.poll() is not None for node in nodes) or time.monotonic() > deadline:
+            outputs = "\n".join(output[-3000:] for output in _kill_hosts(hosts, nodes))
+            pytest.fail(f"no step {step} (a launcher ended, or {timeout} s passed):\n{outputs}")
+        time.sleep(0.005)
+
+
+def _namespace_pids(namespace: str) -> list[int]:
+    found = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False)
+    return [int(pid) for pid in found.stdout.split()]
+
+
+def test_tiny_moe_lora_under_hsdp_across_two_hosts_saves_every_shard_and_resumes_a_sigkill_exactly(
+    hosts: tuple[Host, Host], tmp_path: Path, draw_step
 ) -> None:
     """Seed 000 in miniature across hosts: HSDP (replicate 2 x shard 2) trains LoRA on attention and the routed
-    experts; the full checkpoint's adapter file equals, element for element, the adapter shards every rank saved
-    into DCP; a relaunch resumes from it and retrains the steps after it with the uninterrupted run's losses."""
-    job = [TINY_MOE, f"output_dir={tmp_path}", *MOE_HSDP]
-    run_dir, checkpoints = tmp_path / "tiny-moe", tmp_path / "tiny-moe" / "checkpoints"
+    experts; a full checkpoint's adapter file equals, element for element, the adapter shards every rank saved into
+    DCP. A second run, every process of both hosts SIGKILLed at a drawn step, relaunched on both, resumes from its
+    last committed checkpoint and ends with the uninterrupted run's losses and bitwise its final adapter."""
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
 
-    def launch_both(port: int) -> None:
+    def launch_both(out: Path, port: int) -> list[subprocess.Popen[str]]:
+        job = [TINY_MOE, f"output_dir={out}", *MOE_HSDP]
         where = ["--nnodes", "2", "--master", f"{HOST_ADDRESSES[0]}:{port}", "--nproc", "2"]
-        nodes = [launch_on(host, tmp_path, *job, *where, "--node-rank", str(rank)) for rank, host in enumerate(hosts)]
+        return [launch_on(host, tmp_path, *job, *where, "--node-rank", str(rank)) for rank, host in enumerate(hosts)]
+
+    def succeed(nodes: list[subprocess.Popen[str]]) -> None:
         for code, output in [finish(node, timeout=300) for node in nodes]:
             assert code == 0, output[-4000:]
 
-    launch_both(29900)
+    succeed(launch_both(reference, 29900))
+    run_dir, checkpoints = reference / "tiny-moe", reference / "tiny-moe" / "checkpoints"
     log = (run_dir / "logs" / "rank-0.log").read_text()
     assert "mesh replicate 2 x shard 2" in log, log[-2000:]
     assert "4 expert parameters (2 layers × mlp.experts." in log, log[-2000:]
@@ -228,19 +265,33 @@ def test_tiny_moe_lora_under_hsdp_across_two_hosts_saves_every_shard_and_resumes
     assert all(math.isfinite(loss) for loss in losses) and max(losses[-2:]) < min(losses[:2]), losses
 
     saved = committed(checkpoints)
-    assert [p.name for p in saved] == ["step-00000004"]
-    adapter = adapter_tensors(saved[0])
+    assert [p.name for p in saved] == ["step-00000002", "step-00000004", "step-00000006"]
+    adapter = adapter_tensors(saved[1])
     assert len(expert_keys(adapter)) == 8, sorted(adapter)  # lora_A and lora_B of 2 kinds x 2 MoE layers
     trained_b = [name for name in expert_keys(adapter) if ".lora_B." in name]
     assert all(adapter[name].abs().sum() > 0 for name in trained_b), trained_b  # else equality proves little
-    assert_written_by_both_ranks(saved[0], expert_keys(adapter))  # one chunk per shard of the shard group
-    assert_same_tensors(adapter, dcp_adapter_tensors(saved[0]))
+    assert_written_by_both_ranks(saved[1], expert_keys(adapter))  # one chunk per shard of the shard group
+    assert_same_tensors(adapter, dcp_adapter_tensors(saved[1]))
 
-    launch_both(29901)
-    assert [e["path"] for e in resumed_events(run_dir)] == [str(saved[0])]
-    resumed = events_after_last_resume(run_dir, "train")
-    assert [e["step"] for e in resumed] == [5, 6]
-    assert [(e["loss"], e["grad_norm"]) for e in resumed] == [(e["loss"], e["grad_norm"]) for e in uninterrupted[4:]]
+    kill_at = draw_step(3, 5)
+    nodes = launch_both(killed, 29901)
+    _wait_for_step(killed / "tiny-moe", kill_at, 240, hosts, nodes)
+    _kill_hosts(hosts, nodes)
+    landed = last_step(killed / "tiny-moe")  # the kill came after this step's event, before the next one's
+    was = latest_full(killed / "tiny-moe" / "checkpoints")
+    context = f"killed after step {landed} (drew {kill_at}), last committed {was}"
+    assert landed < 6 and was is not None, context
+
+    succeed(launch_both(killed, 29902))
+    assert [e["path"] for e in resumed_events(killed / "tiny-moe")] == [str(was)], context
+    resumed_at = int(was.name.removeprefix("step-"))
+    resumed = events_after_last_resume(killed / "tiny-moe", "train")
+    assert [e["step"] for e in resumed] == list(range(resumed_at + 1, 7)), context
+    want = [(e["loss"], e["grad_norm"]) for e in uninterrupted[resumed_at:]]
+    assert [(e["loss"], e["grad_norm"]) for e in resumed] == want, context
+    final = step_dir(killed / "tiny-moe" / "checkpoints", 6)
+    assert_same_tensors(adapter_tensors(final), adapter_tensors(saved[-1]))
+    assert_same_tensors(dcp_adapter_tensors(final), dcp_adapter_tensors(saved[-1]))
 
 
 def _wait_for_train_events(run_dir: Path, count: int, timeout: float, nodes: list[subprocess.Popen[str]]) -> None:

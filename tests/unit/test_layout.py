@@ -23,16 +23,17 @@ ONLY: dict[str, set[str]] = {
 """The lowest rooms, and the only rooms each of them imports."""
 NEVER: dict[str, set[str]] = {
     "dist": {"model", "data", "parallel", "plan", "estimate", "train", "checkpoint", "runs.status", "metrics"},
-    "data": {"model", "parallel", "plan", "estimate", "train", "checkpoint", "metrics", "diloco"},
-    "model": {"parallel", "plan", "estimate", "train", "checkpoint", "diloco", "metrics", "dist"},
-    "estimate": {"dist", "parallel", "plan", "train", "checkpoint", "metrics", "diloco", "runs"},
-    "parallel": {"plan", "estimate", "train", "checkpoint", "metrics", "diloco", "runs"},
+    "data": {"model", "parallel", "plan", "estimate", "train", "checkpoint", "metrics", "diloco", "diloco_ft"},
+    "model": {"parallel", "plan", "estimate", "train", "checkpoint", "diloco", "diloco_ft", "metrics", "dist"},
+    "estimate": {"dist", "parallel", "plan", "train", "checkpoint", "metrics", "diloco", "diloco_ft", "runs"},
+    "parallel": {"plan", "estimate", "train", "checkpoint", "metrics", "diloco", "diloco_ft", "runs"},
     "runs.status": {"dist", "model", "parallel", "plan", "estimate", "train", "checkpoint", "metrics", "data"},
     "runs.report": {"dist", "model", "parallel", "plan", "estimate", "train", "checkpoint", "metrics"},
     "runs.diagnose": {"dist", "model", "parallel", "plan", "estimate", "train", "checkpoint", "metrics"},
     "plan": {"train", "cli", "launch"},
-    "launch": {"train", "model", "data", "parallel", "plan", "checkpoint", "metrics", "diloco", "dist"},
-    "doctor": {"model", "data", "parallel", "plan", "estimate", "train", "checkpoint", "metrics", "diloco"},
+    "launch": {"train", "model", "data", "parallel", "plan", "checkpoint", "metrics", "diloco", "diloco_ft", "dist"},
+    "doctor": {"model", "data", "parallel", "plan", "estimate", "train", "checkpoint", "metrics", "diloco",
+               "diloco_ft"},
     "checkpoint.save": {"train", "plan", "estimate"},
 }
 """Room -> rooms it never imports, by dotted name under trainyard."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import peft
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.unit.model.families import build
 from trainyard.data import collate
 from trainyard.loss import token_loss_sum
 from trainyard.model.attention import VARLEN
@@ -55,3 +57,61 @@ def test_loss_and_gradients_equal_those_of_full_logits(padding_free):
     torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-6)
     for got, want in zip(grads, [p.grad for p in model.parameters()], strict=True):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+class _LargestLogits(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most rows of any [rows, vocab] tensor an op makes, forward and backward."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.rows = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, tuple | list) else [out]:
+            if isinstance(tensor, torch.Tensor) and not func.is_view and tensor.shape[-1:] == (self.vocab,):
+                self.rows = max(self.rows, tensor.numel() // self.vocab)
+        return out
+
+
+VOCAB = 101
+"""No other dimension of the tiny models has this size, so a [rows, VOCAB] tensor is logits or their gradient."""
+
+
+def _loss_and_grads(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk: int) -> tuple[torch.Tensor, list]:
+    model.zero_grad()
+    with _LargestLogits(model.config.vocab_size) as largest:
+        loss, _ = token_loss_sum(model, batch, torch.device("cpu"), chunk)
+        loss.backward()
+    return loss.detach(), [(name, p.grad.clone()) for name, p in model.named_parameters() if p.grad is not None], \
+        largest.rows
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe"])
+@pytest.mark.parametrize("padding_free", [True, False], ids=["padding-free", "padded"])
+def test_chunked_logits_give_the_loss_and_gradients_of_full_logits(family: str, padding_free: bool) -> None:
+    """fp32, chunks of 3 target tokens against the whole [tokens, vocab] logits: llama's head is tied to its
+    embedding, gemma2 soft-caps its final logits. The sums differ only in their order (1e-6)."""
+    model = build(family, "eager" if family == "gemma2" else VARLEN, vocab_size=VOCAB)
+    batch = collate(rows(), pad_id=0, padding_free=padding_free)
+    full_loss, full_grads, full_rows = _loss_and_grads(model, batch, 0)
+    loss, grads, chunk_rows = _loss_and_grads(model, batch, 3)
+    assert full_rows >= 11 and chunk_rows == 3  # 11 target tokens: whole logits, then never more than a chunk
+    torch.testing.assert_close(loss, full_loss, rtol=1e-6, atol=1e-6)
+    assert [name for name, _ in grads] == [name for name, _ in full_grads]
+    for (name, got), (_, want) in zip(grads, full_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+    with torch.no_grad():  # evaluation: the same loss, no gradient computed
+        assert token_loss_sum(model, batch, torch.device("cpu"), 3)[0].item() == pytest.approx(full_loss.item(), 1e-6)
+
+
+def test_lora_adapters_get_the_gradients_of_full_logits_and_the_frozen_head_none() -> None:
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(tiny_llama(), config)
+    batch = collate(rows(), pad_id=0, padding_free=True)
+    full_loss, full_grads, _ = _loss_and_grads(model, batch, 0)
+    loss, grads, _ = _loss_and_grads(model, batch, 4)
+    assert all("lora_" in name for name, _ in grads) and len(grads) == 8
+    torch.testing.assert_close(loss, full_loss, rtol=1e-6, atol=1e-6)
+    for (_, got), (_, want) in zip(grads, full_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -89,6 +89,9 @@ def launch(
             help="exit with this instead of 75 when preempted after a checkpoint",
         ),
     ] = 75,
+    lighthouse: Annotated[
+        bool, typer.Option("--lighthouse", help="fault-tolerant DiLoCo: host the job's torchft lighthouse here")
+    ] = False,
 ) -> None:
     """Run this node's share of a multi-node job under torchrun (one command on every node)."""
     import os
@@ -96,6 +99,7 @@ def launch(
     from trainyard import config_file as config_room
     from trainyard.doctor.preflight import check_job_inputs
     from trainyard.launch import torchrun as tr
+    from trainyard.launch.lighthouse import hosted as hosted_lighthouse
 
     config_path, overrides = _config_and_overrides(args)
     cfg = config_room.load_config(config_path, overrides)
@@ -114,11 +118,13 @@ def launch(
         nic=cfg.dist.nic,
         default_rdzv_id=cfg.run_name,
     )
+    tr.check_node_range(cfg, plan)
     added, network_lines = tr.network_settings(cfg.dist, os.environ)
     argv = tr.torchrun_argv(plan, config_path, overrides)
     summary = "\n".join([tr.describe_launch(plan), *network_lines, f"running: {tr.format_command(argv)}"])
     err_console.print(redact_text(summary), highlight=False, markup=False, soft_wrap=True)
-    code, message = tr.run_torchrun(argv, {**os.environ, **added}, preempt_exit_code)
+    with hosted_lighthouse(cfg, lighthouse):
+        code, message = tr.run_torchrun(argv, {**os.environ, **added}, preempt_exit_code)
     if code:
         fallback = f"torchrun exited with {code}; each rank's log is under {cfg.run_dir}/logs/"
         _fail(code, message or fallback, preempt_exit_code)

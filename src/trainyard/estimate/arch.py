@@ -81,6 +81,11 @@ class Counts:
     lora_largest_parameter: int = 0
     """Elements of the largest of those: a whole-stack gradient of one folded weight appears in backward while the
     block's folded weights are still saved (the largest, not knowing which comes first)."""
+    lora_expert_ranks_per_block: int = 0
+    """lora.moe_adapter grouped: sum of ranks over the expert projections run as grouped low-rank products; each
+    routed (token, expert) pair saves its x·Aᵀ of that width for the B product."""
+    lora_expert_copies_per_block: int = 0
+    """Elements of those projections' B factors, copied once per forward into grouped_mm's layout and saved."""
 
 
 def hf_config(cfg: JobConfig):  # -> PretrainedConfig
@@ -148,7 +153,10 @@ def count(model: torch.nn.Module, shape: Shape) -> Counts:
     output = model.get_output_embeddings()
     lora_layers = [m for m in (blocks[-1].modules() if blocks else []) if isinstance(m, LoraLayer)]
     linear = [m for m in lora_layers if isinstance(getattr(m, "base_layer", None), torch.nn.Linear)]
-    folded = [m.get_param().numel() for m in lora_layers if isinstance(m, ParamWrapper) and m.get_param().ndim == 3]
+    grouped = _grouped_expert_wrappers(lora_layers)
+    folded = [m.get_param().numel() for m in lora_layers
+              if isinstance(m, ParamWrapper) and m.get_param().ndim == 3 and id(m) not in grouped]
+    grouped_wrappers = [m for m in lora_layers if id(m) in grouped]
     return Counts(
         total=total,
         trainable=trainable,
@@ -163,7 +171,16 @@ def count(model: torch.nn.Module, shape: Shape) -> Counts:
         flops=flop_shape(model),
         lora_parameters_per_block=sum(folded),
         lora_largest_parameter=max(folded, default=0),
+        lora_expert_ranks_per_block=sum(sum(m.r.values()) for m in grouped_wrappers),
+        lora_expert_copies_per_block=sum(sum(b.weight.numel() for b in m.lora_B.values()) for m in grouped_wrappers),
     )
+
+
+def _grouped_expert_wrappers(lora_layers: list[torch.nn.Module]) -> set[int]:
+    """ids of the ParamWrappers that lora.moe_adapter grouped runs as low-rank products (never folded)."""
+    from trainyard.model.moe_lora import GroupedExpertsLora, wrapper_chain
+
+    return {id(w) for m in lora_layers if isinstance(m, GroupedExpertsLora) for w in wrapper_chain(m)}
 
 
 def _sizes(block: torch.nn.Module) -> tuple[int, int]:

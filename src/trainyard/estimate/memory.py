@@ -32,6 +32,10 @@ DDP_MEMORY_SHARE = 0.5
 # Logits at target positions, bytes per element at the loss's backward: log_softmax's saved fp32 output, the
 # fp32 gradient arriving from the loss, and log_softmax's fp32 input gradient, alive at once.
 LOGIT_BYTES = 12
+# A chunk of the chunked loss at its largest: fp32 logits (4 bytes, turned into their gradient in place) and, in
+# bf16, that gradient cast for the products (2); in fp32 the cast is the same tensor.
+CHUNK_LOGIT_BYTES = 6
+LOSS_CHUNK_BYTES = 256 * 2**20  # as loss.LOSS_CHUNK_BYTES (the estimate never imports torch-side rooms)
 
 
 @dataclass(frozen=True)
@@ -195,7 +199,7 @@ def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_ro
         fsdp_buffers=_fsdp_buffers(counts, size) if sharded else 0.0,
         activations=activation_bytes(cfg, model.shape, counts, size, layout.gpu),
         recomputed_layer=recomputed_layer_bytes(cfg, model.shape, counts, size, layout.gpu),
-        logits=float(tokens_per_micro_batch(cfg) * model.shape.vocab * LOGIT_BYTES),
+        logits=_logit_bytes(cfg, model.shape.vocab),
         tied_gradient=_tied_gradient(counts, size, shard),
     )
     _add_peak(parts, cfg, layout)
@@ -243,6 +247,18 @@ def _fsdp_buffers(counts: Counts, size: Dtypes) -> float:
     return (counts.root_total + 2 * counts.block_total) * gather + block_gradient
 
 
+def _logit_bytes(cfg: JobConfig, vocab: int) -> float:
+    """The loss's logits: one chunk of train.loss_chunk_tokens (loss.py; its fp32 logits, turned into their
+    gradient in place, and that gradient in the compute dtype), else the micro-batch's whole fp32 logits, their
+    compute-dtype source and their gradient (LOGIT_BYTES per element)."""
+    tokens = tokens_per_micro_batch(cfg)
+    chunk = cfg.train.loss_chunk_tokens
+    if chunk == 0:
+        return float(tokens * vocab * LOGIT_BYTES)
+    chunk = chunk or max(1, LOSS_CHUNK_BYTES // (4 * vocab))
+    return float(min(tokens, chunk) * vocab * CHUNK_LOGIT_BYTES)
+
+
 def _add_peak(parts: Memory, cfg: JobConfig, layout: Layout) -> None:
     """Static state, then the larger of the forward's saved tensors and the full gradients (with a tied embedding's
     second one): gradients are freed after each step (set_to_none) and fill in as activations are freed, so both
@@ -271,8 +287,8 @@ def activation_bytes(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes,
     if cfg.model.gradient_checkpointing:
         inputs = tokens * shape.layers * shape.hidden * size.residual
         return inputs + tokens * head + recomputed_layer_bytes(cfg, shape, counts, size, kind) + folded_gradient
-    # The folded expert weights of every MoE layer stay saved until their layer's backward.
-    folded = (shape.layers - shape.dense_layers) * counts.lora_parameters_per_block * size.residual
+    # The folded expert weights (peft) or B copies (grouped) of every MoE layer stay saved until its backward.
+    folded = (shape.layers - shape.dense_layers) * _expert_lora_layer_bytes(counts, size)
     per_token = head + shape.layers * layer_bytes_per_token(cfg, shape, counts, size, kind)
     return tokens * per_token + folded + folded_gradient
 
@@ -283,9 +299,15 @@ def recomputed_layer_bytes(cfg: JobConfig, shape: Shape, counts: Counts, size: D
 
 
 def _layer_bytes(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes, kind: Gpu) -> float:
-    """The largest layer's saved tensors for a micro-batch, the folded LoRA expert weights included."""
+    """The largest layer's saved tensors for a micro-batch, what its expert adapters save included."""
     per_token = layer_bytes_per_token(cfg, shape, counts, size, kind)
-    return tokens_per_micro_batch(cfg) * per_token + counts.lora_parameters_per_block * size.residual
+    return tokens_per_micro_batch(cfg) * per_token + _expert_lora_layer_bytes(counts, size)
+
+
+def _expert_lora_layer_bytes(counts: Counts, size: Dtypes) -> float:
+    """What one MoE layer's expert adapters save apart from per-token tensors: lora.moe_adapter peft, the folded
+    W + B·A of every adapted expert stack; grouped, only the B factors copied into grouped_mm's layout."""
+    return (counts.lora_parameters_per_block + counts.lora_expert_copies_per_block) * size.residual
 
 
 def layer_bytes_per_token(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes, kind: Gpu) -> float:
@@ -301,10 +323,19 @@ def layer_bytes_per_token(cfg: JobConfig, shape: Shape, counts: Counts, size: Dt
     attention = _attention_bytes(shape, size, kind, cfg.data.max_length) + q * a  # + o_proj's input
     total = norms + inputs + attention + (q + 2 * kv) * a + _mlp_bytes(shape, size)
     if cfg.lora.enabled:
-        total += counts.lora_ranks_per_block * a
+        total += counts.lora_ranks_per_block * a + _grouped_expert_lora_bytes(shape, counts, a)
         if cfg.lora.dropout > 0:
             total += counts.lora_inputs_per_block * (a + 1)
     return total
+
+
+def _grouped_expert_lora_bytes(shape: Shape, counts: Counts, a: int) -> float:
+    """Per token, averaged over the layers: lora.moe_adapter grouped saves each routed (token, expert) pair's rank-r
+    product per adapted expert projection (its B copies are per layer: `_expert_lora_layer_bytes`)."""
+    if not shape.experts:
+        return 0.0
+    moe_share = (shape.layers - shape.dense_layers) / shape.layers
+    return moe_share * shape.experts_per_token * counts.lora_expert_ranks_per_block * a
 
 
 def _norm_bytes(hidden: int, size: Dtypes, trainable: bool) -> float:

@@ -9,6 +9,7 @@ is printed first, so a hang can be reproduced by pasting it.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -20,7 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainyard.config import DistConfig
+from trainyard.batch import accumulation_steps
+from trainyard.config import DistConfig, JobConfig
 from trainyard.errors import ConfigError
 from trainyard.launch.local import EXIT_FILE_ENV, SIGNALS_TO_FORWARD, stop_on_first_signal
 from trainyard.network import interface_ipv4, network_env
@@ -30,6 +32,7 @@ USER_ERROR_EXIT_CODE = ConfigError.exit_code
 AGENT_MODULE = "trainyard.launch.torchrun"
 """Runs torchrun's agent (`agent_main`); takes exactly torchrun's flags."""
 DEFAULT_MASTER_PORT = 29500
+SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 NPROC_WORDS = ("auto", "cpu", "gpu")
 
 
@@ -248,6 +251,43 @@ def _check_multinode(plan: LaunchPlan) -> None:
         )
 
 
+def check_node_range(cfg: JobConfig, plan: LaunchPlan) -> None:
+    """Every node count of --nnodes MIN:MAX must keep the job's global batch. A restart on one that cannot exits 2,
+    hours into the job, when a node is lost or comes back; checked here before anything starts."""
+    low, _, high = plan.nnodes.partition(":")
+    if not high or not plan.nproc.isdigit():
+        return  # one size (checked by the trainer at its start), or a process count torchrun decides
+    nproc, counts = int(plan.nproc), range(int(low), int(high) + 1)
+    train, sizes = cfg.train, ", ".join(f"{nodes} (world {nodes * nproc})" for nodes in counts)
+    lcm = math.lcm(*(nodes * nproc for nodes in counts))
+    if train.global_batch_size is None and train.global_batch_tokens is None:
+        raise ConfigError(
+            f"--nnodes {plan.nnodes} can run on {sizes} nodes, but train.global_batch_size is unset: the global "
+            "batch would be micro_batch_size x the first world size, which a larger world cannot keep",
+            where=cfg.where("train.global_batch_size"),
+            fix=f"set train.global_batch_size to a multiple of micro_batch_size x {lcm} = "
+            f"{train.micro_batch_size * lcm}, or give --nnodes one number",
+        )
+    kept = []
+    for nodes in counts:
+        try:
+            accumulation_steps(cfg, nodes * nproc)
+            kept.append(nodes)
+        except ConfigError:
+            pass
+    if len(kept) == len(counts):
+        return
+    field = "train.global_batch_size" if train.global_batch_size is not None else "train.global_batch_tokens"
+    can = ", ".join(f"{nodes} (world {nodes * nproc})" for nodes in kept) or "none"
+    raise ConfigError(
+        f"--nnodes {plan.nnodes} x --nproc {nproc}: {field}={getattr(train, field.split('.')[1])} is not a multiple "
+        f"of micro_batch_size x world size for every node count in the range; node counts that keep it: {can}",
+        where=cfg.where(field),
+        fix=f"give --nnodes a range of those counts, or set {field} to a multiple of "
+        f"micro_batch_size x {lcm}{' x data.max_length' if 'tokens' in field else ''}",
+    )
+
+
 def torchrun_argv(plan: LaunchPlan, config: str, overrides: list[str] | tuple[str, ...]) -> list[str]:
     """`python -m trainyard.launch.torchrun ... -m trainyard.cli train CONFIG overrides`: torchrun's
     own flags, run by `agent_main` below."""
@@ -384,6 +424,10 @@ def agent_main(argv: list[str]) -> int:
     from torch.distributed.run import main as torchrun_main
 
     stop_on_first_signal()
+    # torch 2.13's c10d rendezvous shares one TCP store for the workers, made by the first round's rank 0 node, which
+    # never publishes its address under a later round's keys: a node that comes back after a host died waits for it
+    # until the store times out (DistStoreError in _assign_worker_ranks). Each round's own store avoids that.
+    os.environ.setdefault(SHARED_STORE_ENV, "1")
     try:
         torchrun_main(argv)
     except SignalException as err:  # the agent stopped its workers; their exit files say how they ended

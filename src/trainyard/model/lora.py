@@ -1,5 +1,5 @@
-"""LoRA via PEFT: adapters on the linear layers and on fused MoE expert parameters, every target name checked,
-and what carries adapters, in words.
+"""LoRA via PEFT: adapters on the linear layers and on fused MoE expert parameters (run as grouped low-rank products:
+moe_lora.py), the router frozen unless named, every target name checked, and what carries adapters, in words.
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer, ParamWrapper
+from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
 
 from trainyard.config import LoraConfig
 from trainyard.errors import ModelError
+from trainyard.model.moe_lora import use_grouped_expert_adapters
 
 
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn.Module:
@@ -34,7 +36,8 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn.M
     torch.manual_seed(seed)
     try:
         with fused_expert_rank_warnings_ignored():
-            return get_peft_model(model, peft_config)
+            keep_router_frozen(model, peft_config, cfg)
+            peft_model = get_peft_model(model, peft_config)
     except ValueError as err:  # peft's "Target modules {...} not found", or a parameter adapter's own limits
         if "lora_dropout" in str(err):
             raise ModelError(
@@ -44,6 +47,32 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn.M
         raise ModelError(
             f"lora.target_modules: {err}", fix="use names of the model's linear layers, or all-linear"
         ) from None
+    if cfg.moe_adapter == "grouped":
+        use_grouped_expert_adapters(peft_model)
+    return peft_model
+
+
+ROUTER = "gate"
+"""The router's pre-fusion name: PEFT 0.21 maps it (in target_modules, all-linear included) to `gate.weight`."""
+
+
+def keep_router_frozen(model: torch.nn.Module, peft_config: PeftLoraConfig, cfg: LoraConfig) -> None:
+    """Resolve PEFT's v4 → v5 MoE renames now (PEFT runs them again inside get_peft_model; a second pass changes
+    nothing) and drop the router's `gate.weight` unless the job names it: all-linear would otherwise give every
+    router an adapter, which moves the routing of a model whose experts were trained with it."""
+    convert_peft_config_for_transformers(peft_config, model=model, conversions=None)
+    if _names_router(cfg) or not isinstance(peft_config.target_parameters, set | list):
+        return
+    router = f"{ROUTER}.weight"
+    peft_config.target_parameters = {name for name in peft_config.target_parameters if name != router}
+
+
+def _names_router(cfg: LoraConfig) -> bool:
+    modules = cfg.target_modules if isinstance(cfg.target_modules, list) else []
+    parameters = cfg.target_parameters if isinstance(cfg.target_parameters, list) else []
+    return any(t == ROUTER or t.endswith(f".{ROUTER}") for t in modules) or any(
+        t == f"{ROUTER}.weight" or t.endswith(f".{ROUTER}.weight") for t in parameters
+    )
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,8 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     target = cache_dir / f"{gguf.stem}-{_gguf_cache_key(gguf)}"
     if (target / "config.json").exists():
         return target
+    if target.is_dir():  # published folders are whole (renamed into place): this one lost files since, so redo it
+        shutil.rmtree(target, ignore_errors=True)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = loaded.config

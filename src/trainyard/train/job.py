@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from trainyard import diloco, dist
+from trainyard import diloco, diloco_ft, dist
 from trainyard import precision as precision_room
 from trainyard.checkpoint import save as checkpoint
 from trainyard.config import JobConfig
@@ -46,6 +46,8 @@ class Job:
     comm_timer: comm.CommTimer | None = None
     outer: diloco.OuterSync | None = None
     """dist.strategy diloco: the round-start weights and outer momentum, synced every diloco.sync_every steps."""
+    across: diloco_ft.FaultTolerantSync | None = None
+    """diloco.fault_tolerant: the outer sync across sites, through torchft (`outer` keeps the state)."""
 
     def autocast(self):  # type: ignore[no-untyped-def]
         """bf16 products over fp32 weights where no FSDP2 policy casts them (DDP, one process)."""

@@ -20,7 +20,7 @@ import torch
 import transformers
 from torch.distributed.fsdp import FSDPModule
 
-from trainyard import diloco, dist, health
+from trainyard import diloco, diloco_ft, dist, health
 from trainyard import precision as precision_room
 from trainyard.atomic import write_atomically
 from trainyard.batch import accumulation_steps, steps_for_epochs
@@ -100,7 +100,9 @@ def _train_steps(
     cfg, info = job.cfg, job.info
     last_full = time.monotonic()
     tally = agreement.RoundTally()
-    for step in range(state.step + 1, cfg.train.max_steps + 1):
+    step = state.step
+    while step < cfg.train.max_steps:
+        step += 1
         step_start = time.monotonic()
         position = job.sampler.state_dict()  # where this step's data starts: a preemption save resumes here
         window = list(islice(batches, job.accum))
@@ -126,7 +128,9 @@ def _train_steps(
         tally.trained_tokens += 0 if step_loss is None else votes.real_tokens
         agreed = votes if job.outer is None else None
         if job.outer is not None and job.outer.due(step):
-            job.sink.emit("system", step=step, event="outer_sync", **job.outer.sync())
+            job.sink.emit("system", step=step, event="outer_sync",
+                          **(job.outer.sync() if job.across is None else job.across.sync(step)))
+            step = _take_heal(job, state, step)
             agreed = agreement.agree_at_sync(job, tally, votes)
             state.tokens += int(agreed.real_tokens - job.outer.sites * tally.trained_tokens)  # the estimate, made exact
             tally = agreement.RoundTally()
@@ -153,6 +157,23 @@ def _train_steps(
             last_full = time.monotonic()
         elif cfg.checkpoint.lite_every_steps and step % cfg.checkpoint.lite_every_steps == 0:
             job.saves.save_lite(job.model, step)
+
+
+def _take_heal(job: Job, state: LoopState, step: int) -> int:
+    """Fault-tolerant DiLoCo: a site that healed from a live peer at a sync took its weights and outer state there;
+    here it takes the peer's step, data position (global, so right for every site) and schedule. Its own inner
+    optimizer state stays. The step the loop goes on from."""
+    healed = job.across.healed if job.across is not None else None
+    if healed is None:
+        return step
+    job.sampler.load_state_dict(healed["sampler"])
+    job.scheduler.load_state_dict(healed["scheduler"])
+    for group, lr in zip(job.optimizer.param_groups, job.scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
+    job.sink.emit("system", step=healed["step"], event="healed", from_step=step,
+                  outer_start_norm=job.across.start_norm())
+    state.step = healed["step"]
+    return state.step
 
 
 def _stops_before_training(job: Job, state: LoopState, votes: agreement.StepVotes, position: dict[str, Any]) -> bool:
@@ -230,7 +251,7 @@ def _forward_backward(job: Job, window: list[dict[str, torch.Tensor]], targets: 
         last = i == len(window) - 1
         with parallel.gradient_sync(model, last=last, defer=job.cfg.dist.defer_grad_sync):
             with job.autocast():
-                loss_sum, _ = token_loss_sum(model, batch, info.device)
+                loss_sum, _ = token_loss_sum(model, batch, info.device, job.cfg.train.loss_chunk_tokens)
             if health.injected("nan", info, step):
                 loss_sum = loss_sum * float("nan")
             if last:
@@ -305,6 +326,11 @@ def _size_by_epochs(job: Job, state: LoopState) -> None:
                   global_batch_samples=samples, max_steps=steps)
 
 
+def _loop_facts(job: Job) -> dict[str, object]:
+    """Fault-tolerant DiLoCo: what a site that heals from this one takes besides the outer state."""
+    return {"sampler": job.sampler.state_dict(), "scheduler": job.scheduler.state_dict()}
+
+
 def _per_source(job: Job) -> dict[str, int] | None:
     """Tokens each mixture source gave all ranks so far (a map-style dataset has one source: None)."""
     return job.sampler.tokens_per_source() if isinstance(job.sampler, MixtureStream) else None
@@ -343,6 +369,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     transformers.utils.logging.disable_progress_bar()  # our own progress line is the only one
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
     info = dist.init(cfg.dist, run_dir=cfg.run_dir, nic_where=cfg.where("dist.nic"))
+    across = diloco_ft.FaultTolerantSync(cfg, info) if cfg.diloco.fault_tolerant else None  # heartbeats from here
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     logger = setup_logging(run_dir, info)
@@ -364,16 +391,17 @@ def run(cfg: JobConfig) -> dict[str, Any]:
             model_path = source_room.resolve_model_path(model_source)
         tokenizer = source_room.load_tokenizer(model_source, model_path)
     cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output_dir) / ".cache" / "data"
+    data_rank, data_world = diloco_ft.data_slice(cfg, info)  # a fault-tolerant site reads its own slice
     if cfg.data.mixture:
         data, shards = prepare_pretraining(cfg, tokenizer, cache_root, logger.info, show_progress=info.is_main)
-        sampler: ResumableSampler | MixtureStream = mixture_stream(cfg, shards, info.rank, info.world_size)
+        sampler: ResumableSampler | MixtureStream = mixture_stream(cfg, shards, data_rank, data_world)
     else:
         data = prepare_datasets(cfg.data, tokenizer, cache_root, log=logger.info)
-        sampler = ResumableSampler(len(data.train), seed=cfg.train.seed, rank=info.rank, world_size=info.world_size)
+        sampler = ResumableSampler(len(data.train), seed=cfg.train.seed, rank=data_rank, world_size=data_world)
 
     model, strategy, mesh = build.build_and_wrap(cfg, info, precision, model_path, tokenizer)
     total_params, trainable_params = model_room.parameter_counts(model)
-    accum = accumulation_steps(cfg, info.world_size)
+    accum = accumulation_steps(cfg, data_world)
     logger.info(
         "strategy %s  mesh %s  accumulation %d  params %s (trainable %s)", strategy, dist.describe_mesh(mesh), accum,
         f"{total_params:,}",
@@ -399,7 +427,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
             "model_signature": checkpoint.model_signature(model),
             "lora": cfg.lora.model_dump(mode="json") if cfg.lora.enabled else None,
             "data_fingerprint": data.fingerprint,
-            "global_batch_samples": cfg.train.micro_batch_size * accum * info.world_size,
+            "global_batch_samples": cfg.train.micro_batch_size * accum * data_world,
         },
         saves=checkpoint.Checkpointer(cfg.checkpoint, cfg.run_dir / run_layout.CHECKPOINTS, info, sink.emit),
         precision=precision,
@@ -410,6 +438,9 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         job.outer = diloco.OuterSync(model, cfg.diloco, mesh, info)
         job.saves.arrange = job.outer.arrangement()
         job.facts["diloco_sites"] = job.outer.sites
+        if across is not None:
+            job.across = across
+            across.attach(job.outer, lambda: _loop_facts(job))
     state = loop_state.resume(job)
     if cfg.train.epochs is not None:
         _size_by_epochs(job, state)
@@ -430,6 +461,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         state = fit(job, batches, state)
     finally:
         job.sink.close()
+        if job.across is not None:
+            job.across.shutdown()
     summary = {
         "wall_time_s": time.monotonic() - wall_start,
         "steps": state.step,

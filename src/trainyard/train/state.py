@@ -168,6 +168,7 @@ def resume(job: Job) -> LoopState:
     job.accum = accumulation_steps(job.cfg, world, saved.get("global_batch_samples"))
     job.facts["global_batch_samples"] = job.cfg.train.micro_batch_size * job.accum * world
     checkpoint.check_compatible(saved, job.facts, path)
+    loading = time.monotonic()
     rank_state = checkpoint.load_full(
         job.model, job.optimizer, path, job.info, job.cfg.checkpoint.save_frozen, arrange=job.saves.arrange
     )
@@ -181,5 +182,5 @@ def resume(job: Job) -> LoopState:
     job.saves.resumed_from = path  # never rotated away
     logger.info("resumed from %s at step %d (world %d, accumulation %d)", path, saved["step"], world, job.accum)
     job.sink.emit("system", step=saved["step"], event="resumed", path=str(path), saved_world_size=saved["world_size"],
-                  accumulation=job.accum)
+                  world_size=world, accumulation=job.accum, load_s=round(time.monotonic() - loading, 3))
     return LoopState(**saved["loop"])

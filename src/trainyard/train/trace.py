@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_leaves
 
 from trainyard import diloco, dist, estimate
 from trainyard import hardware as machines
+from trainyard import loss as loss_room
 from trainyard import precision as precision_room
 from trainyard.batch import accumulation_steps
 from trainyard.config import JobConfig
@@ -339,13 +340,13 @@ class FakeWeights:
 
 def micro_batch_loss(model: torch.nn.Module, cfg: JobConfig) -> torch.Tensor:
     """The loss of one full micro-batch (micro_batch_size rows of max_length tokens, every position a target), as
-    loss.token_loss_sum computes it: logits only at target positions, in fp32, summed cross-entropy. Its
+    loss.token_loss_sum computes it (logits at target positions only, in chunks of train.loss_chunk_tokens). Its
     positions are given as an index, not found from the labels, which fake tensors do not hold."""
     rows, length = cfg.train.micro_batch_size, cfg.data.max_length
     tokens = torch.zeros((rows, length), dtype=torch.long)
-    logits = model(input_ids=tokens, use_cache=False, logits_to_keep=torch.arange(length - 1)).logits.float()
     targets = torch.zeros(rows * (length - 1), dtype=torch.long)
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets, reduction="sum")
+    return loss_room.kept_positions_loss(model, {"input_ids": tokens}, torch.arange(length - 1), targets,
+                                         cfg.train.loss_chunk_tokens)
 
 
 def hold_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -73,7 +73,8 @@ def own_votes(job: Job, window: list[dict[str, torch.Tensor]], last_full: float)
 def agree_at_sync(job: Job, tally: RoundTally, votes: StepVotes) -> StepVotes:
     """DiLoCo: the round's stops and trained tokens and this step's save votes, summed over the world by one small
     all-reduce across sites right after the outer sync. Each rank holds its site's sums, so summing over the ranks at
-    its position in every site gives the world's; the async save in flight settles here."""
+    its position in every site gives the world's; the async save in flight settles here. A fault-tolerant site is a
+    world of its own (its "site" group is itself): it agrees with itself, and so decides its own stops."""
     assert job.outer is not None
     round_votes = replace(
         tally.stops, real_tokens=tally.trained_tokens, save_written=votes.save_written, save_failed=votes.save_failed

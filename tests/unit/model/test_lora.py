@@ -21,9 +21,12 @@ def lora_line(preset: str, *overrides: str) -> str:
 
 
 def test_plan_says_how_many_expert_parameters_carry_adapters() -> None:
-    """all-linear: attention (3 layers × q, k, v, o) and, by PEFT's mapping of the experts' old names,
-    the routed experts and the router; auto adds nothing PEFT did not already pick there."""
-    assert lora_line("tiny-moe").endswith(f"on 12 modules, {EXPERTS}, 2 other parameters (mlp.gate.weight)")
+    """all-linear: attention (3 layers × q, k, v, o) and, by PEFT's mapping of the experts' old names, the routed
+    experts; the router only when target_modules names it (PEFT's all-linear would adapt it too)."""
+    assert lora_line("tiny-moe").endswith(f"on 12 modules, {EXPERTS}")
+    assert lora_line("tiny-moe", "lora.target_modules=[q_proj,gate]").endswith(
+        f"on 3 modules, {EXPERTS}, 2 other parameters (mlp.gate.weight)"
+    )
 
 
 def test_auto_reaches_the_experts_when_target_modules_name_only_attention() -> None:

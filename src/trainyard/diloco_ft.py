@@ -1,0 +1,174 @@
+"""Fault-tolerant DiLoCo: sites that drop out and come back, on torchft.
+
+With diloco.fault_tolerant each site is its own launch and its own torch world (the inner strategy runs in it as
+in one world: its mesh is ("site" 1, "local")), and the outer sync crosses sites through a torchft `Manager` per
+rank: replica id = the site, a gloo process group across sites that torchft reconfigures at each sync, and a
+quorum asked of the lighthouse at each sync (min_replica_size 1). The outer step is diloco.py's: Nesterov SGD on
+the round-start weights, walked in chunks; the average is over the sites whose pseudo-gradient is in the sum.
+
+A site that starts (fresh, restarted, or resumed from its own checkpoint) trains its round and meets the others
+at its first sync. Each manager's step is the loop's step, and torchft heals a replica behind the quorum's
+highest, so a site that returns to live peers heals there: its pseudo-gradient is left out (zeroed by torchft), the
+peer sends over the same process group the round-start weights, the outer momentum and the loop's step, data
+position and schedule, and the site takes the round's outer step with the others' average and trains the next
+round with them (the round it trained on its own is lost: at most one). Sites that start together, or resume
+together from their full checkpoints, meet at the same step: nobody heals, and a resume stays exact. Managers
+heartbeat from the start, so a sync waits (up to the lighthouse's join timeout) for a site that is alive but
+slower to reach it.
+
+The survivors never stop: a site gone counts as gone once its heartbeats stop (the lighthouse's timeout), and a
+sync whose peer died mid-way is not committed: the site keeps its weights, so its next sync's pseudo-gradient
+holds both rounds' progress. Each site decides its own stops (preemption, ended data, timed saves) at its syncs.
+The sync holds one model's worth of averaged pseudo-gradient until it commits, beyond OuterSync's state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+from torch.distributed import ReduceOp
+
+from trainyard.config import JobConfig
+from trainyard.diloco import OuterSync, _Chunk, _own
+from trainyard.dist import DistInfo
+from trainyard.errors import ConfigError
+
+log = logging.getLogger("trainyard")
+
+
+def data_slice(cfg: JobConfig, info: DistInfo) -> tuple[int, int]:
+    """The rank and world the data sampler and batch rule see: a fault-tolerant site's ranks read the slice they
+    would read in one world of every site, so sites never read each other's rows."""
+    if not cfg.diloco.fault_tolerant:
+        return info.rank, info.world_size
+    assert cfg.diloco.site is not None and cfg.diloco.sites is not None
+    return cfg.diloco.site * info.world_size + info.rank, cfg.diloco.sites * info.world_size
+
+
+def lighthouse_url(cfg: JobConfig) -> str:
+    """The lighthouse every site's managers ask for a quorum: diloco.lighthouse, else TORCHFT_LIGHTHOUSE."""
+    address = cfg.diloco.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+    if not address:
+        raise ConfigError(
+            "diloco.fault_tolerant needs a lighthouse, and neither diloco.lighthouse nor TORCHFT_LIGHTHOUSE is set",
+            where=cfg.where("diloco.lighthouse"),
+            fix="set diloco.lighthouse: HOST:PORT (`trainyard launch --lighthouse` starts one on that port)",
+        )
+    return address if "://" in address else f"http://{address}"
+
+
+class FaultTolerantSync:
+    """The outer sync across sites of one rank, through its torchft manager. Made right after the process group,
+    before the model: the manager's heartbeats then tell the lighthouse early that this site is coming, so the
+    first quorum of a job whose sites start together waits for all of them. `attach` gives it the outer state."""
+
+    def __init__(self, cfg: JobConfig, info: DistInfo) -> None:
+        if "MASTER_ADDR" not in os.environ or not torch_dist.is_initialized():
+            raise ConfigError(
+                "diloco.fault_tolerant runs each site under torchrun: its master address hosts the site's store",
+                where=cfg.where("diloco.fault_tolerant"),
+                fix="start each site with `trainyard launch CONFIG --nproc N --master HOST:PORT diloco.site=S`",
+            )
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's quorum chatter; before its library starts logging
+        from torchft.checkpointing.pg_transport import PGTransport
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        self.cfg = cfg.diloco
+        self.outer: OuterSync | None = None
+        self.loop: Callable[[], dict[str, Any]] = dict
+        """What a returning site takes from this one besides the outer state (data position, schedule)."""
+        self.healed: dict[str, Any] | None = None
+        """What this site took from a peer at the last sync, if it healed."""
+        self.step = 0
+        """The loop's step at the sync under way: a healing peer continues from it."""
+        timeout = timedelta(seconds=cfg.dist.timeout_s)
+        self.across = ProcessGroupGloo(timeout=timeout)
+        # The site's master address hosts its store and (rank 0) its manager server: other sites reach both there.
+        self.manager = Manager(
+            pg=self.across, load_state_dict=self._load, state_dict=self._state, min_replica_size=1,
+            use_async_quorum=True, timeout=timeout, connect_timeout=timeout,
+            quorum_timeout=timedelta(seconds=cfg.diloco.quorum_timeout_s),
+            rank=info.rank, world_size=info.world_size, lighthouse_addr=lighthouse_url(cfg),
+            replica_id=f"site_{cfg.diloco.site}", hostname=os.environ["MASTER_ADDR"], init_sync=False,
+            checkpoint_transport=PGTransport(self.across, timeout, info.device),
+        )
+
+    def attach(self, outer: OuterSync, loop: Callable[[], dict[str, Any]]) -> None:
+        self.outer, self.loop = outer, loop
+
+    def sync(self, step: int) -> dict[str, float]:
+        """The round's outer sync over the sites present: `outer_sites` of them added their pseudo-gradient."""
+        started, self.step = time.monotonic(), step
+        present, committed = self._round()
+        return {"outer_sync_s": time.monotonic() - started, "outer_sites": present, "outer_committed": committed,
+                "outer_start_norm": self.start_norm()}
+
+    def start_norm(self) -> float:
+        """The norm of this rank's round-start weights after the sync: equal on every site that took the same step
+        (a check that the sites agree, read from the log)."""
+        assert self.outer is not None
+        return float(torch.stack([start.double().pow(2).sum() for start in self.outer.start]).sum().sqrt())
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    @torch.no_grad()
+    def _round(self) -> tuple[int, bool]:
+        """Quorum, the sum of the pseudo-gradients of the sites that add one (torchft zeroes a healing site's), and
+        the outer step once the sync is committed. A healing site loads the peer's state in should_commit."""
+        assert self.outer is not None, "attach the outer state first"
+        self.healed = None
+        # torchft heals a replica whose step is behind the quorum's highest: make that step the loop's, so a site
+        # heals exactly when it is behind the live ones (whatever syncs either has committed since it started).
+        self.manager.load_state_dict({"step": self.step, "batches_committed": self.manager.batches_committed()})
+        self.manager.start_quorum()
+        present = torch.tensor([1.0])
+        self.manager.allreduce(present, reduce_op=ReduceOp.SUM).wait()
+        sites = int(present.item())
+        averages = [self._average(chunk, max(sites, 1)) for chunk in self.outer.chunks]
+        committed = self.manager.should_commit()
+        if committed and sites:
+            for chunk, average in zip(self.outer.chunks, averages, strict=True):
+                self.outer._outer_step(chunk, average)
+        elif self.healed is not None:  # healed from a peer that had no step to take: start from its weights
+            for param, start in zip(self.outer.params, self.outer.start, strict=True):
+                _own(param).copy_(start)
+        if not committed:
+            log.warning("outer sync not committed (a site left mid-sync): this site keeps its weights")
+        return sites, committed
+
+    def _average(self, chunk: _Chunk, sites: int) -> torch.Tensor:
+        """One chunk's pseudo-gradient summed across sites, over `sites`; a new tensor, kept until the sync
+        commits."""
+        outer = self.outer
+        assert outer is not None
+        values = outer._pseudo_grad(chunk)
+        part = chunk.padded // outer.slices
+        mine = values[outer.slice * part : (outer.slice + 1) * part]
+        sent = mine if self.cfg.pseudo_grad_dtype == "fp32" else outer.buffers.wire[: mine.numel()].copy_(mine)
+        self.manager.allreduce(sent, reduce_op=ReduceOp.SUM).wait()
+        if sent is not mine:
+            mine.copy_(sent)
+        if outer.slicers is not None:
+            torch_dist.all_gather(list(values.split(part)), mine, group=outer.slicers)
+        return values[: chunk.length] / sites
+
+    def _state(self) -> dict[str, Any]:
+        """What a healing peer takes from this rank (called by torchft at this site's sync, before its step)."""
+        assert self.outer is not None
+        return {"start": self.outer.start, "momentum": self.outer.momentum, "loop": {"step": self.step, **self.loop()}}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        assert self.outer is not None
+        for own, theirs in zip(self.outer.start + self.outer.momentum, state["start"] + state["momentum"],
+                               strict=True):
+            own.copy_(theirs)
+        self.healed = state["loop"]

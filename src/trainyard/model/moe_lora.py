@@ -1,0 +1,160 @@
+"""Expert LoRA as grouped low-rank products on the routed tokens.
+
+PEFT 0.21 reaches fused 3-D experts with `ParamWrapper`, whose forward folds `W + scale·B·A` over the whole expert
+stack (every expert, routed or not) before the experts run. Here the same PEFT modules keep their parameters, names,
+init, saving, loading and merging, but the outermost wrapper of an experts module runs the experts the way
+transformers' `grouped_mm` implementation does (tokens sorted by expert, one grouped product per projection) and adds
+each expert's adapter to its own tokens as two small grouped products, x·Aᵀ then ·Bᵀ: no tensor the size of an
+expert stack is made for the adapter, forward or backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from peft.tuners.lora import ParamWrapper
+from transformers.integrations.moe import _can_use_grouped_mm
+
+PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
+"""The fused expert parameters the grouped path adapts (transformers' names for every family with 3-D experts)."""
+
+LowRank = tuple[torch.Tensor, torch.Tensor, float]
+"""(first [E, in, r], second [E, r, out], scale): an expert's update to x is scale · x @ first[e] @ second[e]."""
+
+
+class GroupedExpertsLora(ParamWrapper):
+    """The outermost PEFT wrapper of a fused experts module, run as grouped products (PEFT's own forward when an
+    adapter is merged, disabled, or more than one is active, which the fold handles)."""
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        chain = wrapper_chain(self)
+        adapters = low_rank_factors(chain) if not kwargs else None
+        if adapters is None:
+            return super().forward(hidden_states, *args, **kwargs)
+        top_k_index, top_k_weights = args
+        return grouped_experts_forward(chain[-1].get_base_layer(), adapters, hidden_states, top_k_index, top_k_weights)
+
+
+def use_grouped_expert_adapters(model: torch.nn.Module) -> int:
+    """Run every adapted fused experts module through `GroupedExpertsLora`; returns how many.
+
+    A class swap rather than a bound method, so the module stays PEFT's (state dict, merge, save) and survives
+    deepcopy; only modules whose every wrapped parameter is a 3-D expert projection of a transformers experts
+    class (`use_experts_implementation`) are swapped."""
+    wrappers = [module for module in model.modules() if type(module) is ParamWrapper]
+    inner = {id(wrapper.base_layer) for wrapper in wrappers}
+    outermost = [wrapper for wrapper in wrappers if id(wrapper) not in inner]
+    for wrapper in outermost:
+        if _grouped_capable(wrapper_chain(wrapper)):
+            wrapper.__class__ = GroupedExpertsLora
+    return sum(isinstance(wrapper, GroupedExpertsLora) for wrapper in outermost)
+
+
+def wrapper_chain(outer: ParamWrapper) -> list[ParamWrapper]:
+    """PEFT nests one ParamWrapper per adapted parameter of a module: outermost first."""
+    chain = [outer]
+    while isinstance(chain[-1].base_layer, ParamWrapper):
+        chain.append(chain[-1].base_layer)
+    return chain
+
+
+def low_rank_factors(chain: list[ParamWrapper]) -> dict[str, LowRank] | None:
+    """Each wrapped projection's single active adapter as factors in x @ W order; None where PEFT's own forward
+    must run (an adapter merged or disabled, several active)."""
+    factors: dict[str, LowRank] = {}
+    for wrapper in chain:
+        if wrapper.disable_adapters or wrapper.merged:
+            return None
+        active = [name for name in wrapper.active_adapters if name in wrapper.lora_A]
+        if len(active) > 1:
+            return None
+        if active:
+            lhs, rhs, scale = wrapper.get_delta_factors(active[0])
+            transposed = not wrapper._did_swap_in_out_features  # stored [E, in, out]: delta = lhs @ rhs
+            first, second = (lhs, rhs) if transposed else (rhs.mT, lhs.mT)
+            factors[wrapper.parameter_name] = (_grouped_layout(first), _grouped_layout(second), scale)
+    return factors
+
+
+def grouped_experts_forward(
+    experts: torch.nn.Module,
+    adapters: dict[str, LowRank],
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """transformers' `grouped_mm_experts_forward` (sort by expert, grouped up/gate, down, weight, unsort), with
+    each projection's adapter applied to the tokens routed to each expert."""
+    num_tokens, hidden_dim = hidden_states.shape
+    num_top_k = top_k_index.size(-1)
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+    tokens = hidden_states[perm // num_top_k]
+    routing = top_k_weights.reshape(-1)[perm]
+    # histc as transformers counts (a fixed-size output: fake tensors and CUDA graphs); CPU histc wants floats
+    counted = expert_ids.float() if expert_ids.device.type in ("cpu", "mps") else expert_ids.int()
+    per_expert = torch.histc(counted, bins=experts.num_experts, min=0, max=experts.num_experts - 1)
+    offsets = torch.cumsum(per_expert, dim=0, dtype=torch.int32)
+
+    up_name = "gate_up_proj" if experts.has_gate else "up_proj"
+    out = _project(experts, up_name, adapters.get(up_name), tokens, expert_ids, offsets)
+    out = experts._apply_gate(out) if experts.has_gate else experts.act_fn(out)
+    out = _project(experts, "down_proj", adapters.get("down_proj"), out, expert_ids, offsets)
+    if experts.has_post_expert_norm:
+        out = experts.post_expert_norm(out)
+    weighted = out * routing.unsqueeze(-1)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.size(0), device=perm.device)
+    final = weighted[inverse].view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
+    return final.to(hidden_states.dtype)
+
+
+def _project(
+    experts: torch.nn.Module,
+    name: str,
+    adapter: LowRank | None,
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    offsets: torch.Tensor,
+) -> torch.Tensor:
+    """One fused projection on expert-sorted rows: the frozen base as one grouped product, plus the adapter as two
+    grouped products through rank r (never forming W + delta)."""
+    weight = getattr(experts, name)
+    out = grouped_mm(x, weight if experts.is_transposed else weight.mT, offsets)
+    if experts.has_bias:
+        out = out + getattr(experts, f"{name}_bias")[expert_ids]
+    if adapter is not None:
+        first, second, scale = adapter
+        out = out + scale * grouped_mm(grouped_mm(x, first, offsets), second, offsets)
+    return out
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [S, in] (rows sorted by group) @ weight[g] [E, in, out] per group: torch's grouped_mm where it takes the
+    operands (its kernels want 16-byte aligned strides), else transformers' loop over the groups (same op, autograd)."""
+    x = x.to(weight.dtype)
+    if _can_use_grouped_mm(x, weight, offsets) and _aligned(x) and _aligned(weight):
+        return torch.nn.functional.grouped_mm(x, weight, offs=offsets)
+    return torch.ops.transformers.grouped_mm_fallback(x, weight, offsets)
+
+
+def _grouped_layout(factor: torch.Tensor) -> torch.Tensor:
+    """A factor as grouped_mm reads it: Aᵀ is a view of lora_A that it takes; PEFT's Bᵀ has the expert index
+    innermost, so it is copied (the adapter's size, [E, r, out], never an expert stack's)."""
+    return factor if _aligned(factor) else factor.contiguous()
+
+
+def _aligned(tensor: torch.Tensor) -> bool:
+    size = tensor.element_size()
+    strides_ok = all(stride * size % 16 == 0 for stride in tensor.stride() if stride != 1)
+    return strides_ok and min(tensor.stride()[-2:]) == 1 and tensor.data_ptr() % 16 == 0
+
+
+def _grouped_capable(chain: list[ParamWrapper]) -> bool:
+    experts = chain[-1].get_base_layer()
+    return (
+        hasattr(experts, "has_gate")
+        and hasattr(experts, "num_experts")
+        and not getattr(experts, "_is_expert_parallel", False)
+        and all(w.parameter_name in PROJECTIONS and w.get_param().ndim == 3 for w in chain)
+    )

@@ -1,0 +1,147 @@
+"""Fault-tolerant DiLoCo (torchft) on localhost: two sites of one process, each its own `trainyard launch`, the
+lighthouse a child of site 0's. Site 1 is SIGKILLed mid-run and started again: site 0 never stops and syncs alone
+while site 1 is gone; site 1 heals from site 0 (its weights become site 0's) and the two average together again."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.conftest import REPO, TINY
+from tests.dist.checkpoint_helpers import kill_tree
+
+pytest.importorskip("torchft")
+pytestmark = pytest.mark.dist
+
+SITE = [
+    "dist.strategy=diloco", "diloco.fault_tolerant=true", "diloco.sites=2", "diloco.sync_every=2",
+    "train.max_steps=100000", "log.every_steps=1", "log.progress=false", "log.tensorboard=false",
+    "eval.every_steps=0", "eval.at_end=false", "checkpoint.at_end=false", "dist.timeout_s=60",
+]
+"""Sites that would train for hours: the test stops them once it has seen what it waits for."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def launch(out: Path, site: int, lighthouse: int, *flags: str) -> subprocess.Popen[bytes]:
+    """One site's launch, its output appended to a file (a pipe nobody reads would fill and stall it)."""
+    args = ["launch", TINY, "--nnodes", "1", "--node-rank", "0", "--master", f"127.0.0.1:{free_port()}",
+            "--nproc", "1", *flags, f"output_dir={out}", *SITE, f"diloco.site={site}",
+            f"diloco.lighthouse=127.0.0.1:{lighthouse}"]
+    with open(out / f"site-{site}.out", "ab") as sink:
+        return subprocess.Popen([sys.executable, "-m", "trainyard.cli", *args], cwd=REPO, start_new_session=True,
+                                stdout=sink, stderr=subprocess.STDOUT)
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def syncs(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e.get("event") == "outer_sync"]
+
+
+def wait_until(seen: Callable[[], bool], sites: list[subprocess.Popen[bytes]], what: str, out: Path) -> None:
+    deadline = time.monotonic() + 240
+    while not seen():
+        ended = [p.args for p in sites if p.poll() is not None]
+        if ended or time.monotonic() > deadline:
+            logs = "\n".join(path.read_text()[-3000:] for path in sorted(out.glob("site-*.out")))
+            raise AssertionError(f"{'a site ended' if ended else 'timed out'} waiting for {what}:\n{logs}")
+        time.sleep(0.2)
+
+
+def test_without_failures_the_outer_step_is_nesterov_sgd_on_the_average_as_in_one_world(tmp_path: Path) -> None:
+    """Each site its own torchrun: two syncs take the outer step the one-world sync is held to in test_diloco.py
+    (Nesterov SGD on the mean of the sites' pseudo-gradients), the same on both sites."""
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000)
+    try:
+        env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse.address()}
+        sites = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+             str(REPO / "tests" / "dist" / "scripts" / "diloco_ft_outer_step.py"), str(tmp_path), str(site)],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ) for site in range(2)]
+        outputs = [site.communicate(timeout=300)[0] for site in sites]
+    finally:
+        lighthouse.shutdown()
+    assert [site.returncode for site in sites] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    ranks = [json.loads((tmp_path / f"site-{s}.json").read_text()) for s in range(2)]
+    buffers = None
+    for round_index in range(2):
+        assert [r[round_index]["sites"] for r in ranks] == [2, 2]
+        start = [np.array(t, dtype=np.float64) for t in ranks[0][round_index]["start"]]
+        assert all(np.array_equal(a, b) for a, b in zip(start, ranks[1][round_index]["start"], strict=True))
+        pseudo = [np.mean([s - np.array(site[round_index]["before"][i]) for site in ranks], axis=0)
+                  for i, s in enumerate(start)]
+        buffers = pseudo if buffers is None else [0.9 * m + g for m, g in zip(buffers, pseudo, strict=True)]
+        expected = [s - 0.7 * (g + 0.9 * m) for s, g, m in zip(start, pseudo, buffers, strict=True)]
+        for site in ranks:
+            for want, got in zip(expected, site[round_index]["after"], strict=True):
+                np.testing.assert_allclose(np.array(got), want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_site_killed_mid_run_heals_from_the_live_one_which_never_stops(tmp_path: Path) -> None:
+    lighthouse = free_port()
+    site0 = launch(tmp_path, 0, lighthouse, "--lighthouse")
+    site1 = launch(tmp_path, 1, lighthouse)
+    dir0, dir1 = tmp_path / "tiny" / "site-0", tmp_path / "tiny" / "site-1"
+    try:
+        wait_until(lambda: any(e["outer_sites"] == 2 for e in syncs(metrics(dir1))), [site0, site1],
+                   "a sync of both sites", tmp_path)
+        kill_tree(site1)
+        first_life = len(metrics(dir1))
+        killed_at = max(e["step"] for e in syncs(metrics(dir0)))
+        wait_until(lambda: any(e["outer_sites"] == 1 and e["step"] > killed_at for e in syncs(metrics(dir0))),
+                   [site0], "site 0 syncing alone", tmp_path)
+        site1 = launch(tmp_path, 1, lighthouse)
+        second_life: Callable[[], list[dict[str, Any]]] = lambda: metrics(dir1)[first_life:]  # noqa: E731
+        wait_until(lambda: len([e for e in syncs(second_life()) if e["outer_sites"] == 2]) >= 2, [site0, site1],
+                   "two syncs of both sites after site 1 returned", tmp_path)
+    finally:
+        kill_tree(site1)
+        kill_tree(site0)
+
+    events0 = metrics(dir0)
+    sites0 = [e["outer_sites"] for e in syncs(events0)]
+    both = sites0.index(2)  # a site slower to start than the lighthouse's join timeout heals at its first sync
+    assert 1 in sites0[both:] and 2 in sites0[sites0.index(1, both):], f"site 0's syncs: {sites0}"
+    by_step0 = {e["step"]: e for e in syncs(events0)}
+    first = syncs(events0)[both]["step"]
+    steps0 = [e["step"] for e in events0 if e["kind"] == "train" and e["step"] >= first]
+    assert steps0 == list(range(first, first + len(steps0))), "site 0 lost or repeated a step"
+
+    back = second_life()
+    healed = [e for e in back if e.get("event") == "healed"]
+    assert len(healed) == 1, back[:5]
+    step = healed[0]["step"]
+    assert by_step0[step]["outer_sites"] == 1, "site 1 healed at a sync of site 0 alone, adding nothing to it"
+    assert healed[0]["outer_start_norm"] == by_step0[step]["outer_start_norm"], "site 1 took site 0's weights"
+    after_heal = back[back.index(healed[0]):]
+    going_on = [e["step"] for e in after_heal if e["kind"] == "train"]  # the healing step's own event first
+    assert going_on == list(range(step, step + len(going_on))), "site 1 goes on from site 0's step"
+    after = syncs(after_heal)
+    assert after and after[0]["step"] == step + 2
+    for sync in after:
+        assert sync["outer_sites"] == by_step0[sync["step"]]["outer_sites"] == 2
+        assert sync["outer_start_norm"] == by_step0[sync["step"]]["outer_start_norm"], "the sites disagree"

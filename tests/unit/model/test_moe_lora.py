@@ -1,0 +1,91 @@
+"""Expert LoRA as grouped low-rank products gives PEFT's fold's loss and adapter gradients (fp32), on a tiny model of
+every family transformers stores with fused 3-D experts; its adapter files are PEFT's; the router stays frozen.
+
+Tolerance: in fp32 the two paths differ only in rounding order (x·(W + s·B·A) against x·W + s·(x·Aᵀ)·Bᵀ, and the
+weight gradient summed per expert over its tokens rather than through the folded stack); measured relative
+differences are ≤ 2.1e-7 for the loss and ≤ 4.0e-6 for the worst adapter gradient (norm of the difference over the
+norm, 5 families). RTOL = 2e-5 leaves 5× room, and dropping the experts' adapters moves the loss and every expert
+adapter gradient by more than 100× RTOL (asserted), so the comparison can fail.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+
+from tests.unit.model.families import build, documents
+from trainyard.config import LoraConfig
+from trainyard.model.lora import apply_lora
+from trainyard.model.moe_lora import GroupedExpertsLora
+
+RTOL = 2e-5
+FUSED = ["glm4_moe", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
+
+
+def adapted(family: str, moe_adapter: str, **changes: object) -> torch.nn.Module:
+    """A tiny model of `family` with adapters everywhere by default, lora_B drawn non-zero (PEFT starts it at 0,
+    where the adapter does nothing and lora_A gets no gradient)."""
+    model = apply_lora(build(family, "eager"), LoraConfig(r=4, alpha=8, moe_adapter=moe_adapter, **changes), seed=0)
+    generator = torch.Generator().manual_seed(5)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data = 0.5 * torch.randn(param.shape, generator=generator)
+    return model
+
+
+def loss_of(model: torch.nn.Module) -> torch.Tensor:
+    ids = torch.cat(documents())[None]
+    return model(input_ids=ids, labels=ids).loss
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("family", FUSED)
+def test_grouped_experts_give_the_folds_loss_and_adapter_gradients(family: str) -> None:
+    fold, grouped = adapted(family, "peft"), adapted(family, "grouped")
+    moe_layers = sum(name.endswith("mlp.experts") for name, _ in fold.named_modules())
+    assert sum(isinstance(m, GroupedExpertsLora) for m in grouped.modules()) == moe_layers > 0
+    assert not any(isinstance(m, GroupedExpertsLora) for m in fold.modules())
+    fold_loss, grouped_loss = loss_of(fold), loss_of(grouped)
+    fold_loss.backward()
+    grouped_loss.backward()
+    assert abs(grouped_loss.item() - fold_loss.item()) <= RTOL * fold_loss.item()
+    fold_grads = {name: p.grad for name, p in fold.named_parameters() if p.requires_grad}
+    grouped_grads = {name: p.grad for name, p in grouped.named_parameters() if p.requires_grad}
+    assert fold_grads.keys() == grouped_grads.keys()
+    assert sum(".experts." in name for name in fold_grads) == 4 * moe_layers  # (gate_up, down) × (A, B)
+    for name, grad in fold_grads.items():
+        assert grad.norm() > 0, name
+        assert relative(grouped_grads[name], grad) <= RTOL, name
+    grouped.zero_grad()
+    with torch.no_grad():
+        for name, param in grouped.named_parameters():
+            if ".experts." in name and "lora_B" in name:
+                param.zero_()
+    dropped_loss = loss_of(grouped)
+    dropped_loss.backward()
+    assert abs(dropped_loss.item() - fold_loss.item()) > 100 * RTOL * fold_loss.item()
+    expert_grads = {name: p.grad for name, p in grouped.named_parameters() if p.requires_grad and ".experts." in name}
+    assert all(relative(grad, fold_grads[name]) > 100 * RTOL for name, grad in expert_grads.items())
+
+
+def test_the_adapter_file_is_pefts_and_merges_into_the_same_model(tmp_path: Path) -> None:
+    """What the grouped path saves loads with PeftModel.from_pretrained (PEFT's own forward) and merges into the
+    base (export --merge-lora) to the same loss; the router carries no adapter and stays frozen in fp32."""
+    grouped = adapted("glm4_moe", "grouped")
+    router = grouped.get_base_model().model.layers[1].mlp.gate
+    assert type(router).__name__ == "Glm4MoeTopkRouter"
+    assert not router.weight.requires_grad and router.weight.dtype == torch.float32
+    with torch.no_grad():
+        expected = loss_of(grouped).item()
+        grouped.save_pretrained(tmp_path)
+        loaded = PeftModel.from_pretrained(build("glm4_moe", "eager"), tmp_path)
+        assert not any(isinstance(m, GroupedExpertsLora) for m in loaded.modules())
+        assert abs(loss_of(loaded).item() - expected) <= RTOL * expected
+        merged = grouped.merge_and_unload()
+        assert abs(loss_of(merged).item() - expected) <= RTOL * expected
