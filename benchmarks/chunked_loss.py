@@ -1,6 +1,7 @@
 """The loss's peak memory and time, whole logits against chunks: the vocabulary projection and cross-entropy of one
 micro-batch, forward and backward, at the from-scratch config's width (configs/scratch-1.5b.yaml, hidden 2048) with
-a Llama-3-sized vocabulary (128,256), bf16 hidden states and head as bf16-mixed computes them, the head trained.
+a Llama-3-sized vocabulary (128,256), the head trained; fp32 (`--dtype bf16` as bf16-mixed computes them, where
+the CPU has native bf16 matrix units).
 
 Each variant runs in its own process: the peak is the process's RSS high-water mark over the first pass minus its
 RSS before it (glibc keeps freed memory, so a later pass would read the first one's peak); the time is the median of
@@ -37,10 +38,10 @@ def one_pass(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
     hidden.grad = weight.grad = None
 
 
-def measure(tokens: int, chunk: int, passes: int) -> dict[str, float]:
+def measure(tokens: int, chunk: int, passes: int, dtype: torch.dtype) -> dict[str, float]:
     torch.manual_seed(0)
-    hidden = (torch.randn(tokens, HIDDEN) * 0.5).bfloat16().requires_grad_()
-    weight = (torch.randn(VOCAB, HIDDEN) * 0.02).bfloat16().requires_grad_()
+    hidden = (torch.randn(tokens, HIDDEN) * 0.5).to(dtype).requires_grad_()
+    weight = (torch.randn(VOCAB, HIDDEN) * 0.02).to(dtype).requires_grad_()
     targets = torch.randint(0, VOCAB, (tokens,))
     before = psutil.Process().memory_info().rss
     start = time.perf_counter()
@@ -59,19 +60,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2048, help="target tokens of the micro-batch (default 2048)")
     parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--chunk", type=int, default=None, help=argparse.SUPPRESS)  # a worker's variant
     args = parser.parse_args()
     if args.chunk is not None:
-        print(json.dumps(measure(args.tokens, args.chunk, args.passes)))
+        dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+        print(json.dumps(measure(args.tokens, args.chunk, args.passes, dtype)))
         return
     rows = []
     for chunk, name in ((0, "whole logits (loss_chunk_tokens: 0)"), (-1, "chunks (default: 256 MiB of fp32)")):
-        out = subprocess.run([sys.executable, __file__, "--tokens", str(args.tokens), "--passes", str(args.passes),
-                              "--chunk", str(chunk)],
-                             capture_output=True, text=True, check=True).stdout
+        worker = [sys.executable, __file__, "--tokens", str(args.tokens), "--passes", str(args.passes),
+                  "--dtype", args.dtype, "--chunk", str(chunk)]
+        out = subprocess.run(worker, capture_output=True, text=True, check=True).stdout
         rows.append((name, json.loads(out.strip().splitlines()[-1])))
     logits_gib = args.tokens * VOCAB * 4 / 2**30
-    print(f"{args.tokens} tokens x {VOCAB} vocab, hidden {HIDDEN}, bf16; fp32 logits would be {logits_gib:.2f} GiB")
+    print(f"{args.tokens} tokens x {VOCAB} vocab, hidden {HIDDEN}, {args.dtype}; fp32 logits: {logits_gib:.2f} GiB")
     print("| loss | peak above the inputs, GiB | first pass, s | median pass, s |")
     print("|---|---|---|---|")
     for name, r in rows:

@@ -176,10 +176,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        scale = grad_loss.float()
+        scale = grad_loss.float()  # scaled in place: a second vocabulary-sized gradient would double its memory
         return (
-            None if grad_hidden is None else grad_hidden * scale.to(grad_hidden.dtype),
-            None if grad_weight is None else (grad_weight * scale).to(ctx.dtypes[0]),
-            None if grad_bias is None else (grad_bias * scale).to(ctx.dtypes[1]),
+            None if grad_hidden is None else grad_hidden.mul_(scale.to(grad_hidden.dtype)),
+            None if grad_weight is None else grad_weight.mul_(scale).to(ctx.dtypes[0]),
+            None if grad_bias is None else grad_bias.mul_(scale).to(ctx.dtypes[1]),
             None, None, None, None,
         )

@@ -39,7 +39,6 @@ from trainyard.metrics import (
     LogWindow,
     MetricsSink,
     environment_record,
-    peak_memory_bytes,
     setup_logging,
     write_json,
 )
@@ -50,7 +49,7 @@ from trainyard.parallel import comm
 from trainyard.parallel import parallelize as parallel
 from trainyard.runs import layout as run_layout
 from trainyard.runs.status import BackgroundHeartbeat
-from trainyard.train import build
+from trainyard.train import build, events
 from trainyard.train import state as loop_state
 from trainyard.train import votes as agreement
 from trainyard.train.job import Job
@@ -144,7 +143,7 @@ def _train_steps(
             interval.add(step_loss, own.targets, own.real_tokens, own.flops, step_time, data_wait)
         heartbeat.step = step
         if step % cfg.log.every_steps == 0 or step == cfg.train.max_steps:  # before a stop: the step was trained
-            _log_interval(state, job, interval, lr, grad_norm, whole_world=agreed is not None)
+            events.log_interval(state, job, interval, lr, grad_norm, whole_world=agreed is not None)
         if job.outer is not None and agreed is not None and _stops_at_sync(job, state, agreed):
             return
         if run_eval and cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
@@ -187,7 +186,7 @@ def _stops_before_training(job: Job, state: LoopState, votes: agreement.StepVote
     if votes.preempted:
         loop_state.stop_for_preemption(job, state)
     if votes.data_ended:
-        job.sink.emit("system", step=state.step, event="data_exhausted", tokens_per_source=_per_source(job))
+        job.sink.emit("system", step=state.step, event="data_exhausted", tokens_per_source=events.per_source(job))
     return votes.data_ended > 0
 
 
@@ -197,7 +196,7 @@ def _stops_at_sync(job: Job, state: LoopState, agreed: agreement.StepVotes) -> b
     if agreed.preempted:
         loop_state.stop_for_preemption(job, state)
     if agreed.data_ended:
-        job.sink.emit("system", step=state.step, event="data_exhausted", tokens_per_source=_per_source(job))
+        job.sink.emit("system", step=state.step, event="data_exhausted", tokens_per_source=events.per_source(job))
     return agreed.data_ended > 0
 
 
@@ -233,7 +232,7 @@ def _report_nonfinite(job: Job, step: int, step_loss: torch.Tensor, grad_norm: t
             fix="lower train.lr, check that rank's data, or set train.on_nonfinite: skip",
         )
     job.sink.emit("system", step=step, event="skipped_nonfinite_step", ranks=culprits,
-                  **_site_field(job, whole_world=False))
+                  **events.site_field(job, whole_world=False))
     if job.outer is not None and not job.info.is_main:  # rank 0 sees its own site's only: the site's logs say it
         logging.getLogger("trainyard").warning("skipped non-finite step %d (site %d, ranks %s)", step,
                                                job.outer.site, culprits)
@@ -274,45 +273,6 @@ def _check_replicas(job: Job, step: int) -> None:
     health.check_replicas_agree(job.model, info, step, cfg.dist.desync_tolerance)
 
 
-def _log_interval(
-    state: LoopState, job: Job, interval: LogWindow, lr: float, grad_norm: torch.Tensor, whole_world: bool
-) -> None:
-    """The train event: over the world, or under DiLoCo between outer syncs over rank 0's site only (`site`)."""
-    figures = interval.figures(None if whole_world else agreement.step_group(job))  # the group's ranks: one all-gather
-    interval.reset()
-    _warn_idle_experts(job, state.step, figures.get("expert_load"))
-    state.first_loss = figures["loss"] if state.first_loss is None else state.first_loss
-    state.last_loss = figures["loss"]
-    job.sink.emit(
-        "train", step=state.step, lr=lr, grad_norm=float(grad_norm), **figures, **_site_field(job, whole_world),
-        peak_memory_bytes=peak_memory_bytes(job.info.device), tokens=state.tokens,
-        **({"tokens_per_source": _per_source(job)} if isinstance(job.sampler, MixtureStream) else {}),
-        **({"epoch": _epoch(job.sampler)} if isinstance(job.sampler, ResumableSampler) else {}),
-    )
-
-
-def _warn_idle_experts(job: Job, step: int, load: dict[str, Any] | None) -> None:
-    """An expert that no token reached for a whole log window is learning nothing: a router collapsing, or too few
-    tokens per window for the experts (a longer log.every_steps tells the two apart)."""
-    idle = routing.idle_by_layer(load)
-    if idle:
-        job.sink.emit("system", step=step, event="idle_experts", idle_experts={str(k): v for k, v in idle.items()})
-        if job.info.is_main:
-            logging.getLogger("trainyard").warning(
-                "step %d: experts that received no token since the last log, by layer: %s", step,
-                "; ".join(f"layer {layer}: {experts}" for layer, experts in idle.items()))
-
-
-def _site_field(job: Job, whole_world: bool) -> dict[str, int]:
-    """`site`: the DiLoCo site an event's figures come from, where they are not the whole world's."""
-    return {} if whole_world or job.outer is None else {"site": job.outer.site}
-
-
-def _epoch(sampler: ResumableSampler) -> float:
-    """Passes over the training rows so far: the rows all ranks took (the sampler's global position) / rows."""
-    return round(sampler.consumed / sampler.num_samples, 6)
-
-
 def _size_by_epochs(job: Job, state: LoopState) -> None:
     """train.epochs becomes max_steps here, once: the rows are known (bad rows dropped) and the global batch settled
     (a resume keeps the checkpoint's, so the steps). The schedule and the ETA read max_steps as they go; status
@@ -329,11 +289,6 @@ def _size_by_epochs(job: Job, state: LoopState) -> None:
 def _loop_facts(job: Job) -> dict[str, object]:
     """Fault-tolerant DiLoCo: what a site that heals from this one takes besides the outer state."""
     return {"sampler": job.sampler.state_dict(), "scheduler": job.scheduler.state_dict()}
-
-
-def _per_source(job: Job) -> dict[str, int] | None:
-    """Tokens each mixture source gave all ranks so far (a map-style dataset has one source: None)."""
-    return job.sampler.tokens_per_source() if isinstance(job.sampler, MixtureStream) else None
 
 
 def _evaluator(job: Job):
@@ -480,8 +435,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         "dataset": [source.path for source in cfg.data.mixture] if cfg.data.mixture else cfg.data.path,
         "data_fingerprint": data.fingerprint,
         "data_stats": data.stats,
-        **({"tokens_per_source": _per_source(job)} if isinstance(sampler, MixtureStream) else {}),
-        **({"epoch": _epoch(sampler)} if isinstance(sampler, ResumableSampler) else {}),
+        **({"tokens_per_source": events.per_source(job)} if isinstance(sampler, MixtureStream) else {}),
+        **({"epoch": events.epoch(sampler)} if isinstance(sampler, ResumableSampler) else {}),
         "params": total_params,
         "trainable_params": trainable_params,
         "first_train_loss": state.first_loss,
