@@ -4,10 +4,8 @@ world grows again; the global batch is kept by accumulation and every row of an 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ import pytest
 from tests.conftest import TINY
 from tests.dist.checkpoint_helpers import events_after_last_resume, last_step, resumed_events
 from tests.dist.test_elastic_resume import attempts
-from tests.e2e.test_multihost import HOST_ADDRESSES, Host, _kill_namespace_processes, finish, launch_on, namespace_hosts
+from tests.e2e.test_multihost import HOST_ADDRESSES, Host, _kill_namespace_processes, finish, launch_on
 from trainyard.checkpoint.save import latest_full
 
 pytestmark = pytest.mark.e2e
@@ -30,14 +28,6 @@ JOB = [
 # last_call_timeout: how long a round that has MIN nodes waits for more; both hosts start together here.
 ELASTIC = ["--nnodes", "1:2", "--rdzv", "c10d", "--rdzv-id", "grow", "--master", f"{HOST_ADDRESSES[0]}:29650",
            "--nproc", "2", "--max-restarts", "3", "--rdzv-conf", "last_call_timeout=10"]
-
-
-@pytest.fixture
-def hosts() -> Iterator[tuple[Host, Host]]:
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    with namespace_hosts() as pair:
-        yield pair
 
 
 def wait_for(what: str, check: object, node: subprocess.Popen[str], timeout: float = 600) -> None:

@@ -75,14 +75,6 @@ def _kill_namespace_processes(namespace: str) -> None:
             pass
 
 
-@pytest.fixture
-def hosts() -> Iterator[tuple[Host, Host]]:
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    with namespace_hosts() as pair:
-        yield pair
-
-
 @contextlib.contextmanager
 def namespace_hosts() -> Iterator[tuple[Host, Host]]:
     """Two namespaces joined by a veth pair, removed (with whatever still runs in them) on exit.
