@@ -17,6 +17,8 @@ Cases (each differs from `today`, trainyard's default step on this CPU, in one t
   fp32             no bf16 autocast, frozen weights in fp32
   foreach-adamw    torch's default AdamW implementation instead of the fused kernel
   compiled-mlp     every block's MLP under torch.compile (first step's compile time printed apart)
+  peft-forward     PEFT's own lora.Linear forward (scale and add over the whole output) instead of lora_linear.py's
+  fp32-peft-forward  the same at fp32 (compare with `fp32`)
 It prints one JSON line per case: median step seconds, the ratio to `today`, and per-round times.
 """
 
@@ -37,10 +39,11 @@ from trainyard import loss as loss_room
 from trainyard.config import ModelConfig
 from trainyard.data import collate
 from trainyard.model import attention
+from trainyard.model.lora_linear import use_fused_linear_adapters
 from trainyard.model.source import resolve_model_path
 
 CASES = ["today", "padded-sdpa", "dense-mask", "flash-kernel", "all-logits", "fp32", "foreach-adamw",
-         "compiled-mlp"]
+         "compiled-mlp", "peft-forward", "fp32-peft-forward"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LENGTHS = (60, 120, 180, 420)
 
@@ -62,12 +65,14 @@ def documents() -> list[dict[str, list[int]]]:
     return rows
 
 
-def lora_model(dtype: torch.dtype) -> torch.nn.Module:
+def lora_model(dtype: torch.dtype, fused: bool = True) -> torch.nn.Module:
     """Frozen base in `dtype`, fp32 adapters: what trainyard builds for LoRA under bf16-mixed / fp32."""
     torch.manual_seed(0)
     path = resolve_model_path(ModelConfig(path="builtin:smollm2-135m-instruct"))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention.VARLEN)
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS))
+    if fused:
+        use_fused_linear_adapters(model)
     for param in model.parameters():
         if param.requires_grad:
             param.data = param.data.float()
@@ -79,7 +84,8 @@ class Case:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.model = lora_model(torch.float32 if name == "fp32" else torch.bfloat16)
+        fp32 = name.startswith("fp32")
+        self.model = lora_model(torch.float32 if fp32 else torch.bfloat16, fused=not name.endswith("peft-forward"))
         implementation = {"padded-sdpa": "sdpa", "dense-mask": "sdpa"}.get(name, attention.VARLEN)
         self.model.base_model.model.set_attn_implementation(implementation)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -99,7 +105,8 @@ class Case:
         keeps = loss_room._MASK_KEEP
         attention.SHORT_DOCUMENT = 0 if self.name == "flash-kernel" else short
         loss_room._MASK_KEEP = self.name != "all-logits" and keeps
-        autocast = contextlib.nullcontext() if self.name == "fp32" else torch.autocast("cpu", dtype=torch.bfloat16)
+        fp32 = self.name.startswith("fp32")
+        autocast = contextlib.nullcontext() if fp32 else torch.autocast("cpu", dtype=torch.bfloat16)
         try:
             with autocast:
                 loss, _ = loss_room.token_loss_sum(self.model, self.batch, torch.device("cpu"))

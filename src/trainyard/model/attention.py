@@ -218,9 +218,11 @@ def _document_attention(
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scaling = kwargs.get("scaling")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scaling
-    weights = scores.masked_fill_(~_keep(length, window, query.device), float("-inf")).softmax(dim=-1)
-    return torch.matmul(weights.to(value.dtype), value).transpose(1, 2)
+    # Scale and mask inside the product (baddbmm's alpha and input): no [H, L, L] pass for either, forward or back.
+    mask = _additive(_keep(length, window, query.device)[0], query.dtype, float("-inf"))
+    scores = torch.baddbmm(mask, query[0], key[0].transpose(-1, -2), alpha=scaling)
+    weights = scores.float().softmax(dim=-1)
+    return torch.matmul(weights.to(value.dtype), value[0]).transpose(0, 1)[None]
 
 
 def _keep(length: int, window: int | None, device: torch.device) -> torch.Tensor:
@@ -234,9 +236,10 @@ def _keep(length: int, window: int | None, device: torch.device) -> torch.Tensor
     return keep[None, None]
 
 
-def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean keep-mask as the additive one eager attention takes (transformers' masked value)."""
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, torch.finfo(dtype).min)
+def _additive(keep: torch.Tensor, dtype: torch.dtype, masked: float | None = None) -> torch.Tensor:
+    """A boolean keep-mask as an additive one: transformers' masked value (the dtype's min) unless given."""
+    masked = torch.finfo(dtype).min if masked is None else masked
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, masked)
 
 
 def family_eager(module: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, Any]]:

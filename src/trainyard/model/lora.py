@@ -1,5 +1,6 @@
-"""LoRA via PEFT: adapters on the linear layers and on fused MoE expert parameters (run as grouped low-rank products:
-moe_lora.py), the router frozen unless named, every target name checked, and what carries adapters, in words.
+"""LoRA via PEFT: adapters on the linear layers (their update added inside the adapter's product: lora_linear.py)
+and on fused MoE expert parameters (run as grouped low-rank products: moe_lora.py), the router frozen unless named,
+every target name checked, and what carries adapters, in words.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from peft.utils.transformers_weight_conversion import convert_peft_config_for_tr
 
 from trainyard.config import LoraConfig
 from trainyard.errors import ModelError
+from trainyard.model.lora_linear import use_fused_linear_adapters
 from trainyard.model.moe_lora import use_grouped_expert_adapters
 
 
@@ -49,6 +51,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn.M
         ) from None
     if cfg.moe_adapter == "grouped":
         use_grouped_expert_adapters(peft_model)
+    use_fused_linear_adapters(peft_model)
     return peft_model
 
 
