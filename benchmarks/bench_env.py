@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Self
 
 REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "RESULTS.md"
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
@@ -113,3 +114,18 @@ def versions() -> str:
 def commit() -> str:
     dirty = bool(sh("git", "status", "--porcelain", "--untracked-files=no"))
     return sh("git", "rev-parse", "--short", "HEAD") + (" plus uncommitted changes" if dirty else "")
+
+
+def results_head(title: str) -> list[str]:
+    """A RESULTS.md section's first lines: its title and date, the machine and the exact code measured."""
+    return ["", f"## {title} — {sh('date', '-u')}", "", f"- machine: {cpu_description()}; {gpu_description()}",
+            f"- commit: {commit()}"]
+
+
+def append_results(lines: list[str], path: Path = RESULTS) -> None:
+    """Append a section to RESULTS.md (newest last)."""
+    if not path.exists():
+        path.write_text("# Benchmark results\n\nAppended by the scripts in this folder; newest last.\n\n")
+    with open(path, "a") as handle:
+        handle.write("\n".join(lines))
+    print(f"appended to {path}")

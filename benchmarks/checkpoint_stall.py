@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from bench_env import REPO, append_results, loadavg, results_head, wait_for_quiet
+
 TINY = [
     "configs/tiny.yaml",
     "lora.enabled=true",
@@ -97,26 +98,13 @@ COMMON = [
 ]
 
 
-def sh(*command: str) -> str:
-    try:
-        return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=30, check=False).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "(unavailable)"
-
-
-def load_average() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
-def wait_for_quiet(threshold: float, max_wait_s: float) -> str:
-    """Other jobs on 2 cores would be measured as checkpoint stall: wait for them to end."""
-    started = time.monotonic()
-    while float(load_average().split()[0]) >= threshold and time.monotonic() - started < max_wait_s:
-        print(f"waiting for a quiet machine: load {load_average()}", flush=True)
-        time.sleep(15)
-    quiet = float(load_average().split()[0]) < threshold
+def wait_note(args: argparse.Namespace) -> str:
+    """Other jobs on 2 cores would be measured as checkpoint stall: wait for them to end (unless --no-wait)."""
+    if args.no_wait:
+        return "did not wait (--no-wait)"
+    waited, quiet = wait_for_quiet(args.quiet_load, args.max_wait_s)
     state = "below" if quiet else "still at or above"
-    return f"1-minute load {state} {threshold} after {time.monotonic() - started:.0f}s of waiting"
+    return f"1-minute load {state} {args.quiet_load} after {waited:.0f}s of waiting"
 
 
 def run(name: str, out_dir: Path, nproc: int) -> tuple[Path, float]:
@@ -207,18 +195,9 @@ def table(results: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def record(path: Path, lines: list[str], notes: list[str]) -> None:
-    dirty = bool(sh("git", "status", "--porcelain", "--untracked-files=no"))
-    commit = sh("git", "rev-parse", "--short", "HEAD") + (" (plus uncommitted changes)" if dirty else "")
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in sh("lscpu").splitlines() if line.startswith("Model name")),
-        "unknown CPU",
-    )
+def record(lines: list[str], notes: list[str]) -> None:
     header = [
-        f"## Checkpoint stall — {sh('date', '-u')}",
-        "",
-        f"- machine: {sh('nproc')} CPU cores ({cpu}), no GPU",
-        f"- commit: {commit}",
+        *results_head("Checkpoint stall"),
         *notes,
         "",
         *lines,
@@ -227,11 +206,7 @@ def record(path: Path, lines: list[str], notes: list[str]) -> None:
         "",
         "",
     ]
-    if not path.exists():
-        path.write_text("# Benchmark results\n\nAppended by the scripts in this folder; newest last.\n\n")
-    with open(path, "a") as handle:
-        handle.write("\n".join(header))
-    print(f"appended to {path}")
+    append_results(header)
 
 
 def main() -> None:
@@ -253,8 +228,8 @@ def main() -> None:
         resolve_model_path(ModelConfig(path="builtin:smollm2-135m-instruct"))
     out_dir = REPO / "runs" / "benchmarks" / time.strftime("checkpoint-stall-%Y%m%dT%H%M%SZ", time.gmtime())
     out_dir.mkdir(parents=True)
-    waited = "did not wait (--no-wait)" if args.no_wait else wait_for_quiet(args.quiet_load, args.max_wait_s)
-    load_start, started = load_average(), time.monotonic()
+    waited = wait_note(args)
+    load_start, started = loadavg(), time.monotonic()
     results, seconds = {}, {}
     for name in args.only:
         run_dir, seconds[name] = run(name, out_dir, args.nproc)
@@ -264,14 +239,14 @@ def main() -> None:
     notes = [
         f"- {args.nproc} processes per run (DDP), OMP_NUM_THREADS = cores / processes; {waited}",
         (
-            f"- load average (1/5/15 min): {load_start} at the start, {load_average()} at the end; "
+            f"- load average (1/5/15 min): {load_start} at the start, {loadavg()} at the end; "
             f"{time.monotonic() - started:.0f}s in all ({', '.join(f'{n} {s:.0f}s' for n, s in seconds.items())})"
         ),
     ]
     lines = table(results)
     print("\n".join(lines))
     if not args.no_record:
-        record(REPO / "benchmarks" / "RESULTS.md", lines, notes)
+        record(lines, notes)
 
 
 if __name__ == "__main__":

@@ -20,19 +20,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from benchmarks.hsdp_link_bytes import machine, sh  # noqa: E402
-from tests.dist.checkpoint_helpers import kill_tree  # noqa: E402
-from tests.e2e.test_multihost import HOST_ADDRESSES, Host, namespace_hosts  # noqa: E402
+from bench_env import append_results, results_head
+from netns_hosts import (
+    HOST_ADDRESSES,
+    REPO,
+    Host,
+    kill_tree,
+    last_step,
+    launch_logged,
+    namespace_hosts,
+    wait_until,
+    written_events,
+)
 
 JOB = [
     "configs/scratch-stdlib.yaml", "train.total_tokens=null", "train.micro_batch_size=4", "eval.at_end=false",
@@ -47,31 +52,12 @@ RUN_TIMEOUT_S = 3600
 def launch(host: Host, site: int, args: list[str], log: Path) -> subprocess.Popen[bytes]:
     """One site's `trainyard launch` in its host's namespace; its output to a file."""
     flags = ["--nnodes", "1", "--node-rank", "0", "--master", f"{host.address}:{29900 + site}", "--nproc", "2"]
-    command = ["ip", "netns", "exec", host.namespace, sys.executable, "-m", "trainyard.cli", "launch", *args, *flags,
-               f"diloco.site={site}", f"diloco.lighthouse={LIGHTHOUSE}", *(["--lighthouse"] if site == 0 else [])]
-    with open(log, "ab") as sink:
-        return subprocess.Popen(command, cwd=REPO, env={**os.environ, "GLOO_SOCKET_IFNAME": host.nic},
-                                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    site_args = [f"diloco.site={site}", f"diloco.lighthouse={LIGHTHOUSE}", *(["--lighthouse"] if site == 0 else [])]
+    return launch_logged(host, [*args, *flags, *site_args], log, new_session=True)
 
 
-def events(run_dir: Path) -> list[dict[str, Any]]:
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in lines if line.endswith("}")]
-
-
-def last_step(run_dir: Path) -> int:
-    return max((e["step"] for e in events(run_dir) if e["kind"] == "train"), default=0)
-
-
-def wait_for(run_dir: Path, step: int, site: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while last_step(run_dir) < step:
-        if site.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"site 0 ended or stalled before step {step}: see {run_dir}")
-        time.sleep(0.5)
+def wait_for(run_dir: Path, step: int, site: subprocess.Popen[bytes], log: Path) -> None:
+    wait_until(f"site 0's step {step}", lambda: last_step(run_dir) >= step, site, log, RUN_TIMEOUT_S)
 
 
 def run(hosts: tuple[Host, Host], out: Path, steps: int, fail: tuple[int, int] | None) -> dict[str, Any]:
@@ -82,16 +68,16 @@ def run(hosts: tuple[Host, Host], out: Path, steps: int, fail: tuple[int, int] |
     sites = [launch(host, s, args, out / f"site-{s}.out") for s, host in enumerate(hosts)]
     marks: dict[str, float] = {}
     if fail is not None:
-        wait_for(dirs[0], fail[0], sites[0])
+        wait_for(dirs[0], fail[0], sites[0], out / "site-0.out")
         kill_tree(sites[1])  # the launch, its agent and workers at once, as a lost host
         marks["killed"] = time.time()
-        wait_for(dirs[0], fail[1], sites[0])
+        wait_for(dirs[0], fail[1], sites[0], out / "site-0.out")
         sites[1] = launch(hosts[1], 1, args, out / "site-1.out")
         marks["restarted"] = time.time()
     codes = [site.wait(timeout=RUN_TIMEOUT_S) for site in sites]
     if any(codes):
         raise SystemExit(f"a site failed (exit codes {codes}): see {out}")
-    return {"events": [events(d) for d in dirs], "marks": marks}
+    return {"events": [written_events(d) for d in dirs], "marks": marks}
 
 
 def rate(train: list[dict[str, Any]], low: float, high: float) -> float | None:
@@ -161,13 +147,10 @@ def report(clean: dict[str, Any], failed: dict[str, Any], args: argparse.Namespa
     return lines
 
 
-def record(path: Path, lines: list[str], args: argparse.Namespace) -> None:
-    dirty = bool(sh("git", "status", "--porcelain", "--untracked-files=no"))
-    commit = sh("git", "rev-parse", "--short", "HEAD") + (" (plus uncommitted changes)" if dirty else "")
+def record(lines: list[str], args: argparse.Namespace) -> None:
     text = [
-        "", f"## Fault-tolerant DiLoCo (torchft): a site lost and back — {sh('date', '-u')}", "",
-        f"- machine: {machine()}; shared with other jobs while it ran (timings are indicative)",
-        f"- commit: {commit}",
+        *results_head("Fault-tolerant DiLoCo (torchft): a site lost and back"),
+        "- the machine was shared with other jobs while it ran (timings are indicative)",
         "- 2 network namespaces joined by a veth pair (no shaping), one site of 2 processes each under its own "
         "`trainyard launch` (gloo over the veth; site 0's launch hosts the lighthouse); configs/scratch-stdlib.yaml, "
         f"micro 4, {args.steps} steps, diloco.sync_every {args.sync_every}",
@@ -177,9 +160,7 @@ def record(path: Path, lines: list[str], args: argparse.Namespace) -> None:
         f"Command: `python benchmarks/diloco_ft.py --steps {args.steps} --sync-every {args.sync_every} "
         f"--kill-at {args.kill_at} --return-at {args.return_at}` (as root).", "", "",
     ]
-    with open(path, "a") as handle:
-        handle.write("\n".join(text))
-    print(f"appended to {path}")
+    append_results(text)
 
 
 def main() -> None:
@@ -201,13 +182,13 @@ def main() -> None:
         raise SystemExit("trainyard prepare failed")
     with namespace_hosts() as hosts:
         clean = (run(hosts, out_root / "no-failure", args.steps, None) if args.clean_from is None else
-                 {"events": [events(args.clean_from / "scratch-stdlib" / f"site-{s}") for s in range(2)]})
+                 {"events": [written_events(args.clean_from / "scratch-stdlib" / f"site-{s}") for s in range(2)]})
         failed = run(hosts, out_root / "site-1-lost", args.steps, (args.kill_at, args.return_at))
     (out_root / "results.json").write_text(json.dumps({"clean": clean, "failed": failed}))
     lines = report(clean, failed, args)
     print("\n".join(lines))
     if not args.no_record:
-        record(REPO / "benchmarks" / "RESULTS.md", lines, args)
+        record(lines, args)
 
 
 if __name__ == "__main__":

@@ -20,16 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from benchmarks.hsdp_link_bytes import link_bytes, machine, sh  # noqa: E402
-from tests.e2e.test_multihost import HOST_ADDRESSES, Host, launch_on, namespace_hosts  # noqa: E402
+from bench_env import append_results, results_head
+from netns_hosts import REPO, Host, namespace_hosts, run_on_both
 
 JOB = [
     "configs/scratch-stdlib.yaml", "train.total_tokens=null", "train.micro_batch_size=4", "eval.at_end=false",
@@ -52,19 +48,7 @@ def shape(hosts: tuple[Host, Host], rate: str) -> None:
 
 def run_once(hosts: tuple[Host, Host], job: list[str], steps: int, out_dir: Path, port: int) -> dict[str, Any]:
     """One 2-site run: the link bytes it caused, its summary and its train events."""
-    args = [*job, f"output_dir={out_dir}", f"train.max_steps={steps}"]
-    master = f"{HOST_ADDRESSES[0]}:{port}"
-    before, started = link_bytes(hosts[0]), time.monotonic()
-    nodes = [
-        launch_on(host, REPO, *args, "--nnodes", "2", "--node-rank", str(rank), "--master", master, "--nproc", "2")
-        for rank, host in enumerate(hosts)
-    ]
-    outputs = [node.communicate(timeout=NODE_TIMEOUT_S)[0] for node in nodes]
-    crossed, seconds = link_bytes(hosts[0]) - before, time.monotonic() - started
-    for node, output in zip(nodes, outputs, strict=True):
-        if node.returncode != 0:
-            raise SystemExit(f"run failed ({' '.join(args)}):\n{output[-4000:]}")
-    run_dir = next(out_dir.glob("*/summary.json")).parent
+    crossed, seconds, run_dir = run_on_both(hosts, [*job, f"train.max_steps={steps}"], out_dir, port, NODE_TIMEOUT_S)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     train = [event for event in map(json.loads, lines) if event["kind"] == "train"]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -106,15 +90,9 @@ def table(results: list[dict[str, Any]], window: int) -> list[str]:
     return lines
 
 
-def record(path: Path, results: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    dirty = bool(sh("git", "status", "--porcelain", "--untracked-files=no"))
-    commit = sh("git", "rev-parse", "--short", "HEAD") + (" (plus uncommitted changes)" if dirty else "")
+def record(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     lines = [
-        "",
-        f"## DDP vs DiLoCo over a {args.rate} link — {sh('date', '-u')}",
-        "",
-        f"- machine: {machine()}",
-        f"- commit: {commit}",
+        *results_head(f"DDP vs DiLoCo over a {args.rate} link"),
         f"- 2 network namespaces joined by a veth pair shaped with tc tbf {args.rate} (no added delay), "
         "2 processes each (gloo over the veth); configs/scratch-stdlib.yaml, 4096 tokens per global batch (micro 4)",
         f"- DiLoCo: sync_every {args.sync_every}, outer_lr {args.outer_lr}, Nesterov momentum {args.outer_momentum}, "
@@ -128,9 +106,7 @@ def record(path: Path, results: list[dict[str, Any]], args: argparse.Namespace) 
         "",
         "",
     ]
-    with open(path, "a") as handle:
-        handle.write("\n".join(lines))
-    print(f"appended to {path}")
+    append_results(lines)
 
 
 def main() -> None:
@@ -162,7 +138,7 @@ def main() -> None:
             print(f"{name}: {r['per_step']:,.0f} bytes per step, {r['tokens_per_s']:,.0f} tokens/s", flush=True)
     print("\n".join(table(results, args.loss_window)))
     if not args.no_record:
-        record(REPO / "benchmarks" / "RESULTS.md", results, args)
+        record(results, args)
 
 
 if __name__ == "__main__":

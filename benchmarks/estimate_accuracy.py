@@ -9,6 +9,9 @@ Tracking starts before the model is built, so DDP's buckets and FSDP2's shards c
 the model and optimizer exist, so it is the training step's. Then it compares it with the estimate's peak tensor
 bytes for the same job on `--gpu cpu` (no allocator slack or CUDA context there). Micro-batches are full:
 `micro_batch_size` documents of `max_length` tokens each, every token a target, the bound the estimate assumes.
+Beside it, the process's peak: the kernel's RSS high-water mark (VmHWM) of rank 0's process over its whole run,
+imports and load included, minus nothing, under the malloc the launcher would preload (launch/allocator.py), against
+the estimate's `peak` on `--gpu cpu` (live tensors + malloc retention + the runtime: what a CPU process holds).
 Then the predictions for the seed jobs, which no CPU can measure.
 
     python benchmarks/estimate_accuracy.py            # every row (a few minutes on 2 cores)
@@ -31,6 +34,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainyard.launch import allocator
 
 REPO = Path(__file__).resolve().parents[1]
 SMOL = ["model.path=builtin:smollm2-135m-instruct", "data.max_length=256", "train.micro_batch_size=2"]
@@ -174,16 +179,27 @@ def measure_rank(rank: int, world: int, args: list[str], out: str) -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     peak = tracker.peak
-    Path(f"{out}.{rank}").write_text(json.dumps({"peak": peak, "strategy": strategy, "precision": precision.name}))
+    process_peak = process_high_water()
+    Path(f"{out}.{rank}").write_text(json.dumps({"peak": peak, "process_peak": process_peak, "strategy": strategy,
+                                                 "precision": precision.name}))
     if world > 1:
         torch_dist.destroy_process_group()
+
+
+def process_high_water() -> int:
+    """This process's RSS high-water mark (VmHWM) in bytes: its peak over the whole run."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise SystemExit("no VmHWM in /proc/self/status: the process peak needs Linux")
 
 
 def measure(args: list[str], world: int) -> dict:
     """Rank 0's measured peak (every rank holds the same share), from fresh processes."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "peak")
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29731", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29731", "OMP_NUM_THREADS": "1",
+               **allocator.preload_env(os.environ)}
         procs = [
             subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--world", str(world), "--out", out, *args],
                              env=env, cwd=REPO)
@@ -210,19 +226,30 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=1)
     parser.add_argument("--out")
     parser.add_argument("--only", help="rows whose name contains this")
+    parser.add_argument("--measured", type=Path,
+                        help="a JSON file of measured rows: read it where it has the row (no run), else add the row")
     known, rest = parser.parse_known_args()
     if known.rank is not None:
         measure_rank(known.rank, known.world, rest, known.out)
         return
-    print(f"{'job':36} {'strategy':8} {'precision':10} {'predicted MiB':>14} {'measured MiB':>13} {'error':>7}")
+    print(f"malloc: {allocator.preload_env(os.environ).get('LD_PRELOAD', 'glibc')}; MiB per rank; "
+          "live: peak of live tensor bytes in the step; process: VmHWM over the whole run")
+    print(f"{'job':36} {'strategy':8} {'precision':10} {'live pred':>9} {'meas':>7} {'error':>7}  "
+          f"{'process pred':>12} {'meas':>7} {'error':>7}")
     for name, args, world in ROWS:
         if (known.quick and world > 1) or (known.only and known.only not in name):
             continue
-        measured = measure(args, world)
-        predicted = predict(args, "cpu", world, 1).memory.peak_tensor_bytes
-        error = (predicted - measured["peak"]) / measured["peak"]
-        print(f"{name:36} {measured['strategy']:8} {measured['precision']:10} {predicted / 2**20:14.1f} "
-              f"{measured['peak'] / 2**20:13.1f} {error:+7.1%}", flush=True)
+        saved = json.loads(known.measured.read_text()) if known.measured and known.measured.is_file() else {}
+        measured = saved.get(name) or measure(args, world)
+        if known.measured:
+            known.measured.write_text(json.dumps({**saved, name: measured}, indent=1))
+        memory = predict(args, "cpu", world, 1).memory
+        live, process = memory.peak_tensor_bytes, memory.peak
+        error = (live - measured["peak"]) / measured["peak"]
+        process_error = (process - measured["process_peak"]) / measured["process_peak"]
+        print(f"{name:36} {measured['strategy']:8} {measured['precision']:10} {live / 2**20:9.1f} "
+              f"{measured['peak'] / 2**20:7.1f} {error:+7.1%}  {process / 2**20:12.1f} "
+              f"{measured['process_peak'] / 2**20:7.1f} {process_error:+7.1%}", flush=True)
     print()
     for name, args, gpu, per_node, nodes in SEED_JOBS:
         result = predict(args, gpu, per_node, nodes)

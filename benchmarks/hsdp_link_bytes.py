@@ -20,16 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from tests.e2e.test_multihost import HOST_ADDRESSES, Host, launch_on, namespace_hosts  # noqa: E402
+from bench_env import append_results, results_head
+from netns_hosts import REPO, Host, namespace_hosts, run_on_both
 
 COMMON = [
     "eval.every_steps=0", "eval.at_end=false", "eval.baseline=false", "checkpoint.at_end=false",
@@ -53,31 +49,10 @@ RUNS: dict[str, tuple[list[str], tuple[int, int]]] = {
 NODE_TIMEOUT_S = 900
 
 
-def sh(*command: str) -> str:
-    return subprocess.run(command, capture_output=True, text=True, check=False, cwd=REPO).stdout.strip()
-
-
-def link_bytes(host: Host) -> int:
-    """Bytes sent plus received by this host's end of the veth: everything that crossed the link."""
-    counters = [f"/sys/class/net/{host.nic}/statistics/{name}" for name in ("tx_bytes", "rx_bytes")]
-    return sum(int(sh("ip", "netns", "exec", host.namespace, "cat", path)) for path in counters)
-
-
 def run_once(hosts: tuple[Host, Host], job: list[str], steps: int, out_dir: Path, port: int) -> tuple[int, dict]:
     """One 2-host run: (bytes that crossed the link, its summary.json)."""
-    args = [*job, *COMMON, f"output_dir={out_dir}", f"train.max_steps={steps}"]
-    master = f"{HOST_ADDRESSES[0]}:{port}"
-    before = link_bytes(hosts[0])
-    nodes = [
-        launch_on(host, REPO, *args, "--nnodes", "2", "--node-rank", str(rank), "--master", master, "--nproc", "2")
-        for rank, host in enumerate(hosts)
-    ]
-    outputs = [node.communicate(timeout=NODE_TIMEOUT_S)[0] for node in nodes]
-    crossed = link_bytes(hosts[0]) - before
-    for node, output in zip(nodes, outputs, strict=True):
-        if node.returncode != 0:
-            raise SystemExit(f"run failed ({' '.join(args)}):\n{output[-4000:]}")
-    run_dir = next(out_dir.glob("*/summary.json")).parent
+    crossed, _, run_dir = run_on_both(hosts, [*job, *COMMON, f"train.max_steps={steps}"], out_dir, port,
+                                      NODE_TIMEOUT_S)
     return crossed, json.loads((run_dir / "summary.json").read_text())
 
 
@@ -110,23 +85,9 @@ def table(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def machine() -> str:
-    fields = dict(line.split(":", 1) for line in sh("lscpu").splitlines() if ":" in line)
-    flags = fields.get("Flags", "").split()
-    noted = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if flag in flags]
-    noted += [] if "amx_bf16" in flags else ["no amx"]
-    return f"{sh('nproc')} CPU cores ({fields.get('Model name', 'unknown CPU').strip()}; {' '.join(noted)}), no GPU"
-
-
-def record(path: Path, results: list[dict[str, Any]]) -> None:
-    dirty = bool(sh("git", "status", "--porcelain", "--untracked-files=no"))
-    commit = sh("git", "rev-parse", "--short", "HEAD") + (" (plus uncommitted changes)" if dirty else "")
+def record(results: list[dict[str, Any]]) -> None:
     lines = [
-        "",
-        f"## Link bytes per step, FSDP2 vs HSDP across two hosts — {sh('date', '-u')}",
-        "",
-        f"- machine: {machine()}",
-        f"- commit: {commit}",
+        *results_head("Link bytes per step, FSDP2 vs HSDP across two hosts"),
         "- 2 network namespaces joined by a veth pair, 2 processes each (gloo over the veth); "
         "bytes = tx + rx of one veth end, Ethernet frames; per step = difference of the two runs / extra steps",
         "",
@@ -136,9 +97,7 @@ def record(path: Path, results: list[dict[str, Any]]) -> None:
         "",
         "",
     ]
-    with open(path, "a") as handle:
-        handle.write("\n".join(lines))
-    print(f"appended to {path}")
+    append_results(lines)
 
 
 def main() -> None:
@@ -155,7 +114,7 @@ def main() -> None:
             print(f"{name}: {r['per_step']:,.0f} bytes per step ({r['seconds']:.0f} s)", flush=True)
     print("\n".join(table(results)))
     if not args.no_record:
-        record(REPO / "benchmarks" / "RESULTS.md", results)
+        record(results)
 
 
 if __name__ == "__main__":

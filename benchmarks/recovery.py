@@ -23,24 +23,24 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import re
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from benchmarks.hsdp_link_bytes import machine, sh  # noqa: E402
-from tests.e2e.test_multihost import (  # noqa: E402
+from bench_env import append_results, results_head
+from netns_hosts import (
     HOST_ADDRESSES,
+    REPO,
     Host,
-    _kill_namespace_processes,
+    kill_namespace_processes,
+    last_step,
+    launch_logged,
     namespace_hosts,
+    wait_until,
+    written_events,
 )
 
 COMMON = [
@@ -62,22 +62,8 @@ WAIT_S = 900
 
 
 def launch(host: Host, log: Path, args: list[str]) -> subprocess.Popen[bytes]:
-    """`trainyard launch` in the host's namespace, its output into a file (a pipe nobody reads would fill)."""
-    command = ["ip", "netns", "exec", host.namespace, sys.executable, "-m", "trainyard.cli", "launch", *args]
-    with open(log, "ab") as out:
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": host.nic, "LOGLEVEL": "INFO"}  # INFO: the agent's times
-        return subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-
-
-def read_events(run_dir: Path) -> list[dict[str, Any]]:
-    found = []
-    path = run_dir / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            found.append(json.loads(line))
-        except ValueError:
-            pass  # the line being written
-    return found
+    """`trainyard launch` in the host's namespace, its output into a file, at log level INFO: the agent's times."""
+    return launch_logged(host, args, log, env={"LOGLEVEL": "INFO"})
 
 
 def glog_lines(log: Path) -> list[tuple[float, str]]:
@@ -96,19 +82,6 @@ def first_after(lines: list[tuple[float, str]], since: float, text: str) -> floa
     return next(stamp for stamp, message in lines if stamp >= since and text in message)
 
 
-def wait_until(what: str, check: Any, nodes: list[subprocess.Popen[bytes]], logs: list[Path]) -> Any:
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        if nodes[0].poll() is not None:
-            raise SystemExit(f"host A's launch exited ({nodes[0].returncode}) before {what}:\n"
-                             + logs[0].read_text()[-4000:])
-        time.sleep(0.2)
-    raise SystemExit(f"no {what} within {WAIT_S} s")
-
-
 def trial(job: str, index: int, out: Path, elastic: bool, extra: list[str]) -> dict[str, Any]:
     """One kill and recovery; returns the parts in seconds."""
     spec = JOBS[job]
@@ -122,29 +95,26 @@ def trial(job: str, index: int, out: Path, elastic: bool, extra: list[str]) -> d
     with namespace_hosts() as hosts:
         nodes = [launch(host, log, [*args, "--node-rank", str(rank)])
                  for rank, (host, log) in enumerate(zip(hosts, logs, strict=True))]
-
-        def trained() -> int:
-            return max((e["step"] for e in read_events(run_dir) if e["kind"] == "train"), default=0)
-
-        wait_until(f"step {spec['kill_after']}", lambda: trained() >= spec["kill_after"], nodes, logs)
+        wait_until(f"step {spec['kill_after']}", lambda: last_step(run_dir) >= spec["kill_after"], nodes[0], logs[0],
+                   WAIT_S)
         time.sleep(0.1)
-        last = trained()
+        last = last_step(run_dir)
         killed = time.time()
-        _kill_namespace_processes(hosts[1].namespace)
+        kill_namespace_processes(hosts[1].namespace)
         if not elastic:
             nodes[1] = launch(hosts[1], logs[1], [*args, "--node-rank", "1"])
 
         def first_new() -> dict[str, Any] | None:
             """The first step past `last` trained after the resume (one logged before it finished before the kill)."""
-            found = read_events(run_dir)
+            found = written_events(run_dir)
             starts = [i for i, e in enumerate(found) if e.get("event") == "resumed" and e["time"] > killed]
             later = found[starts[0]:] if starts else []
             return next((e for e in later if e["kind"] == "train" and e["step"] > last), None)
 
-        new = wait_until("a new step after the kill", first_new, nodes, logs)
+        new = wait_until("a new step after the kill", first_new, nodes[0], logs[0], WAIT_S)
         for host in hosts:
-            _kill_namespace_processes(host.namespace)
-    resumed = next(e for e in read_events(run_dir) if e.get("event") == "resumed" and e["time"] > killed)
+            kill_namespace_processes(host.namespace)
+    resumed = next(e for e in written_events(run_dir) if e.get("event") == "resumed" and e["time"] > killed)
     agent = glog_lines(logs[0])
     failed = first_after(agent, killed, "Worker group FAILED")
     rendezvous = first_after(agent, failed, "Rendezvous complete")
@@ -171,14 +141,8 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def record(path: Path, rows: list[dict[str, Any]], title: str, note: str) -> None:
-    dirty = bool(sh("git", "status", "--porcelain", "--untracked-files=no"))
-    commit = sh("git", "rev-parse", "--short", "HEAD") + (" (plus uncommitted changes)" if dirty else "")
-    lines = ["", f"## {title} — {sh('date', '-u')}", "", f"- machine: {machine()}", f"- commit: {commit}",
-             f"- {note}", "", *table(rows), "", ""]
-    with open(path, "a") as handle:
-        handle.write("\n".join(lines))
-    print(f"appended to {path}")
+def record(rows: list[dict[str, Any]], title: str, note: str) -> None:
+    append_results([*results_head(title), f"- {note}", "", *table(rows), "", ""])
 
 
 def main() -> None:
@@ -201,7 +165,7 @@ def main() -> None:
     (out / "rows.json").write_text(json.dumps(rows, indent=1))
     print("\n".join(table(rows)))
     if not args.no_record:
-        record(REPO / "benchmarks" / "RESULTS.md", rows, args.title, args.note)
+        record(rows, args.title, args.note)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from rich.console import Console
 from trainyard.atomic import write_atomically
 from trainyard.config import JobConfig
 from trainyard.dist import DistInfo, all_gather_rows, group_ranks, host_summary
+from trainyard.launch import allocator
 from trainyard.redaction import redact, redact_text
 from trainyard.runs import layout as run_layout
 
@@ -284,10 +285,11 @@ def _git_commit() -> str | None:
 
 def environment_record(info: DistInfo) -> dict[str, Any]:
     """What env.json records: versions, every rank's host and device, the code's commit."""
-    hosts: list[Any] = [host_summary(info)]
+    own = {**host_summary(info), "malloc": allocator.in_use()}  # what the launcher preloaded, if anything
+    hosts: list[Any] = [own]
     if info.distributed:
         hosts = [None] * info.world_size
-        torch.distributed.all_gather_object(hosts, host_summary(info))
+        torch.distributed.all_gather_object(hosts, own)
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,

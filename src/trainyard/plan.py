@@ -11,12 +11,13 @@ import psutil
 import torch
 import torch.distributed as torch_dist
 
-from trainyard import diloco, dist, estimate, hardware, precision
+from trainyard import dist, estimate, hardware, precision
 from trainyard.batch import accumulation_steps, steps_for_epochs
 from trainyard.checkpoint.export import find_checkpoint
 from trainyard.checkpoint.save import latest_full
 from trainyard.config import JobConfig
 from trainyard.data import survey as data_survey
+from trainyard.diloco import outer as diloco
 from trainyard.dist import DistInfo
 from trainyard.doctor.preflight import check_source
 from trainyard.errors import ConfigError, ModelError, OptionError, TrainyardError

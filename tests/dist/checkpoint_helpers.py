@@ -54,12 +54,16 @@ def start(args: list[str]) -> subprocess.Popen[str]:
 
 def last_step(run_dir: Path) -> int:
     """The newest train step in metrics.jsonl (0 before the first)."""
+    return max((event["step"] for event in written_events(run_dir) if event["kind"] == "train"), default=0)
+
+
+def written_events(run_dir: Path) -> list[dict[str, Any]]:
+    """The events of metrics.jsonl so far, read while the run still writes it (none before the file exists)."""
     try:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     except FileNotFoundError:
-        return 0
-    steps = [event["step"] for event in map(_parse, lines) if event and event["kind"] == "train"]
-    return max(steps, default=0)
+        return []
+    return [event for event in map(_parse, lines) if event]
 
 
 def _parse(line: str) -> dict[str, Any] | None:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO, TINY
-from tests.dist.checkpoint_helpers import kill_tree
+from tests.dist.checkpoint_helpers import kill_tree, written_events
 
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.dist
@@ -45,14 +45,6 @@ def launch(out: Path, site: int, lighthouse: int, *flags: str) -> subprocess.Pop
     with open(out / f"site-{site}.out", "ab") as sink:
         return subprocess.Popen([sys.executable, "-m", "trainyard.cli", *args], cwd=REPO, start_new_session=True,
                                 stdout=sink, stderr=subprocess.STDOUT)
-
-
-def metrics(run_dir: Path) -> list[dict[str, Any]]:
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in lines if line.endswith("}")]
 
 
 def syncs(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -107,22 +99,22 @@ def test_a_site_killed_mid_run_heals_from_the_live_one_which_never_stops(tmp_pat
     site1 = launch(tmp_path, 1, lighthouse)
     dir0, dir1 = tmp_path / "tiny" / "site-0", tmp_path / "tiny" / "site-1"
     try:
-        wait_until(lambda: any(e["outer_sites"] == 2 for e in syncs(metrics(dir1))), [site0, site1],
+        wait_until(lambda: any(e["outer_sites"] == 2 for e in syncs(written_events(dir1))), [site0, site1],
                    "a sync of both sites", tmp_path)
         kill_tree(site1)
-        first_life = len(metrics(dir1))
-        killed_at = max(e["step"] for e in syncs(metrics(dir0)))
-        wait_until(lambda: any(e["outer_sites"] == 1 and e["step"] > killed_at for e in syncs(metrics(dir0))),
+        first_life = len(written_events(dir1))
+        killed_at = max(e["step"] for e in syncs(written_events(dir0)))
+        wait_until(lambda: any(e["outer_sites"] == 1 and e["step"] > killed_at for e in syncs(written_events(dir0))),
                    [site0], "site 0 syncing alone", tmp_path)
         site1 = launch(tmp_path, 1, lighthouse)
-        second_life: Callable[[], list[dict[str, Any]]] = lambda: metrics(dir1)[first_life:]  # noqa: E731
+        second_life: Callable[[], list[dict[str, Any]]] = lambda: written_events(dir1)[first_life:]  # noqa: E731
         wait_until(lambda: len([e for e in syncs(second_life()) if e["outer_sites"] == 2]) >= 2, [site0, site1],
                    "two syncs of both sites after site 1 returned", tmp_path)
     finally:
         kill_tree(site1)
         kill_tree(site0)
 
-    events0 = metrics(dir0)
+    events0 = written_events(dir0)
     sites0 = [e["outer_sites"] for e in syncs(events0)]
     both = sites0.index(2)  # a site slower to start than the lighthouse's join timeout heals at its first sync
     assert 1 in sites0[both:] and 2 in sites0[sites0.index(1, both):], f"site 0's syncs: {sites0}"

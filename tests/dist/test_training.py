@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import TINY, assert_ok, events, trainyard
+from trainyard.launch import allocator
 
 pytestmark = pytest.mark.dist
 
@@ -108,8 +109,13 @@ def test_two_ranks_accumulating_follow_the_single_process_trajectory(
 
 
 def test_tokenization_runs_once_with_two_ranks(tmp_path: Path) -> None:
+    """Also: the launcher's preloaded malloc reaches every worker where the library exists (glibc's stays where not);
+    libjemalloc2 is a Debian package (`apt-get install libjemalloc2`)."""
     result = trainyard("train", TINY, f"output_dir={tmp_path}", "train.max_steps=2", *COMMON[1:], "--nproc", "2")
     assert_ok(result)
+    hosts = json.loads((tmp_path / "tiny" / "env.json").read_text())["hosts"]
+    expected = allocator.PREFERRED if allocator.find_library(allocator.PREFERRED) else "glibc"
+    assert [host["malloc"] for host in hosts] == [expected, expected]
     logs = [(tmp_path / "tiny" / "logs" / f"rank-{r}.log").read_text() for r in (0, 1)]
     assert sum(len(re.findall(r"tokenized \d+ rows into", log)) for log in logs) == 1
     assert sum(log.count("reusing tokenized cache") for log in logs) == 1

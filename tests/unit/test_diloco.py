@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from trainyard import dist
 from trainyard.config import DilocoConfig
-from trainyard.diloco import OuterSync, _walk
+from trainyard.diloco.outer import OuterSync, _walk
 from trainyard.dist import DistInfo
 
 CHUNK_MIB = 0.5

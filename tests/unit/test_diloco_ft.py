@@ -9,7 +9,7 @@ import torch
 
 from tests.conftest import TINY, run_cli
 from trainyard import config_file
-from trainyard.diloco_ft import data_slice
+from trainyard.diloco.ft import data_slice
 from trainyard.dist import DistInfo
 
 FT = ["dist.strategy=diloco", "diloco.fault_tolerant=true"]

@@ -138,7 +138,7 @@ class PendingSave:
 
 Arrange = Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]
 """(model state, optimizer state) -> what DCP writes and reads. The default is {"model": ..., "optim": ...};
-DiLoCo (diloco.py) nests each site's own weights and optimizer under the site, beside the shared weights."""
+DiLoCo (diloco/outer.py) nests each site's own weights and optimizer under the site, beside the shared weights."""
 
 
 def default_arrangement(model_state: dict[str, Any], optim_state: dict[str, Any]) -> dict[str, Any]:

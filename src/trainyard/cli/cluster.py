@@ -98,6 +98,7 @@ def launch(
 
     from trainyard import config_file as config_room
     from trainyard.doctor.preflight import check_job_inputs
+    from trainyard.launch import allocator
     from trainyard.launch import torchrun as tr
     from trainyard.launch.lighthouse import hosted as hosted_lighthouse
 
@@ -120,6 +121,7 @@ def launch(
     )
     tr.check_node_range(cfg, plan)
     added, network_lines = tr.network_settings(cfg.dist, os.environ)
+    added.update(allocator.preload_env(os.environ))
     argv = tr.torchrun_argv(plan, config_path, overrides)
     summary = "\n".join([tr.describe_launch(plan), *network_lines, f"running: {tr.format_command(argv)}"])
     err_console.print(redact_text(summary), highlight=False, markup=False, soft_wrap=True)

@@ -225,7 +225,9 @@ def to_json(result: Estimate) -> dict[str, Any]:
         "accumulation": result.accumulation,
         "params": {"total": result.total_params, "trainable": result.trainable_params},
         "memory_bytes": parts,
-        "assumptions": {"allocator_slack": mem.ALLOCATOR_SLACK, "cuda_context_bytes": mem.CUDA_CONTEXT_BYTES},
+        "peak_is": _process_peak_words(layout),
+        "assumptions": {"allocator_slack": mem.ALLOCATOR_SLACK, "cuda_context_bytes": mem.CUDA_CONTEXT_BYTES,
+                        "cpu_malloc_slack": mem.CPU_MALLOC_SLACK, "cpu_runtime_bytes": mem.CPU_RUNTIME_BYTES},
         "notes": memory.notes,
         "time": {**asdict(timed), "step_s": timed.step_s, "total_s": timed.total_s},
         "network": result.network,
@@ -243,7 +245,8 @@ def render(result: Estimate) -> str:
              ("diloco outer state", memory.diloco_outer), ("diloco sync chunks", memory.diloco_sync),
              ("autocast copies", memory.mixed_precision_copies), ("fsdp buffers", memory.fsdp_buffers),
              ("activations", memory.activations), ("logits (loss)", memory.logits),
-             ("allocator slack", memory.allocator_slack), ("cuda context", memory.cuda_context)]
+             ("allocator slack", memory.allocator_slack), ("cuda context", memory.cuda_context),
+             ("runtime (python)", memory.runtime)]
     verdict = "fits" if result.fits else "does NOT fit"
     unit, scale = ("GiB", machines.GIB) if memory.peak >= machines.GIB else ("MiB", machines.MIB)
     lines = [
@@ -252,8 +255,9 @@ def render(result: Estimate) -> str:
         f"parameters       {result.total_params:,} total, {result.trainable_params:,} trainable",
         f"memory per device ({unit}):",
         *(f"  {name:18} {value / scale:9.2f}" for name, value in parts if value),
-        f"  {'peak':18} {memory.peak / scale:9.2f} of {result.device_bytes / scale:.2f}: {verdict} "
-        f"(margin {result.margin_bytes / scale:+.2f})",
+        f"  {'peak, live tensors':18} {memory.peak_tensor_bytes / scale:9.2f}",
+        f"  {'peak, process':18} {memory.peak / scale:9.2f} of {result.device_bytes / scale:.2f}: {verdict} "
+        f"(margin {result.margin_bytes / scale:+.2f}; {_process_peak_words(layout)})",
     ]
     lines += [f"  note: {note}" for note in memory.notes]
     if result.fix:
@@ -269,6 +273,11 @@ def render(result: Estimate) -> str:
         "cost             " + ", ".join(_cost_words(result.cost)),
     ]
     return "\n".join(lines)
+
+
+def _process_peak_words(layout: mem.Layout) -> str:
+    """What the process peak is on this device: what an OOM is about."""
+    return "reserved by the caching allocator + CUDA context" if layout.gpu.device_name else "RSS"
 
 
 def _cost_words(cost: dict[str, float]) -> list[str]:
@@ -287,7 +296,9 @@ def describe(cfg: JobConfig, hardware: Hardware,
         return f"estimate         unknown: {err.what}", None
     verdict = "fits" if result.fits else "does NOT fit"
     where = f"{hardware.nodes} x {hardware.gpus_per_node} {hardware.gpu}"
-    line = (f"estimate         peak {_size(result.memory.peak)} of {_size(result.device_bytes)} per device on {where}"
+    line = (f"estimate         process peak {_size(result.memory.peak)} ({_process_peak_words(result.layout)}; "
+            f"live tensors {_size(result.memory.peak_tensor_bytes)}) of {_size(result.device_bytes)} per device"
+            f" on {where}"
             f" ({verdict}); step {result.timing.step_s:.3g} s at MFU {estimate_time.DEFAULT_MFU:g}, "
             f"{result.timing.tokens_per_step:,} tokens ({result.lengths}); network {result.network}")
     if result.fix:

@@ -54,7 +54,7 @@ def host_memory(cfg: JobConfig, memory: Memory, kind: Gpu, processes_per_node: i
     loaded = memory.weights + memory.lora_adapters
     staged = memory.weights + memory.lora_adapters + memory.optimizer if cfg.checkpoint.async_save else 0.0
     transient = 0.0 if on_cpu else max(loaded, staged)  # on a CPU device the state is already in device_state
-    device_state = memory.peak if on_cpu else 0.0
+    device_state = memory.peak - memory.runtime if on_cpu else 0.0  # the runtime is `process`
     random_init = total_params * FP32_BYTES if cfg.model.config is not None else 0.0
     adapter = trainable_params * FP32_BYTES if cfg.lora.enabled else 0.0
     per_node = processes_per_node * (process + transient + device_state) + random_init + adapter

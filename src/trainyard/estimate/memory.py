@@ -5,8 +5,10 @@ Memory is the sum of named parts, each a count times the bytes its dtype takes (
 weights, gradients and AdamW's two moments (divided by the shard group under FSDP2/HSDP), DDP's gradient
 buckets, DiLoCo's outer state and sync chunks, autocast's bf16 copies of fp32 weights, FSDP2's unsharded buffers,
 activations (a per-layer formula of the tensors autograd saves, with or without activation checkpointing) and the
-loss's logits. The peak adds
-the allocator's slack and the CUDA context on a GPU.
+loss's logits. Their sum at the step's worst moment is `peak_tensor_bytes`, the live tensor bytes. `peak` is what
+the process holds at its peak, the figure an OOM is about: on a GPU the caching allocator's reservation
+(`max_memory_reserved`: live bytes and its slack) and the CUDA context; on a CPU the process's RSS (live bytes, what
+malloc keeps of freed memory, and the interpreter with its libraries, measured in benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ from trainyard.hardware import GIB, Gpu, device_bytes
 ALLOCATOR_SLACK = 0.10
 # CUDA context, cuBLAS/NCCL workspaces: device memory no tensor accounts for.
 CUDA_CONTEXT_BYTES = 1 * GIB
+# On a CPU device: what malloc keeps of freed tensor memory, as a share of live tensor bytes, and the process's
+# interpreter, torch, transformers, peft and process group before any model (RSS), under the malloc the launcher
+# preloads (launch/allocator.py). Measured (benchmarks/estimate_accuracy.py, benchmarks/RESULTS.md).
+CPU_MALLOC_SLACK = 0.10
+CPU_RUNTIME_BYTES = 0.45 * GIB
 # Replicated state may use at most this share of a device under dist.strategy auto (as plan.choose_strategy).
 DDP_MEMORY_SHARE = 0.5
 # Logits at target positions, bytes per element at the loss's backward: log_softmax's saved fp32 output, the
@@ -79,7 +86,7 @@ class Memory:
     diloco_outer: float
     """DiLoCo's round-start weights and outer momentum, fp32."""
     diloco_sync: float
-    """DiLoCo's outer sync: its chunk buffers, made once, and what its collectives hold (diloco.py)."""
+    """DiLoCo's outer sync: its chunk buffers, made once, and what its collectives hold (diloco/outer.py)."""
     mixed_precision_copies: float
     fsdp_buffers: float
     activations: float
@@ -89,13 +96,18 @@ class Memory:
     tied_gradient: float = 0.0
     """A trainable tied embedding's second gradient at the end of backward, while the head's is held."""
     peak_tensor_bytes: float = 0.0
+    """Live tensor bytes at the step's peak."""
     allocator_slack: float = 0.0
+    """What the allocator holds beyond live tensors: CUDA's caching allocator, or malloc's retention on a CPU."""
     cuda_context: float = 0.0
+    runtime: float = 0.0
+    """On a CPU device, the interpreter and its libraries (on a GPU they are host memory: estimate/host.py)."""
     notes: list[str] = field(default_factory=list)
 
     @property
     def peak(self) -> float:
-        return self.peak_tensor_bytes + self.allocator_slack + self.cuda_context
+        """The process's peak: reserved device memory and context on a GPU, RSS on a CPU."""
+        return self.peak_tensor_bytes + self.allocator_slack + self.cuda_context + self.runtime
 
 
 @dataclass(frozen=True)
@@ -273,8 +285,10 @@ def _add_peak(parts: Memory, cfg: JobConfig, layout: Layout) -> None:
     parts.peak_tensor_bytes = static + max(forward + held, parts.gradients + parts.tied_gradient)
     if accumulates:
         parts.notes.append("accumulation: gradients held while the next micro-batch's activations build up")
-    parts.allocator_slack = ALLOCATOR_SLACK * parts.peak_tensor_bytes if layout.gpu.device_name else 0.0
-    parts.cuda_context = CUDA_CONTEXT_BYTES if layout.gpu.device_name else 0.0
+    on_gpu = layout.gpu.device_name is not None
+    parts.allocator_slack = (ALLOCATOR_SLACK if on_gpu else CPU_MALLOC_SLACK) * parts.peak_tensor_bytes
+    parts.cuda_context = CUDA_CONTEXT_BYTES if on_gpu else 0.0
+    parts.runtime = 0.0 if on_gpu else CPU_RUNTIME_BYTES
 
 
 def activation_bytes(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes, kind: Gpu) -> float:

@@ -19,6 +19,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from trainyard.launch import allocator
+
 EXIT_FILE_ENV = "TRAINYARD_EXIT_FILE"
 # The agent passes these to its workers instead of dying on them: Slurm's --signal
 # sends SIGUSR1 to every process of the step, the agent included.
@@ -81,6 +83,8 @@ def run_local(nproc: int, argv: list[str], max_restarts: int = 0) -> tuple[int, 
     with tempfile.TemporaryDirectory(prefix="trainyard-exit-") as tmp:
         prefix = str(Path(tmp) / "exit")
         os.environ[EXIT_FILE_ENV] = prefix
+        preload = allocator.preload_env(os.environ)  # the workers inherit it; this process keeps its malloc
+        os.environ.update(preload)
         # Each worker gets its share of the cores instead of all of them (oversubscription).
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         config = LaunchConfig(
@@ -110,5 +114,6 @@ def run_local(nproc: int, argv: list[str], max_restarts: int = 0) -> tuple[int, 
             code = failure.exitcode if failure.exitcode > 0 else 1
             return code, f"worker rank {rank} failed (exit {failure.exitcode}); see its log under the run dir's logs/"
         finally:
-            os.environ.pop(EXIT_FILE_ENV, None)
+            for name in (EXIT_FILE_ENV, *preload):
+                os.environ.pop(name, None)
     return 0, None

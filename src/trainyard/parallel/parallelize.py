@@ -50,7 +50,7 @@ def apply(
     """The fixed order: activation checkpointing → compile → shard → allocate and fill this rank's own weights
     (DDP: wrap after load). Parameters that already hold values (LoRA adapters) keep them; the meta ones and every
     persistent buffer are read from `source`. diloco runs `site_inner` (diloco.inner) within each site; the outer
-    sync across sites is diloco.py's."""
+    sync across sites is diloco/outer.py's."""
     already_real = {name for name, param in model.named_parameters() if not param.is_meta}
     if activation_checkpointing:
         selective = activation_checkpointing == "selective"

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainyard import diloco, dist, plan
+from trainyard import dist, plan
 from trainyard.config import JobConfig
+from trainyard.diloco import outer as diloco
 from trainyard.model import build as model_room
 from trainyard.model import lora as lora_room
 from trainyard.model import source as source_room

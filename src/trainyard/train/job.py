@@ -10,12 +10,14 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from trainyard import diloco, diloco_ft, dist
+from trainyard import dist
 from trainyard import precision as precision_room
 from trainyard.checkpoint import save as checkpoint
 from trainyard.config import JobConfig
 from trainyard.data import PreparedData, ResumableSampler
 from trainyard.data.mixture import MixtureStream
+from trainyard.diloco import ft as diloco_ft
+from trainyard.diloco import outer as diloco
 from trainyard.hardware import FlopShape
 from trainyard.metrics import MetricsSink
 from trainyard.parallel import comm

@@ -20,7 +20,7 @@ import torch
 import transformers
 from torch.distributed.fsdp import FSDPModule
 
-from trainyard import diloco, diloco_ft, dist, health
+from trainyard import dist, health
 from trainyard import precision as precision_room
 from trainyard.atomic import write_atomically
 from trainyard.batch import accumulation_steps, steps_for_epochs
@@ -31,9 +31,12 @@ from trainyard.data import ResumableSampler, micro_batches, prepare_datasets, sa
 from trainyard.data.loader import stream_batches
 from trainyard.data.mixture import MixtureStream, mixture_stream
 from trainyard.data.pretraining import prepare_pretraining
+from trainyard.diloco import ft as diloco_ft
+from trainyard.diloco import outer as diloco
 from trainyard.errors import NonFiniteError
 from trainyard.evaluate import evaluate, samples_file
 from trainyard.hardware import device_peak_flops, flop_shape
+from trainyard.launch import allocator
 from trainyard.loss import token_loss_sum
 from trainyard.metrics import (
     LogWindow,
@@ -331,9 +334,9 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     precision = precision_room.resolve(cfg, info.device)
     if info.is_main:
         logger.info(
-            "run dir %s  world %d  device %s  network %s  precision %s",
+            "run dir %s  world %d  device %s  network %s  precision %s  malloc %s",
             run_dir, info.world_size, info.device, info.network or "default",
-            precision_room.describe(precision, cfg.lora.enabled),
+            precision_room.describe(precision, cfg.lora.enabled), allocator.in_use(),
         )
     environment = environment_record(info)
     if info.is_main:

@@ -34,12 +34,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from trainyard import diloco, dist, estimate
+from trainyard import dist, estimate
 from trainyard import hardware as machines
 from trainyard import loss as loss_room
 from trainyard import precision as precision_room
 from trainyard.batch import accumulation_steps
 from trainyard.config import JobConfig
+from trainyard.diloco import outer as diloco
 from trainyard.errors import ConfigError, ModelError
 from trainyard.estimate import arch as estimate_arch
 from trainyard.estimate import memory as estimate_memory
@@ -471,7 +472,7 @@ def render(result: Trace) -> str:
         f"  {'peak of live tensors':32} {result.peak_bytes / gib:10.2f} {memory.peak_tensor_bytes / gib:10.2f}"
         f"   traced / formula {ratio:.2f}",
         f"  {'unsharded weights at once':32} {result.gathered_peak_bytes / gib:10.2f}",
-        f"  {'device peak (+ slack, context)':32} {'':10} {memory.peak / gib:10.2f}",
+        f"  {'process peak (+ slack, runtime)':32} {'':10} {memory.peak / gib:10.2f}",
         "collectives per step (MiB):",
         f"  {'kind':15} {'group':22} {'ranks':>5} {'calls':>6} {'in':>12} {'out':>12}",
     ]

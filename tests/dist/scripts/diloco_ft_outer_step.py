@@ -14,8 +14,8 @@ import torch
 
 from trainyard import dist
 from trainyard.config import JobConfig
-from trainyard.diloco import OuterSync
-from trainyard.diloco_ft import FaultTolerantSync
+from trainyard.diloco.ft import FaultTolerantSync
+from trainyard.diloco.outer import OuterSync
 
 
 def main() -> None:

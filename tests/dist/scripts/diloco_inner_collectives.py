@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from trainyard import diloco, health
+from trainyard import health
 from trainyard.config_file import load_config
+from trainyard.diloco import outer as diloco
 from trainyard.dist import exit_process
 from trainyard.train import recipe
 

@@ -12,7 +12,7 @@ import torch
 
 from trainyard import dist
 from trainyard.config import DilocoConfig, DistConfig
-from trainyard.diloco import OuterSync
+from trainyard.diloco.outer import OuterSync
 
 
 def main() -> None:

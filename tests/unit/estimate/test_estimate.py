@@ -146,7 +146,8 @@ def test_json_has_the_verdict_and_the_breakdown() -> None:
     assert data["fits"] is True and data["strategy"] == "ddp" and data["gpu"] == "l4"
     parts = data["memory_bytes"]
     assert data["peak_bytes_per_device"] == pytest.approx(
-        parts["peak_tensor_bytes"] + parts["allocator_slack"] + parts["cuda_context"])
+        parts["peak_tensor_bytes"] + parts["allocator_slack"] + parts["cuda_context"] + parts["runtime"])
+    assert parts["runtime"] == 0 and "reserved" in data["peak_is"]  # a GPU's: the interpreter is host memory
     assert parts["weights"] == TINY_PARAMS * 4
     assert data["cost"]["spot"] == pytest.approx(data["cost"]["on_demand"] * 0.5)
     assert data["cost"]["on_demand"] == pytest.approx(data["cost"]["gpu_hours"] * 1.5)
@@ -192,7 +193,7 @@ def test_dry_run_prints_the_estimate() -> None:
 
     result = CliRunner().invoke(app, ["train", TINY, "--dry-run", "--world-size", "2"])
     assert result.exit_code == 0, result.output
-    assert "estimate         peak" in result.output
+    assert "estimate         process peak" in result.output
 
 
 def test_unknown_hub_model_is_a_model_error_naming_the_known_ones() -> None:

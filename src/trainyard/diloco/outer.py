@@ -43,7 +43,7 @@ from trainyard.parallel.parallelize import unwrap, within_site
 
 def site_count(cfg: JobConfig, info: DistInfo) -> int:
     """How many sites the world splits into; they must be equal, so the count must divide the world. A
-    fault-tolerant site is a world of its own (diloco_ft.py carries the sync across sites)."""
+    fault-tolerant site is a world of its own (ft.py carries the sync across sites)."""
     if cfg.diloco.fault_tolerant:
         return 1
     groups = cfg.diloco.groups

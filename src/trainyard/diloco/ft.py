@@ -3,7 +3,7 @@
 With diloco.fault_tolerant each site is its own launch and its own torch world (the inner strategy runs in it as
 in one world: its mesh is ("site" 1, "local")), and the outer sync crosses sites through a torchft `Manager` per
 rank: replica id = the site, a gloo process group across sites that torchft reconfigures at each sync, and a
-quorum asked of the lighthouse at each sync (min_replica_size 1). The outer step is diloco.py's: Nesterov SGD on
+quorum asked of the lighthouse at each sync (min_replica_size 1). The outer step is outer.py's: Nesterov SGD on
 the round-start weights, walked in chunks; the average is over the sites whose pseudo-gradient is in the sum.
 
 A site that starts (fresh, restarted, or resumed from its own checkpoint) trains its round and meets the others
@@ -36,7 +36,7 @@ import torch.distributed as torch_dist
 from torch.distributed import ReduceOp
 
 from trainyard.config import JobConfig
-from trainyard.diloco import OuterSync, _Chunk, _own
+from trainyard.diloco.outer import OuterSync, _Chunk, _own
 from trainyard.dist import DistInfo
 from trainyard.errors import ConfigError
 

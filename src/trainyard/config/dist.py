@@ -1,0 +1,104 @@
+"""The dist and diloco sections: process groups and the strategy across ranks, and DiLoCo's sites and outer step."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from trainyard.config.section import Section
+
+
+class DilocoConfig(Section):
+    """DiLoCo (Douillard et al. 2023): each site takes sync_every inner steps on its own, then the sites average
+    their pseudo-gradients (round-start weights minus current weights) and take one outer Nesterov step."""
+
+    sync_every: int = Field(50, ge=1)
+    """H: inner steps per round; the outer all-reduce of the trainable weights' size happens once per round."""
+    outer_lr: float = Field(0.7, gt=0)
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    """Nesterov momentum of the outer SGD step; 0 turns momentum off."""
+    groups: Literal["node"] | int = "node"
+    """How the world splits into sites: node (one site per node), or a number of equal sites of consecutive ranks."""
+    inner: Literal["ddp", "fsdp", "hsdp"] = "ddp"
+    """The strategy inside a site. fsdp shards the site's weights, gradients and optimizer over its ranks (and the
+    outer state with them): each rank then sends only its own shard's pseudo-gradient to its counterparts. hsdp,
+    for a site of several nodes: shard within dist.shard_size ranks (a node by default), replicate across the
+    site's shard groups; the replicas split their shard's outer sync between them."""
+    pseudo_grad_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
+    """What the outer sync sends: bf16 halves the bytes between sites; int8 (one scale per tensor) sends a quarter
+    of fp32's between 2 sites (it is gathered, not reduced: (sites - 1) bytes per value per rank)."""
+    sync_chunk_mib: float = Field(64.0, gt=0)
+    """The outer sync walks the pseudo-gradient in chunks of this many MiB of fp32 values, through buffers made
+    once: it holds about two chunks beyond the outer state instead of several copies of the model. Smaller chunks
+    take more collectives per sync."""
+    fault_tolerant: bool = False
+    """Sites that drop out and come back (torchft, the `ft` extra): each site is its own launch and torch world, the
+    outer average is over the sites present at each sync, and a returning site loads the round-start weights and
+    outer state from a live peer. Needs diloco.site, diloco.sites and a lighthouse."""
+    site: int | None = Field(None, ge=0)
+    """fault_tolerant: this launch's site, 0 to sites - 1 (e.g. `diloco.site=1` on the launch's command line)."""
+    sites: int | None = Field(None, ge=1)
+    """fault_tolerant: how many sites the job has; each reads its own slice of the data, as one world would."""
+    lighthouse: str | None = None
+    """fault_tolerant: the torchft lighthouse, HOST:PORT (default: the TORCHFT_LIGHTHOUSE variable)."""
+    quorum_timeout_s: float = Field(3600.0, gt=0)
+    """fault_tolerant: how long a site waits at a sync for the quorum. A returning site waits in it for the others'
+    next sync, so make it longer than a round."""
+
+    @model_validator(mode="after")
+    def _fault_tolerant_needs_its_site(self) -> "DilocoConfig":
+        if not self.fault_tolerant:
+            return self
+        if self.site is None or self.sites is None or self.site >= self.sites:
+            raise ValueError(
+                f"diloco.fault_tolerant needs diloco.site below diloco.sites (site {self.site}, sites {self.sites}): "
+                "set diloco.sites to the job's number of sites and diloco.site=S on each site's launch"
+            )
+        if self.pseudo_grad_dtype == "int8":
+            raise ValueError(
+                "diloco.pseudo_grad_dtype int8 is gathered, not reduced: torchft reduces only; with "
+                "diloco.fault_tolerant use fp32 or bf16"
+            )
+        return self
+
+    def chunk_elements(self, slices: int) -> int:
+        """Values per chunk of the outer sync: a multiple of the ranks that split each chunk between them."""
+        values = math.ceil(self.sync_chunk_mib * 2**20 / 4)
+        return -(-values // slices) * slices
+
+
+class DistConfig(Section):
+    strategy: Literal["auto", "none", "ddp", "fsdp", "hsdp", "diloco"] = "auto"
+    """auto: none alone, ddp while replicated state fits, else hsdp across nodes or fsdp within one.
+    hsdp shards within a node and replicates across nodes: only a gradient all-reduce crosses the
+    slow link, instead of every block's all-gather and reduce-scatter. diloco (the `diloco` section): sites
+    train on their own for sync_every steps, then average once; for sites joined by a WAN."""
+    shard_size: int | None = Field(None, ge=1)
+    """hsdp (and diloco with inner hsdp): ranks per shard group (default: the processes per node); must divide
+    the world size (a site's size under diloco)."""
+    defer_grad_sync: bool = False
+    """fsdp/hsdp with accumulation: reduce gradients only on a window's last micro-batch. Trades memory
+    for speed: unsharded gradients of the whole model live until then (off: each micro-batch
+    reduce-scatters and frees them; hsdp still all-reduces across nodes once per step). DDP always
+    defers: it keeps one full gradient per rank whether it syncs or not."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    timeout_s: float = Field(600.0, gt=0)
+    """Collective timeout: a lost rank fails the job after this, not after 30 minutes."""
+    network: Literal["default", "socket", "infiniband", "wan"] = "default"
+    """wan: sites joined by the internet or a slow link. With more than a few MB of gradients per step, pick
+    dist.strategy: diloco there, which crosses the link once per diloco.sync_every steps instead of every step."""
+    nic: str | None = None
+    desync_check_steps: int = Field(100, ge=0)
+    """Every N steps DDP replicas compare weight norms (one all-gather); 0 turns it off."""
+    desync_tolerance: float = Field(1e-6, ge=0.0)
+
+    @model_validator(mode="after")
+    def _shard_size_only_for_hsdp(self) -> "DistConfig":
+        if self.shard_size is not None and self.strategy not in ("hsdp", "auto", "diloco"):
+            raise ValueError(
+                f"dist.shard_size is set but dist.strategy is {self.strategy}: only hsdp has shard groups; "
+                "set dist.strategy: hsdp, or remove dist.shard_size"
+            )
+        return self

@@ -1,0 +1,90 @@
+"""The model and LoRA sections: where the model comes from, how it is stored and attends, what carries adapters."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, ValidatorFunctionWrapHandler, field_validator, model_validator
+
+from trainyard.config.section import Section
+
+
+class ModelConfig(Section):
+    path: str | None = None
+    """HF model folder, hub id, a .gguf file, or `builtin:smollm2-135m-instruct`."""
+    config: dict[str, Any] | None = None
+    """Build from this HF config (needs `model_type`) with random init, instead of `path`."""
+    tokenizer: str | None = None
+    """Tokenizer folder or hub id; `builtin:bytes` for the local byte tokenizer. Default: `path`."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """How frozen base weights are stored (LoRA); trainable ones follow train.precision. auto: the compute dtype."""
+    gradient_checkpointing: bool | Literal["selective"] = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them. true: all of them (least
+    memory, the slowest); selective: all but the matmul and attention outputs (most of the saving, less recompute)."""
+    attn_implementation: Literal[
+        "auto", "varlen", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"
+    ] = "auto"
+    """auto: flash_attention_2 on a GPU with flash-attn installed where it keeps every feature of the family, else
+    varlen (each document of a padding-free row on its own, no mask, with the family's windows, soft-capping and
+    sinks). sdpa/eager isolate documents with a dense mask; flex_attention with a block mask. A choice that would
+    drop a feature of the family is refused."""
+    trust_remote_code: bool = False
+    cache_dir: str | None = None
+    """Where GGUF files are converted to safetensors once, and a model.config job's random init is drawn once per
+    node for its ranks to read their rows from. Default: ~/.cache/trainyard/models."""
+    download_timeout_s: float | None = Field(None, gt=0)
+    """How long the other processes of a node wait (on a file lock, in no collective) while the first downloads a
+    hub id into the HF cache. Default: as long as the download takes."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelConfig":
+        if (self.path is None) == (self.config is None):
+            raise ValueError("set exactly one of model.path and model.config")
+        if self.config is not None and "model_type" not in self.config:
+            raise ValueError("model.config needs a model_type (for example: llama)")
+        return self
+
+    @field_validator("gradient_checkpointing", mode="wrap")
+    @classmethod
+    def _checkpointing_mode(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> bool | str:
+        """One message naming the three choices, instead of pydantic's one per member of the union."""
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError("must be false, true (full) or selective") from None
+
+    @field_validator("dtype")
+    @classmethod
+    def _no_float16(cls, dtype: str) -> str:
+        if dtype == "float16":
+            raise ValueError(
+                "float16 overflows without a loss scaler, and trainyard has none: use bfloat16 (same memory, "
+                "fp32's range) or auto"
+            )
+        return dtype
+
+
+class LoraConfig(Section):
+    enabled: bool = True
+    r: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Modules that get adapters, by name or name suffix (q_proj); all-linear: every linear layer but the head."""
+    target_parameters: list[str] | Literal["auto"] = "auto"
+    """Parameters that get adapters, by name or suffix (mlp.experts.gate_up_proj): how LoRA reaches MoE experts that
+    transformers stores fused as one 3-D tensor [experts, out, in] instead of one linear layer each (PEFT's
+    parameter targeting). auto: every 3-D parameter of the model, so routed experts carry adapters by default and a
+    dense model gets none; [] names none itself (but see below).
+
+    PEFT 0.21 treats gate_proj/up_proj/down_proj and the router `gate` in target_modules (all-linear includes them)
+    as the pre-fusion names of the experts on the MoE models transformers fuses (glm4_moe, qwen2_moe, mixtral, ...):
+    it moves them to these fused parameters (gate_up_proj at twice the rank) and the router's weight, so there the
+    dense layers' MLP and the shared experts carry no adapter. trainyard keeps PEFT's choice: an exported adapter
+    loads the same way. The router is the exception: it stays frozen (in fp32, as the family keeps it) unless
+    target_modules names `gate` itself, or target_parameters names its `gate.weight`."""
+    moe_adapter: Literal["grouped", "peft"] = "grouped"
+    """How fused experts' adapters run. grouped: the experts as transformers' grouped products over the tokens routed
+    to each, each expert's adapter applied to its own tokens as two rank-r products (no expert-stack-sized tensor).
+    peft: PEFT's own forward, which folds W + B·A over every expert of the layer on every step (for comparison).
+    Same parameters and adapter files either way."""
