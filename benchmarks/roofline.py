@@ -62,7 +62,15 @@ def measure(threads: int, device: str, seconds: float, dtypes: list[str]) -> dic
 
 def _worker(threads: int, seconds: float, start: Any, queue: Any) -> None:
     start.wait()  # every process measures at the same time, sharing the cores as training does
-    queue.put(measure(threads, "cpu", seconds, list(DTYPES)))
+    queue.put(measure(threads, "cpu", seconds, cpu_dtypes()))
+
+
+def cpu_dtypes() -> list[str]:
+    """bf16 only where the CPU has bf16 matrix units: elsewhere its products are emulated (minutes for the square
+    shape) and nothing trains in it (trainyard's auto, bench's HF and TRL rows all run fp32 there)."""
+    from trainyard.precision import cpu_bf16_units
+
+    return list(DTYPES) if cpu_bf16_units() else ["fp32"]
 
 
 def roofline(nproc: int = 2, seconds: float = 2.0) -> dict[str, Any]:
