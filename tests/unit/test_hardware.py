@@ -60,7 +60,8 @@ def counted(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[flo
     inputs = {name: value for name, value in batch.items() if name != "real_tokens"}
     with FlopCounterMode(display=False) as counter:
         model(**inputs).loss.backward()
-    scores_and_values = counter.get_flop_counts()["Global"].get(torch.ops.aten.bmm, 0)
+    flops = counter.get_flop_counts()["Global"]  # scores: baddbmm (varlen's short documents) or bmm; values: bmm
+    scores_and_values = flops.get(torch.ops.aten.bmm, 0) + flops.get(torch.ops.aten.baddbmm, 0)
     return counter.get_total_flops() - scores_and_values, scores_and_values
 
 
