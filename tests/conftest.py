@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from tests.world import World
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
 TINY_MOE = str(REPO / "configs" / "tiny-moe.yaml")
@@ -65,6 +67,32 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = No
         os.environ.update(saved_env)
     assert not torch.distributed.is_initialized(), f"`trainyard {' '.join(args)}` formed a process group"
     return subprocess.CompletedProcess(["trainyard", *args], code, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory: pytest.TempPathFactory):
+    """Two ranks in one gloo group, started once for the whole test run (see tests/world.py)."""
+    shared = World(2, tmp_path_factory.mktemp("world-2"))
+    yield shared
+    shared.close()
+
+
+@pytest.fixture(scope="session")
+def solo(tmp_path_factory: pytest.TempPathFactory):
+    """One process and no group, started once: where `trainyard train` without --nproc runs."""
+    shared = World(1, tmp_path_factory.mktemp("world-1"))
+    yield shared
+    shared.close()
+
+
+def train_in(world: World, config: str, *overrides: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """`trainyard train CONFIG overrides` on a shared world's ranks: rank 0's summary."""
+    return world.run("tests.world_tasks:train", config, list(overrides), env=env)[0]
+
+
+def run_script(world: World, name: str, *argv: str) -> None:
+    """tests/dist/scripts/<name>.py on a shared world's ranks, as `torchrun --nproc-per-node N` would run it."""
+    world.run("tests.world_tasks:script", str(REPO / "tests" / "dist" / "scripts" / f"{name}.py"), list(argv))
 
 
 def events(run_dir: Path, kind: str) -> list[dict[str, Any]]:

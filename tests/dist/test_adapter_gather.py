@@ -4,29 +4,20 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import run_script
+from tests.world import World
 
 pytestmark = pytest.mark.dist
 
-SCRIPT = REPO / "tests" / "dist" / "scripts" / "adapter_state_two_ranks.py"
-
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def reports(world: World, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """What `adapter_state` held on each of 2 FSDP2 ranks of the tiny LoRA job."""
     out = tmp_path_factory.mktemp("adapter-gather")
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT), str(out)],
-        capture_output=True, text=True, timeout=600, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_script(world, "adapter_state_two_ranks", str(out))
     return [json.loads((out / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
 
 

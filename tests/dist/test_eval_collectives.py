@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import run_script
 
 pytestmark = pytest.mark.dist
-
-SCRIPT = REPO / "tests" / "dist" / "scripts" / "evaluate_two_ranks.py"
 
 
 @pytest.fixture(scope="module", params=["ddp", "fsdp"])
@@ -21,12 +17,7 @@ def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     """What each of 2 ranks reported after evaluating the same tiny model (37 examples)."""
     strategy = request.param
     tmp = tmp_path_factory.mktemp(f"eval-{strategy}")
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(SCRIPT), str(tmp), strategy, str(tmp / "report")],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_script(request.getfixturevalue("world"), "evaluate_two_ranks", str(tmp), strategy, str(tmp / "report"))
     return strategy, [json.loads((tmp / f"report-rank{r}.json").read_text()) for r in (0, 1)]
 
 

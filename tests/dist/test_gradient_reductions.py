@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, trainyard
+from tests.conftest import REPO, TINY, run_script, trainyard
+from tests.world import World
 
 pytestmark = pytest.mark.dist
 
@@ -18,18 +19,24 @@ STEPS = 3
 ACCUMULATION = 2
 
 
-def gradient_reductions(tmp_path: Path, nproc: int, *overrides: str) -> tuple[int, dict[int, dict[str, int]]]:
-    """(FSDP units with trainable parameters, per step: FSDP2's reduce-scatters and all-reduces)."""
+def gradient_reductions(
+    tmp_path: Path, nproc: int, *overrides: str, world: World | None = None
+) -> tuple[int, dict[int, dict[str, int]]]:
+    """(FSDP units with trainable parameters, per step: FSDP2's reduce-scatters and all-reduces), on the shared
+    world where it has `nproc` ranks, else on a torchrun launch of its own."""
     out = tmp_path / "reductions.json"
     global_batch = 4 * ACCUMULATION * nproc
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         str(REPO / "tests" / "dist" / "scripts" / "count_gradient_reductions.py"), str(tmp_path), str(out),
-         f"train.max_steps={STEPS}", "train.micro_batch_size=4", f"train.global_batch_size={global_batch}",
-         "lora.enabled=false", *overrides],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    argv = [str(tmp_path), str(out), f"train.max_steps={STEPS}", "train.micro_batch_size=4",
+            f"train.global_batch_size={global_batch}", "lora.enabled=false", *overrides]
+    if world is not None and world.nproc == nproc:
+        run_script(world, "count_gradient_reductions", *argv)
+    else:
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+             str(REPO / "tests" / "dist" / "scripts" / "count_gradient_reductions.py"), *argv],
+            capture_output=True, text=True, timeout=600, cwd=REPO,
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
     found = json.loads(out.read_text())
     assert found["accumulation"] == ACCUMULATION
     assert found["units"] == 3  # two decoder blocks and the root (embeddings, norm)
@@ -38,9 +45,11 @@ def gradient_reductions(tmp_path: Path, nproc: int, *overrides: str) -> tuple[in
 
 @pytest.mark.parametrize(("defer", "reduce_scatters_per_unit"), [("false", ACCUMULATION), ("true", 1)])
 def test_fsdp_reduce_scatters_every_micro_batch_unless_deferred(
-    tmp_path: Path, defer: str, reduce_scatters_per_unit: int
+    world: World, tmp_path: Path, defer: str, reduce_scatters_per_unit: int
 ) -> None:
-    units, per_step = gradient_reductions(tmp_path, 2, "dist.strategy=fsdp", f"dist.defer_grad_sync={defer}")
+    units, per_step = gradient_reductions(
+        tmp_path, 2, "dist.strategy=fsdp", f"dist.defer_grad_sync={defer}", world=world
+    )
     assert sorted(per_step) == list(range(1, STEPS + 1))
     for calls in per_step.values():
         assert calls == {"reduce_scatter": reduce_scatters_per_unit * units}

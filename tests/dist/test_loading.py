@@ -4,19 +4,17 @@ loads (or initialises) in one process, and an FSDP2 rank holds only its half."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tests.conftest import REPO
+from tests.conftest import run_script
+from tests.world import World
 from trainyard.model import weights
 from trainyard.errors import ModelError
 
-SCRIPT = REPO / "tests" / "dist" / "scripts" / "load_shards.py"
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
              max_position_embeddings=256)
 
@@ -38,24 +36,21 @@ def _folder_job(folder: Path, *extra: str) -> list[str]:
     return ["model.config=null", f"model.path={folder}", "model.tokenizer=builtin:bytes", *extra]
 
 
-def _run(strategy: str, jobs: list[list], out: Path) -> dict[str, list[dict]]:
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT), strategy,
-         json.dumps(jobs), str(out)],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+def _run(world: World, strategy: str, jobs: list[list], out: Path) -> dict[str, list[dict]]:
+    run_script(world, "load_shards", strategy, json.dumps(jobs), str(out))
     return {label: [json.loads((out / f"{label}-rank{r}.json").read_text()) for r in (0, 1)] for label, _, _ in jobs}
 
 
-def test_fsdp2_ranks_read_only_their_half_and_match_transformers(folders: dict[str, Path], tmp_path: Path) -> None:
+def test_fsdp2_ranks_read_only_their_half_and_match_transformers(
+    world: World, folders: dict[str, Path], tmp_path: Path
+) -> None:
     jobs = [
         ["random", [], ""],
         ["random-lora", ["lora.enabled=true"], ""],
         ["llama-bf16-file-lora", _folder_job(folders["llama"], "lora.enabled=true"), str(folders["llama"])],
         ["moe-lora", _folder_job(folders["moe"], "lora.enabled=true"), str(folders["moe"])],
     ]
-    results = _run("fsdp", jobs, tmp_path)
+    results = _run(world, "fsdp", jobs, tmp_path)
     for label, ranks in results.items():
         for rank in ranks:
             assert rank["mismatched"] == [], label
@@ -64,9 +59,9 @@ def test_fsdp2_ranks_read_only_their_half_and_match_transformers(folders: dict[s
     assert all(rank["tied"] for label in ("random", "llama-bf16-file-lora") for rank in results[label])
 
 
-def test_ddp_ranks_hold_one_whole_copy_equal_to_transformers(folders: dict[str, Path], tmp_path: Path) -> None:
+def test_ddp_ranks_hold_one_whole_copy_equal_to_transformers(world: World, folders: dict[str, Path], tmp_path: Path) -> None:
     jobs = [["random", [], ""], ["moe", _folder_job(folders["moe"]), str(folders["moe"])]]
-    results = _run("ddp", jobs, tmp_path)
+    results = _run(world, "ddp", jobs, tmp_path)
     for label, ranks in results.items():
         for rank in ranks:
             assert rank["mismatched"] == [] and rank["meta_left"] == [], label

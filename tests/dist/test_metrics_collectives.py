@@ -4,27 +4,20 @@ logging step adds one all-gather. DDP's and FSDP2's gradient collectives are the
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import run_script
+from tests.world import World
 
 pytestmark = pytest.mark.dist
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_off_log_steps_make_only_the_control_all_reduce(tmp_path: Path, strategy: str) -> None:
+def test_off_log_steps_make_only_the_control_all_reduce(world: World, tmp_path: Path, strategy: str) -> None:
     out = tmp_path / "calls.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(REPO / "tests" / "dist" / "scripts" / "count_step_collectives.py"), str(tmp_path), strategy, str(out),
-         "4"],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_script(world, "count_step_collectives", str(tmp_path), strategy, str(out), "4")
     calls = {int(step): names for step, names in json.loads(out.read_text()).items()}
     for step in (1, 2, 3, 5, 6, 7):
         assert calls[step] == ["trainyard.dist.all_reduce"], (step, calls[step])

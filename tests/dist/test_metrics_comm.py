@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, assert_ok, events, trainyard
+from tests.conftest import REPO, TINY, events, run_script, train_in
+from tests.world import World
 
 pytestmark = pytest.mark.dist
 
@@ -19,12 +20,11 @@ pytestmark = pytest.mark.dist
     "strategy", [["dist.strategy=ddp"], ["dist.strategy=fsdp"], ["dist.strategy=hsdp", "dist.shard_size=1"]],
     ids=["ddp", "fsdp", "hsdp"],
 )
-def test_comm_share_is_measured(tmp_path: Path, strategy: list[str]) -> None:
-    result = trainyard(
-        "train", TINY, f"output_dir={tmp_path}", *strategy, "train.max_steps=6", "log.every_steps=2",
-        "eval.every_steps=0", "eval.at_end=false", "checkpoint.at_end=false", "log.tensorboard=false", "--nproc", "2",
+def test_comm_share_is_measured(world: World, tmp_path: Path, strategy: list[str]) -> None:
+    train_in(
+        world, TINY, f"output_dir={tmp_path}", *strategy, "train.max_steps=6", "log.every_steps=2",
+        "eval.every_steps=0", "eval.at_end=false", "checkpoint.at_end=false", "log.tensorboard=false",
     )
-    assert_ok(result)
     train = events(tmp_path / "tiny", "train")
     assert [e["step"] for e in train] == [2, 4, 6]
     for event in train:
@@ -32,14 +32,9 @@ def test_comm_share_is_measured(tmp_path: Path, strategy: list[str]) -> None:
         assert event["mfu"] is None  # no peak is known for a CPU
 
 
-def test_fsdp2_comm_counts_trained_steps_only(tmp_path: Path) -> None:
+def test_fsdp2_comm_counts_trained_steps_only(world: World, tmp_path: Path) -> None:
     out = tmp_path / "seconds.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(REPO / "tests" / "dist" / "scripts" / "time_fsdp_collectives.py"), str(out)],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_script(world, "time_fsdp_collectives", str(out))
     seconds = json.loads(out.read_text())
     assert seconds["trained"] > 0  # the all-gathers and reduce-scatters of a training step
     assert seconds["skipped"] == 0.0  # a step dropped for a non-finite loss
@@ -47,13 +42,21 @@ def test_fsdp2_comm_counts_trained_steps_only(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("nproc", "shard_size"), [(2, 1), (4, 2)], ids=["hsdp-2x1", "hsdp-2x2"])
-def test_hsdp_comm_includes_the_replicate_all_reduce(tmp_path: Path, nproc: int, shard_size: int) -> None:
+def test_hsdp_comm_includes_the_replicate_all_reduce(world: World, tmp_path: Path, nproc: int, shard_size: int) -> None:
+    """2 x 1 on the shared world; 2 x 2 needs 4 ranks of its own."""
     out = tmp_path / "seconds.json"
+    if nproc == world.nproc:
+        run_script(world, "time_hsdp_all_reduce", str(out), str(shard_size))
+        return _check_hsdp_seconds(out)
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
          str(REPO / "tests" / "dist" / "scripts" / "time_hsdp_all_reduce.py"), str(out), str(shard_size)],
         capture_output=True, text=True, timeout=600, cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-4000:]
+    _check_hsdp_seconds(out)
+
+
+def _check_hsdp_seconds(out: Path) -> None:
     seconds = json.loads(out.read_text())
     assert seconds["seconds"] >= seconds["all_reduce_delay"], seconds  # each unit's all-reduce, slowed, was timed

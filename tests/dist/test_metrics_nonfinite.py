@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import TINY, assert_ok, trainyard
+from tests.conftest import TINY, train_in
+from tests.world import World
 
 pytestmark = pytest.mark.dist
 
@@ -29,18 +30,18 @@ def strict_events(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line, parse_constant=_reject) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def run(out: Path, every: int, env: dict[str, str]) -> list[dict[str, Any]]:
-    assert_ok(trainyard("train", TINY, f"output_dir={out}", *JOB, f"log.every_steps={every}", "--nproc", "2", env=env))
+def run(world: World, out: Path, every: int, env: dict[str, str]) -> list[dict[str, Any]]:
+    train_in(world, TINY, f"output_dir={out}", *JOB, f"log.every_steps={every}", env=env)
     return strict_events(out / "tiny")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+def runs(world: World, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     root = tmp_path_factory.mktemp("nonfinite")
     return {
-        "clean": run(root / "clean", 1, {}),
-        "fine": run(root / "fine", 1, FAULT),
-        "coarse": run(root / "coarse", 4, FAULT),
+        "clean": run(world, root / "clean", 1, {}),
+        "fine": run(world, root / "fine", 1, FAULT),
+        "coarse": run(world, root / "coarse", 4, FAULT),
     }
 
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, events
+from tests.conftest import events, run_script
+from tests.world import World
 
 pytestmark = pytest.mark.dist
 
@@ -28,19 +27,14 @@ def expected_lr(step: int) -> float:
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear"])
-def test_learning_rates_the_loop_used(tmp_path: Path, schedule: str) -> None:
+def test_learning_rates_the_loop_used(solo: World, tmp_path: Path, schedule: str) -> None:
     used_file = tmp_path / "used.json"
     overrides = [
         f"train.max_steps={STEPS}", f"train.warmup_steps={WARMUP}", f"train.lr={LR}", f"train.min_lr_ratio={MIN_RATIO}",
         f"train.schedule={schedule}", "log.every_steps=1", "dist.strategy=none", "eval.every_steps=0",
         "eval.at_end=false", "checkpoint.at_end=false", "log.tensorboard=false", "log.progress=false",
     ]
-    result = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "dist" / "scripts" / "record_used_lr.py"), str(tmp_path), str(used_file),
-         *overrides],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_script(solo, "record_used_lr", str(tmp_path), str(used_file), *overrides)
     used = json.loads(used_file.read_text())
     logged = {e["step"]: e["lr"] for e in events(tmp_path / "tiny", "train")}
     assert len(used) == STEPS

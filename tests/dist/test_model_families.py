@@ -5,18 +5,15 @@ One torchrun launch runs every family (tests/dist/scripts/families_fsdp.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import run_script
 from tests.unit.model.families import FAMILIES, settings
+from tests.world import World
 
 pytestmark = pytest.mark.dist
 
-SCRIPT = REPO / "tests" / "dist" / "scripts" / "families_fsdp.py"
 TOKENIZER_KEYS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")
 """Set from builtin:bytes by trainyard, as for any job's model.config."""
 LOSS_REL, GRAD_REL = 1e-5, 1e-4
@@ -24,15 +21,10 @@ LOSS_REL, GRAD_REL = 1e-5, 1e-4
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], dict]:
+def results(world: World, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], dict]:
     out = tmp_path_factory.mktemp("families") / "results.jsonl"
     jobs = {family: {k: v for k, v in settings(family).items() if k not in TOKENIZER_KEYS} for family in FAMILIES}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT), str(out),
-         json.dumps(jobs)],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )
-    assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-5000:]}"
+    run_script(world, "families_fsdp", str(out), json.dumps(jobs))
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     return {(line["family"], line["lora"]): line for line in lines}
 

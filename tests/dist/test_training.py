@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import TINY, assert_ok, events, trainyard
+from tests.conftest import TINY, assert_ok, events, train_in, trainyard
+from tests.world import World
 from trainyard.launch import allocator
 
 pytestmark = pytest.mark.dist
@@ -41,25 +42,19 @@ STRATEGIES = {
 }
 
 
-def train_events(out: Path, *overrides: str, nproc: int) -> list[dict]:
-    result = trainyard("train", TINY, f"output_dir={out}", *COMMON, *overrides, "--nproc", str(nproc))
-    assert_ok(result)
+def train_events(world: World, out: Path, *overrides: str) -> list[dict]:
+    """The tiny job on a shared world's ranks (tests/world.py): the same recipe a launch runs, without its start."""
+    train_in(world, TINY, f"output_dir={out}", *COMMON, *overrides)
     return events(out / "tiny", "train")
 
 
-def train_losses(out: Path, *overrides: str, nproc: int) -> list[float]:
-    return [e["loss"] for e in train_events(out, *overrides, nproc=nproc)]
-
-
 @pytest.fixture(scope="module")
-def single_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+def single_process(solo: World, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     """One process, one batch of 16 per step: the reference trajectory for each fine-tuning
     mode, with neither gradient accumulation nor reduction to share a bug with."""
     out = tmp_path_factory.mktemp("single")
     return {
-        lora: train_events(
-            out / lora, f"lora.enabled={lora}", "dist.strategy=none", "train.micro_batch_size=16", nproc=1
-        )
+        lora: train_events(solo, out / lora, f"lora.enabled={lora}", "dist.strategy=none", "train.micro_batch_size=16")
         for lora in ("true", "false")
     }
 
@@ -74,9 +69,9 @@ def assert_same_trajectory(got: list[dict], want: list[dict]) -> None:
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.parametrize("lora", ["true", "false"])
 def test_two_ranks_follow_the_single_process_trajectory(
-    tmp_path: Path, single_process: dict[str, list[dict]], strategy: str, lora: str
+    world: World, tmp_path: Path, single_process: dict[str, list[dict]], strategy: str, lora: str
 ) -> None:
-    got = train_events(tmp_path, f"lora.enabled={lora}", *STRATEGIES[strategy], nproc=2)
+    got = train_events(world, tmp_path, f"lora.enabled={lora}", *STRATEGIES[strategy])
     losses = [e["loss"] for e in got]
     assert losses[-1] < losses[0] - 0.1, f"loss did not go down: {losses}"
     assert_same_trajectory(got, single_process[lora])
@@ -93,15 +88,15 @@ def test_two_ranks_follow_the_single_process_trajectory(
     ],
 )
 def test_two_ranks_accumulating_follow_the_single_process_trajectory(
-    tmp_path: Path, single_process: dict[str, list[dict]], strategy: str, lora: str, defer: str
+    world: World, tmp_path: Path, single_process: dict[str, list[dict]], strategy: str, lora: str, defer: str
 ) -> None:
     """2 ranks x 2 micro-batches of 4 see the same 16 samples per step as 1 process x 1 x 16, whether
     FSDP2/HSDP reduce every micro-batch (the default) or defer to the last (as DDP always does). A
     micro-batch's gradient lost or counted twice, or never reduced across ranks, moves the losses;
     a wrong scale moves the norms."""
     got = train_events(
-        tmp_path, f"lora.enabled={lora}", *STRATEGIES[strategy], f"dist.defer_grad_sync={defer}",
-        "train.micro_batch_size=4", nproc=2,
+        world, tmp_path, f"lora.enabled={lora}", *STRATEGIES[strategy], f"dist.defer_grad_sync={defer}",
+        "train.micro_batch_size=4",
     )
     summary = json.loads((tmp_path / "tiny" / "summary.json").read_text())
     assert (summary["strategy"], summary["accumulation"], summary["world_size"]) == (strategy, 2, 2)
@@ -123,8 +118,7 @@ def test_tokenization_runs_once_with_two_ranks(tmp_path: Path) -> None:
     assert len(caches) == 1
 
 
-def test_gradient_checkpointing_with_lora_and_ddp_trains(tmp_path: Path) -> None:
-    losses = train_losses(
-        tmp_path, "lora.enabled=true", "dist.strategy=ddp", "model.gradient_checkpointing=true", nproc=2
-    )
+def test_gradient_checkpointing_with_lora_and_ddp_trains(world: World, tmp_path: Path) -> None:
+    got = train_events(world, tmp_path, "lora.enabled=true", "dist.strategy=ddp", "model.gradient_checkpointing=true")
+    losses = [e["loss"] for e in got]
     assert losses[-1] < losses[0]

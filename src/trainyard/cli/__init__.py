@@ -3,6 +3,7 @@ what it calls, and nothing imports it."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -18,8 +19,6 @@ def main(argv: list[str] | None = None) -> None:
     """`argv` None reads the command line; tests pass a list to run a command in their own process."""
     import click
 
-    from trainyard.dist import exit_process
-
     try:
         code = app(args=argv, prog_name="trainyard", standalone_mode=False)
     except TrainyardError as err:
@@ -34,8 +33,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def _report_user_error(err: TrainyardError) -> None:
     """Under our own launcher the parent prints the message once; otherwise print it here."""
-    import os
-
     from trainyard.launch.local import EXIT_FILE_ENV, write_exit_file
     from trainyard.launch.torchrun import PREEMPTED_EXIT_CODE
 
@@ -49,9 +46,19 @@ def _report_user_error(err: TrainyardError) -> None:
         prefix = f" (rank {os.environ.get('RANK', '0')})" if world > 1 else ""
         err_console.print(f"[bold red]trainyard: error{prefix}[/]")
         err_console.print(redact_text(err.render()), markup=False, soft_wrap=True)
-    from trainyard.dist import exit_process
-
     exit_process(err.exit_code)
+
+
+def exit_process(code: int) -> None:
+    """A process group can exist only where torch.distributed was imported: a command that never needed it
+    does not import it (and torch) to say so."""
+    if "torch.distributed" in sys.modules:
+        from trainyard.dist import exit_process as leave_group
+
+        leave_group(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,11 @@ from trainyard.config_file import load_config
 def main() -> None:
     out_dir, result_file, overrides = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
     used: list[float] = []
-    register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: used.append(optimizer.param_groups[0]["lr"]))
-    trainer.run(load_config("tiny", [f"output_dir={out_dir}", *overrides]))
+    hook = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: used.append(optimizer.param_groups[0]["lr"]))
+    try:  # a shared test process runs other jobs after this one
+        trainer.run(load_config("tiny", [f"output_dir={out_dir}", *overrides]))
+    finally:
+        hook.remove()
     result_file.write_text(json.dumps(used))
 
 

@@ -1,0 +1,131 @@
+"""Long-lived worlds for the tests that check what one run, one step or one collective does.
+
+A process costs seconds before it trains (interpreter, torch, transformers, PEFT); a launch of `trainyard train
+--nproc 2` pays that three times over. A `World` starts its ranks once (torch's `MultiProcContinuousTest` pattern)
+and feeds them tasks: a task is `module:function` and its arguments, run on every rank at once, and each rank's
+return value comes back. A rank that raises reports its traceback, named by rank; the world is then restarted
+for the next task, since its peers may be stuck in a collective the failed rank never joined.
+
+Tests about a process's life (kill, resume, preemption, hangs, hosts, sites) keep real launches."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RANK_MODULE = "tests.world_rank"
+
+
+class TaskFailed(AssertionError):
+    """A task raised on some rank, or did not finish in time: the ranks' tracebacks and logs."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class World:
+    """`nproc` ranks that share one process group (formed by the first task that calls `dist.init`), or one
+    process with no group at all (`nproc=1`: the single-process reference runs of trainyard)."""
+
+    def __init__(self, nproc: int, logs: Path, env: dict[str, str] | None = None) -> None:
+        self.nproc, self.logs, self.env = nproc, logs, env or {}
+        self.ranks: list[subprocess.Popen[bytes]] = []
+        self.results: list[Any] = []
+        self.starts = 0
+
+    def start(self) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.starts += 1
+        port = free_port()
+        self.ranks, self.results = [], []
+        for rank in range(self.nproc):
+            read_end, write_end = os.pipe()
+            # Each rank writes one JSON line per task to this pipe; its stdout and stderr go to its log file.
+            env = {**os.environ, **self._rank_env(rank, port), "TRAINYARD_WORLD_RESULT_FD": str(write_end), **self.env}
+            log = open(self.logs / f"world-{self.starts}-rank-{rank}.log", "wb")  # noqa: SIM115 (the rank owns it)
+            process = subprocess.Popen(
+                [sys.executable, "-m", RANK_MODULE], cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=log,
+                stderr=subprocess.STDOUT, pass_fds=(write_end,), start_new_session=True,
+            )
+            os.close(write_end)
+            log.close()
+            process.result_pipe = os.fdopen(read_end, "rb")  # type: ignore[attr-defined]
+            process.log_path = log.name  # type: ignore[attr-defined]
+            self.ranks.append(process)
+
+    def _rank_env(self, rank: int, port: int) -> dict[str, str]:
+        env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        if self.nproc == 1:
+            return env
+        return {
+            **env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.nproc),
+            "LOCAL_WORLD_SIZE": str(self.nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": f"world-{port}",
+        }
+
+    def run(self, function: str, *args: Any, timeout: float = 600, **kwargs: Any) -> list[Any]:
+        """`module:function(*args, **kwargs)` on every rank; their return values in rank order."""
+        if not self.ranks or any(rank.poll() is not None for rank in self.ranks):
+            self.close()
+            self.start()
+        task = json.dumps({"function": function, "args": args, "kwargs": kwargs}).encode() + b"\n"
+        for rank in self.ranks:
+            rank.stdin.write(task)
+            rank.stdin.flush()
+        replies = self._replies(timeout)
+        failed = {r: reply for r, reply in replies.items() if reply is None or not reply["ok"]}
+        if failed:
+            message = self._describe(function, failed)
+            self.close()  # peers of a failed rank may wait in a collective it never joined
+            raise TaskFailed(message)
+        return [replies[r]["value"] for r in range(self.nproc)]
+
+    def _replies(self, timeout: float) -> dict[int, dict[str, Any] | None]:
+        """Each rank's reply; once one rank fails, the others get a few seconds to say theirs."""
+        replies: dict[int, dict[str, Any] | None] = {}
+        deadline = time.monotonic() + timeout
+        pipes = {rank.result_pipe.fileno(): r for r, rank in enumerate(self.ranks)}  # type: ignore[attr-defined]
+        while len(replies) < self.nproc and time.monotonic() < deadline:
+            waiting = [fd for fd, r in pipes.items() if r not in replies]
+            ready, _, _ = select.select(waiting, [], [], min(1.0, max(0.0, deadline - time.monotonic())))
+            for fd in ready:
+                line = self.ranks[pipes[fd]].result_pipe.readline()  # type: ignore[attr-defined]
+                replies[pipes[fd]] = json.loads(line) if line else None  # EOF: the rank died
+            if any(reply is None or not reply["ok"] for reply in replies.values()):
+                deadline = min(deadline, time.monotonic() + 5)
+        for r in range(self.nproc):
+            replies.setdefault(r, None)
+        return replies
+
+    def _describe(self, function: str, failed: dict[int, dict[str, Any] | None]) -> str:
+        parts = [f"{function} failed on rank(s) {sorted(failed)}"]
+        for r, reply in sorted(failed.items()):
+            if reply is not None:
+                parts.append(f"--- rank {r} raised:\n{reply['error']}")
+            else:
+                log = Path(self.ranks[r].log_path).read_text(errors="replace")  # type: ignore[attr-defined]
+                parts.append(f"--- rank {r} gave no reply (died or timed out); its log ends:\n{log[-4000:]}")
+        return "\n".join(parts)
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            if rank.poll() is None:
+                try:
+                    os.killpg(rank.pid, 9)
+                except ProcessLookupError:
+                    pass
+            rank.wait()
+            rank.stdin.close()
+            rank.result_pipe.close()  # type: ignore[attr-defined]
+        self.ranks = []

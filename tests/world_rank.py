@@ -1,0 +1,29 @@
+"""One rank of a `tests.world.World`: read a task per line from stdin, run it, write one JSON reply line."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import traceback
+
+
+def main() -> None:
+    replies = os.fdopen(int(os.environ["TRAINYARD_WORLD_RESULT_FD"]), "w")
+    for line in sys.stdin:
+        task = json.loads(line)
+        module, _, name = task["function"].partition(":")
+        try:
+            value = getattr(importlib.import_module(module), name)(*task["args"], **task["kwargs"])
+            reply = {"ok": True, "value": value}
+        except BaseException:  # noqa: BLE001 (a SystemExit of the code under test is a reply too)
+            reply = {"ok": False, "error": traceback.format_exc()}
+        sys.stdout.flush()
+        sys.stderr.flush()
+        replies.write(json.dumps(reply, default=str) + "\n")
+        replies.flush()
+
+
+if __name__ == "__main__":
+    main()
