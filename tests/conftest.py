@@ -11,6 +11,7 @@ import sys
 import traceback
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -70,19 +71,31 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = No
 
 
 @pytest.fixture(scope="session")
-def world(tmp_path_factory: pytest.TempPathFactory):
-    """Two ranks in one gloo group, started once for the whole test run (see tests/world.py)."""
-    shared = World(2, tmp_path_factory.mktemp("world-2"))
-    yield shared
-    shared.close()
+def worlds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[int], World]]:
+    """Worlds of N ranks (tests/world.py), each started at its first use and kept for the whole test run. One
+    rank is a process with no group: where `trainyard train` without --nproc runs."""
+    started: dict[int, World] = {}
+
+    def world_of(nproc: int) -> World:
+        if nproc not in started:
+            started[nproc] = World(nproc, tmp_path_factory.mktemp(f"world-{nproc}"))
+        return started[nproc]
+
+    yield world_of
+    for shared in started.values():
+        shared.close()
 
 
 @pytest.fixture(scope="session")
-def solo(tmp_path_factory: pytest.TempPathFactory):
-    """One process and no group, started once: where `trainyard train` without --nproc runs."""
-    shared = World(1, tmp_path_factory.mktemp("world-1"))
-    yield shared
-    shared.close()
+def world(worlds: Callable[[int], World]) -> World:
+    """Two ranks in one gloo group."""
+    return worlds(2)
+
+
+@pytest.fixture(scope="session")
+def solo(worlds: Callable[[int], World]) -> World:
+    """One process, no group."""
+    return worlds(1)
 
 
 def train_in(world: World, config: str, *overrides: str, env: dict[str, str] | None = None) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.conftest import REPO, TINY, assert_ok, events, trainyard
+from tests.conftest import REPO, TINY, assert_ok, events, run_cli, run_script, train_in, trainyard
 from tests.dist.checkpoint_helpers import (
     assert_same_tensors,
     kill_tree,
@@ -24,6 +25,7 @@ from tests.dist.checkpoint_helpers import (
     start,
     wait_for_step,
 )
+from tests.world import World
 from trainyard.checkpoint.save import latest_full, step_dir
 
 pytestmark = pytest.mark.dist
@@ -42,8 +44,9 @@ def consolidated(step: Path) -> dict:
         return torch.load(Path(scratch) / "all.pt", weights_only=True)
 
 
-def run(out: Path, *overrides: str, nproc: int = 2) -> Path:
-    assert_ok(trainyard("train", TINY, f"output_dir={out}", *COMMON, *overrides, "--nproc", str(nproc)))
+def run(world: World, out: Path, *overrides: str) -> Path:
+    """The job on a shared world of its ranks (tests/world.py): what a launch of that many runs, without its start."""
+    train_in(world, TINY, f"output_dir={out}", *COMMON, *overrides)
     return out / "tiny"
 
 
@@ -58,15 +61,17 @@ is FSDP's case: 8 processes on the suite's 2 cores took 4 minutes)."""
 
 
 @INNER
-def test_one_inner_step_per_round_over_a_linear_update_is_ddp(tmp_path: Path, inner: list[str], nproc: int) -> None:
+def test_one_inner_step_per_round_over_a_linear_update_is_ddp(
+    worlds: Callable[[int], World], tmp_path: Path, inner: list[str], nproc: int
+) -> None:
     """H = 1, outer_lr 1, no momentum, inner SGD: the average of the sites' SGD steps is the SGD step of the
     average gradient (the inner loss is normalised by the world's tokens). Equal up to float rounding: DDP
     averages gradients, DiLoCo averages the weights they produced."""
     # fp32 compute: under bf16 a rounding-level difference in the weights flips bf16 roundings of activations
     linear = ["train.optimizer=sgd", "train.lr=0.5", "train.max_grad_norm=0", "train.max_steps=8", "train.precision=fp32"]
-    ddp = run(tmp_path / "ddp", *linear, "dist.strategy=ddp", nproc=nproc)
+    ddp = run(worlds(nproc), tmp_path / "ddp", *linear, "dist.strategy=ddp")
     outer = ["diloco.sync_every=1", "diloco.outer_lr=1", "diloco.outer_momentum=0", *inner]
-    diloco = run(tmp_path / "diloco", *linear, *TWO_SITES, *outer, nproc=nproc)
+    diloco = run(worlds(nproc), tmp_path / "diloco", *linear, *TWO_SITES, *outer)
 
     want = [(e["step"], e["loss"]) for e in events(ddp, "train")]
     got = [(e["step"], e["loss"]) for e in events(diloco, "train")]
@@ -95,17 +100,11 @@ def int8_round_trip(pseudo_grad: np.ndarray) -> np.ndarray:
     ("nproc", "lr", "momentum", "dtype"), [(4, 0.7, 0.9, "fp32"), (2, 1.0, 0.0, "fp32"), (4, 0.7, 0.9, "int8")]
 )
 def test_the_outer_step_is_nesterov_sgd_on_the_average_of_the_sites_pseudo_gradients(
-    tmp_path: Path, nproc: int, lr: float, momentum: float, dtype: str
+    worlds: Callable[[int], World], tmp_path: Path, nproc: int, lr: float, momentum: float, dtype: str
 ) -> None:
     """2 sites of 2: each local rank reduces a slice across sites, the site gathers the slices. int8: each site
     sends its tensors as codes and one scale each, and the average is of what those are worth."""
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         str(REPO / "tests" / "dist" / "scripts" / "diloco_outer_step.py"), str(tmp_path), str(lr), str(momentum),
-         dtype],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_script(worlds(nproc), "diloco_outer_step", str(tmp_path), str(lr), str(momentum), dtype)
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(nproc)]
     sent = int8_round_trip if dtype == "int8" else (lambda pseudo_grad: pseudo_grad)
     buffers = None
@@ -133,7 +132,7 @@ def test_the_outer_step_is_nesterov_sgd_on_the_average_of_the_sites_pseudo_gradi
 
 @INNER
 def test_sigkill_mid_round_then_resume_ends_bitwise_equal(
-    tmp_path: Path, inner: list[str], nproc: int, draw_step
+    worlds: Callable[[int], World], tmp_path: Path, inner: list[str], nproc: int, draw_step
 ) -> None:
     """Checkpoints every 3 steps with rounds of 4: the saves before the end (3, 6, 9) are all mid-round, where the
     sites' weights differ. A step's outer sync comes before its train event, so a kill after the event of any step
@@ -141,7 +140,7 @@ def test_sigkill_mid_round_then_resume_ends_bitwise_equal(
     the resume starts mid-round too."""
     job = [*TWO_SITES, *inner, "diloco.sync_every=4", "train.max_steps=12",
            "checkpoint.every_steps=3", "checkpoint.keep_last=2"]
-    reference = run(tmp_path / "reference", *job, nproc=nproc)
+    reference = run(worlds(nproc), tmp_path / "reference", *job)
 
     kill_at = draw_step(4, 10)
     killed = tmp_path / "killed"
@@ -152,7 +151,7 @@ def test_sigkill_mid_round_then_resume_ends_bitwise_equal(
     context = f"killed after step {landed} (drew {kill_at})"
     assert landed < 12, context
     assert latest_full(killed / "tiny" / "checkpoints") is not None, f"{context}: before a save"
-    run(killed, *job, nproc=nproc)
+    assert_ok(trainyard("train", TINY, f"output_dir={killed}", *COMMON, *job, "--nproc", str(nproc)))  # resumes
 
     sites = consolidated(step_dir(reference / "checkpoints", 9))  # mid-round: each site moved on its own
     assert sites["site-0"]["model"].keys() == sites["site-1"]["model"].keys() == sites["model"].keys()
@@ -186,7 +185,7 @@ def test_sigkill_mid_round_then_resume_ends_bitwise_equal(
     ],
 )
 def test_bad_diloco_settings_exit_2_naming_the_field(overrides: list[str], needles: list[str]) -> None:
-    result = trainyard("train", TINY, "dist.strategy=diloco", *overrides, "--dry-run", "--world-size", "4")
+    result = run_cli("train", TINY, "dist.strategy=diloco", *overrides, "--dry-run", "--world-size", "4")
     assert result.returncode == 2, result.stderr[-2000:]
     flat = " ".join(result.stderr.split())
     for needle in needles:

@@ -4,13 +4,12 @@ across replicas once per step) unless `dist.defer_grad_sync` holds them to the w
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, run_script, trainyard
+from tests.conftest import TINY, run_script, trainyard
 from tests.world import World
 
 pytestmark = pytest.mark.dist
@@ -20,23 +19,16 @@ ACCUMULATION = 2
 
 
 def gradient_reductions(
-    tmp_path: Path, nproc: int, *overrides: str, world: World | None = None
+    tmp_path: Path, nproc: int, *overrides: str, world: World
 ) -> tuple[int, dict[int, dict[str, int]]]:
-    """(FSDP units with trainable parameters, per step: FSDP2's reduce-scatters and all-reduces), on the shared
-    world where it has `nproc` ranks, else on a torchrun launch of its own."""
+    """(FSDP units with trainable parameters, per step: FSDP2's reduce-scatters and all-reduces), on a shared world
+    of `nproc` ranks."""
     out = tmp_path / "reductions.json"
     global_batch = 4 * ACCUMULATION * nproc
     argv = [str(tmp_path), str(out), f"train.max_steps={STEPS}", "train.micro_batch_size=4",
             f"train.global_batch_size={global_batch}", "lora.enabled=false", *overrides]
-    if world is not None and world.nproc == nproc:
-        run_script(world, "count_gradient_reductions", *argv)
-    else:
-        result = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-             str(REPO / "tests" / "dist" / "scripts" / "count_gradient_reductions.py"), *argv],
-            capture_output=True, text=True, timeout=600, cwd=REPO,
-        )
-        assert result.returncode == 0, result.stderr[-4000:]
+    assert world.nproc == nproc
+    run_script(world, "count_gradient_reductions", *argv)
     found = json.loads(out.read_text())
     assert found["accumulation"] == ACCUMULATION
     assert found["units"] == 3  # two decoder blocks and the root (embeddings, norm)
@@ -57,12 +49,12 @@ def test_fsdp_reduce_scatters_every_micro_batch_unless_deferred(
 
 @pytest.mark.parametrize(("defer", "reduce_scatters_per_unit"), [("false", ACCUMULATION), ("true", 1)])
 def test_hsdp_reduce_scatters_every_micro_batch_and_all_reduces_once_per_step(
-    tmp_path: Path, defer: str, reduce_scatters_per_unit: int
+    worlds: Callable[[int], World], tmp_path: Path, defer: str, reduce_scatters_per_unit: int
 ) -> None:
     """4 ranks as 2 replicas x 2 shards: the all-reduce between replicas (the one that crosses the
     link between nodes) is one per unit per step either way."""
     units, per_step = gradient_reductions(
-        tmp_path, 4, "dist.strategy=hsdp", "dist.shard_size=2", f"dist.defer_grad_sync={defer}"
+        tmp_path, 4, "dist.strategy=hsdp", "dist.shard_size=2", f"dist.defer_grad_sync={defer}", world=worlds(4)
     )
     assert sorted(per_step) == list(range(1, STEPS + 1))
     for calls in per_step.values():

@@ -4,13 +4,12 @@ all-reduce too)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, events, run_script, train_in
+from tests.conftest import TINY, events, run_script, train_in
 from tests.world import World
 
 pytestmark = pytest.mark.dist
@@ -42,21 +41,10 @@ def test_fsdp2_comm_counts_trained_steps_only(world: World, tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(("nproc", "shard_size"), [(2, 1), (4, 2)], ids=["hsdp-2x1", "hsdp-2x2"])
-def test_hsdp_comm_includes_the_replicate_all_reduce(world: World, tmp_path: Path, nproc: int, shard_size: int) -> None:
-    """2 x 1 on the shared world; 2 x 2 needs 4 ranks of its own."""
+def test_hsdp_comm_includes_the_replicate_all_reduce(
+    worlds: Callable[[int], World], tmp_path: Path, nproc: int, shard_size: int
+) -> None:
     out = tmp_path / "seconds.json"
-    if nproc == world.nproc:
-        run_script(world, "time_hsdp_all_reduce", str(out), str(shard_size))
-        return _check_hsdp_seconds(out)
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         str(REPO / "tests" / "dist" / "scripts" / "time_hsdp_all_reduce.py"), str(out), str(shard_size)],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    _check_hsdp_seconds(out)
-
-
-def _check_hsdp_seconds(out: Path) -> None:
+    run_script(worlds(nproc), "time_hsdp_all_reduce", str(out), str(shard_size))
     seconds = json.loads(out.read_text())
     assert seconds["seconds"] >= seconds["all_reduce_delay"], seconds  # each unit's all-reduce, slowed, was timed
