@@ -17,11 +17,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import datasets
-import peft
+from importlib.metadata import version
+
 import psutil
 import torch
-import transformers
 from rich.console import Console
 
 from trainyard.atomic import write_atomically
@@ -293,9 +292,7 @@ def environment_record(info: DistInfo) -> dict[str, Any]:
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
-        "datasets": datasets.__version__,
+        **{package: version(package) for package in ("transformers", "peft", "datasets")},  # no import to say so
         "world_size": info.world_size,
         "device": str(info.device.type),
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
