@@ -45,6 +45,8 @@ def setup_logging(run_dir: Path, info: DistInfo) -> logging.Logger:
     """logs/rank-<r>.log for every rank; the console only for rank 0."""
     logger = logging.getLogger("trainyard")
     logger.setLevel(logging.INFO)
+    for handler in logger.handlers:  # a process that runs a second job (tests, notebooks) closes the first's log
+        handler.close()
     logger.handlers.clear()
     logger.propagate = False
     (run_dir / run_layout.LOGS).mkdir(parents=True, exist_ok=True)

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
-from tests.conftest import assert_ok, events, trainyard
-from tests.dist.checkpoint_helpers import LORA_DDP, train_args
+from tests.conftest import TINY, events, train_in, trainyard
+from tests.dist.checkpoint_helpers import COMMON, LORA_DDP, train_args
+from tests.world import World
 from trainyard.checkpoint.save import committed, step_dir
 
 pytestmark = pytest.mark.dist
@@ -17,12 +18,12 @@ STEPS = 6
 
 
 @pytest.fixture(scope="module")
-def timed_lora_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def timed_lora_run(world: World, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """LoRA on the tiny model (tied embeddings), saving by the clock only: a minute's millionth
     passes during any step, so a full checkpoint is due at every step boundary."""
     out = tmp_path_factory.mktemp("timed")
     timed = ["checkpoint.every_steps=0", "checkpoint.every_minutes=0.000001", "checkpoint.keep_last=100"]
-    assert_ok(trainyard(*train_args(out, *LORA_DDP, f"train.max_steps={STEPS}", *timed)))
+    train_in(world, TINY, f"output_dir={out}", *COMMON, *LORA_DDP, f"train.max_steps={STEPS}", *timed)
     return out / "tiny"
 
 

@@ -14,11 +14,27 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_ok, events, trainyard
-from tests.dist.checkpoint_helpers import EVERY, FULL_FSDP, LORA_DDP, STEPS, kill_tree, start, train_args, wait_for_step
+from tests.conftest import TINY, events, train_in, trainyard
+from tests.dist.checkpoint_helpers import (
+    COMMON,
+    EVERY,
+    FULL_FSDP,
+    LORA_DDP,
+    STEPS,
+    kill_tree,
+    start,
+    train_args,
+    wait_for_step,
+)
+from tests.world import World
 from trainyard.checkpoint.save import MARKER, committed, latest_full, step_dir
 
 pytestmark = pytest.mark.dist
+
+
+def train_on(world: World, out: Path, *overrides: str) -> None:
+    """A run that must succeed, on the shared world: the runs whose message or exit code a test reads are launched."""
+    train_in(world, TINY, f"output_dir={out}", *COMMON, *overrides)
 
 
 def digest(folder: Path) -> dict[str, str]:
@@ -55,9 +71,11 @@ def tmpfs_checkpoints(tmp_path: Path) -> Iterator[Path]:
     subprocess.run(["umount", "-l", str(target)], check=False)
 
 
-def test_full_disk_stops_naming_the_dir_or_continues_when_asked(tmp_path: Path, tmpfs_checkpoints: Path) -> None:
+def test_full_disk_stops_naming_the_dir_or_continues_when_asked(
+    world: World, tmp_path: Path, tmpfs_checkpoints: Path
+) -> None:
     checkpoints = tmpfs_checkpoints
-    assert_ok(trainyard(*train_args(tmp_path, *LORA_DDP, f"train.max_steps={EVERY}")))
+    train_on(world, tmp_path, *LORA_DDP, f"train.max_steps={EVERY}")
     first = step_dir(checkpoints, EVERY)
     before = digest(first)
     fill(checkpoints)
@@ -70,24 +88,20 @@ def test_full_disk_stops_naming_the_dir_or_continues_when_asked(tmp_path: Path, 
     assert latest_full(checkpoints) == first and committed(checkpoints) == [first]
     assert digest(first) == before
 
-    continued = trainyard(*train_args(tmp_path, *LORA_DDP, "checkpoint.on_error=continue"))
-    assert_ok(continued)
+    train_on(world, tmp_path, *LORA_DDP, "checkpoint.on_error=continue")
     failed = [e["step"] for e in events(tmp_path / "tiny", "system") if e.get("event") == "checkpoint_failed"]
     assert failed[0] == 2 * EVERY and failed[-1] == STEPS, failed
     assert f'"steps": {STEPS}' in (tmp_path / "tiny" / "summary.json").read_text()
     assert latest_full(checkpoints) == first and digest(first) == before
 
 
-def test_unwritable_checkpoint_dir_is_reported_and_skipped_with_on_error_continue(tmp_path: Path) -> None:
+def test_unwritable_checkpoint_dir_is_reported_and_skipped_with_on_error_continue(world: World, tmp_path: Path) -> None:
     """A file where a step folder must go: every rank's mkdir fails (chmod would not stop root)."""
     checkpoints = tmp_path / "tiny" / "checkpoints"
     checkpoints.mkdir(parents=True)
     blocked = step_dir(checkpoints, 2 * EVERY)
     blocked.write_text("not a folder")
-    result = trainyard(
-        *train_args(tmp_path, *FULL_FSDP, "checkpoint.on_error=continue", f"train.max_steps={3 * EVERY}")
-    )
-    assert_ok(result)
+    train_on(world, tmp_path, *FULL_FSDP, "checkpoint.on_error=continue", f"train.max_steps={3 * EVERY}")
     failures = [e for e in events(tmp_path / "tiny", "system") if e.get("event") == "checkpoint_failed"]
     assert [e["step"] for e in failures] == [2 * EVERY]
     assert str(blocked) in failures[0]["error"]
@@ -99,7 +113,7 @@ LITE_ONLY = ["checkpoint.every_steps=0", f"checkpoint.lite_every_steps={EVERY}",
 
 
 def test_a_lite_save_on_a_full_disk_stops_naming_the_dir_or_continues_when_asked(
-    tmp_path: Path, tmpfs_checkpoints: Path
+    world: World, tmp_path: Path, tmpfs_checkpoints: Path
 ) -> None:
     checkpoints = tmpfs_checkpoints
     fill(checkpoints)
@@ -111,8 +125,7 @@ def test_a_lite_save_on_a_full_disk_stops_naming_the_dir_or_continues_when_asked
     assert str(step_dir(checkpoints, EVERY)) in message and "Nospaceleftondevice" in message, stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
 
-    continued = trainyard(*train_args(tmp_path, *short, "checkpoint.on_error=continue"))
-    assert_ok(continued)
+    train_on(world, tmp_path, *short, "checkpoint.on_error=continue")
     failed = [e["step"] for e in events(tmp_path / "tiny", "system") if e.get("event") == "checkpoint_failed"]
     assert failed == [EVERY, EVERY, 2 * EVERY], failed  # the stopped run's, then this run's two
     assert committed(checkpoints, "lite") == []

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import assert_ok, events, trainyard
+from tests.conftest import TINY, assert_ok, events, train_in, trainyard
 from tests.dist.checkpoint_helpers import (
+    COMMON,
     EVERY,
     LORA_DDP,
     STEPS,
@@ -29,6 +30,7 @@ from tests.dist.checkpoint_helpers import (
     start,
     train_args,
 )
+from tests.world import World
 from trainyard.checkpoint.save import latest_full
 
 pytestmark = pytest.mark.dist
@@ -132,11 +134,13 @@ def test_two_ranks_then_one_then_two_train_every_row_of_the_epoch_once(
     assert len(set(epoch1)) == len(epoch1), context
 
 
-def test_a_world_size_that_cannot_keep_the_global_batch_exits_2_naming_those_that_can(tmp_path: Path) -> None:
+def test_a_world_size_that_cannot_keep_the_global_batch_exits_2_naming_those_that_can(
+    world: World, tmp_path: Path
+) -> None:
     """No global_batch_size: 2 ranks x micro 4 trained 8 samples per step, the checkpoint's global
     batch. 3 ranks cannot keep it (exit 2, sizes 1 and 2 named); 1 rank can, accumulating 2."""
     common = ["train.micro_batch_size=4", "train.global_batch_size=null", "checkpoint.every_steps=0"]
-    assert_ok(trainyard(*train_args(tmp_path, *LORA_DDP, *common, "train.max_steps=2", nproc=2)))
+    train_in(world, TINY, f"output_dir={tmp_path}", *COMMON, *LORA_DDP, *common, "train.max_steps=2")
     run_dir = tmp_path / "tiny"
     config_before = (run_dir / "config.yaml").read_text()
 

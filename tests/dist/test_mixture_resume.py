@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import TINY, assert_ok, events, run_cli, trainyard
+from tests.conftest import TINY, assert_ok, events, run_cli, train_in, trainyard
 from tests.dist.checkpoint_helpers import (
     assert_same_tensors,
     kill_tree,
@@ -22,6 +22,7 @@ from tests.dist.checkpoint_helpers import (
     start,
     wait_for_step,
 )
+from tests.world import World
 from trainyard.checkpoint.save import latest_full, step_dir
 
 pytestmark = pytest.mark.dist
@@ -92,14 +93,14 @@ def summary(run_dir: Path) -> dict[str, Any]:
 
 
 def test_sigkill_then_resume_feeds_the_same_tokens_ends_bitwise_equal_and_another_world_skips_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, draw_step
+    world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, draw_step
 ) -> None:
     monkeypatch.setenv("TRAINYARD_RECORD_SAMPLES", "1")
     job = write_job(tmp_path)
     # The shards, made once before any run; in this process: `prepare` forms no process group.
     assert_ok(run_cli("prepare", str(job), f"output_dir={tmp_path / 'reference'}"))
     reference = tmp_path / "reference" / "tiny"
-    assert_ok(trainyard(*run_args(job, tmp_path / "reference", 2)))
+    train_in(world, str(job), f"output_dir={tmp_path / 'reference'}", env={"TRAINYARD_RECORD_SAMPLES": "1"})
     want_rows = trained_rows(reference, 0)
     assert sorted(want_rows) == list(range(STEPS * GLOBAL_TOKENS // ROW))
 
@@ -138,7 +139,9 @@ def test_sigkill_then_resume_feeds_the_same_tokens_ends_bitwise_equal_and_anothe
     assert events(reference, "train")[-1]["tokens_per_source"] == counts
 
 
-def test_a_source_that_runs_out_under_stop_ends_the_run_on_every_rank_at_the_last_full_step(tmp_path: Path) -> None:
+def test_a_source_that_runs_out_under_stop_ends_the_run_on_every_rank_at_the_last_full_step(
+    world: World, tmp_path: Path
+) -> None:
     """With an odd number of rows left, one rank can still fill its window and the other cannot: the step's vote
     ends the run on both, before that step, with a final checkpoint where the stream stands."""
     job = yaml.safe_load(write_job(tmp_path).read_text())
@@ -148,7 +151,7 @@ def test_a_source_that_runs_out_under_stop_ends_the_run_on_every_rank_at_the_las
     job["data"]["mixture_exhausted"] = "stop"
     job["train"]["total_tokens"] = 1000 * GLOBAL_TOKENS
     (tmp_path / "stop.yaml").write_text(yaml.safe_dump(job))
-    assert_ok(trainyard(*run_args(tmp_path / "stop.yaml", tmp_path, 2)))
+    train_in(world, str(tmp_path / "stop.yaml"), f"output_dir={tmp_path}")
 
     done = summary(tmp_path / "tiny")
     rows = done["data_stats"]["sources"][0]["tokens"] // ROW
