@@ -186,7 +186,7 @@ def resolve_plan(
         master_port=port,
         rdzv=rdzv,
         rdzv_id=_pick(rdzv_id, "--rdzv-id", env, ("PET_RDZV_ID", "SLURM_JOB_ID"), sources) or default_rdzv_id,
-        rdzv_conf=_with_is_host(tuple(rdzv_conf), rdzv, rank),
+        rdzv_conf=_with_keep_alive(_with_is_host(tuple(rdzv_conf), rdzv, rank), rdzv),
         max_restarts=max_restarts,
         shutdown_timeout_s=shutdown_timeout_s,
         local_addr=_local_addr(local_addr, nic, env, sources) if rdzv == "c10d" else None,
@@ -226,6 +226,19 @@ def _with_is_host(conf: tuple[str, ...], rdzv: str, node_rank: int | None) -> tu
     if rdzv != "c10d" or node_rank is None or any(item.split("=")[0] == "is_host" for item in conf):
         return conf
     return (*conf, f"is_host={1 if node_rank == 0 else 0}")
+
+
+KEEP_ALIVE = ("keep_alive_interval=2", "keep_alive_max_attempt=3")
+"""A node that stops beating is dropped from the c10d rendezvous after 6 s, not torch's 15 s (5 s x 3): the wait
+of every surviving node before the next round, when a host is lost (benchmarks/recovery.py)."""
+
+
+def _with_keep_alive(conf: tuple[str, ...], rdzv: str) -> tuple[str, ...]:
+    """The user's own keep-alive settings win; each default fills only the key it names."""
+    if rdzv != "c10d":
+        return conf
+    given = {item.split("=")[0] for item in conf}
+    return (*conf, *(item for item in KEEP_ALIVE if item.split("=")[0] not in given))
 
 
 def _check_multinode(plan: LaunchPlan) -> None:

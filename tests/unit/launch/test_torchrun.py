@@ -115,7 +115,7 @@ def test_elastic_c10d_command() -> None:
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=[fe80::1]:29400",
         "--rdzv-id=job7",
-        "--rdzv-conf=join_timeout=60",
+        "--rdzv-conf=join_timeout=60,keep_alive_interval=2,keep_alive_max_attempt=3",
         "--max-restarts=3",
     } <= set(argv)
     assert not any(arg.startswith("--node-rank") for arg in argv)
@@ -123,11 +123,26 @@ def test_elastic_c10d_command() -> None:
 
 def test_c10d_names_the_store_host_from_the_node_rank_unless_told() -> None:
     host = resolve_plan(nnodes="2", node_rank=0, master="h:1", nproc="1", rdzv="c10d", rdzv_id="x", env={})
-    assert host.rdzv_conf == ("is_host=1",)
+    assert [item for item in host.rdzv_conf if item.startswith("is_host")] == ["is_host=1"]
     told = resolve_plan(
         nnodes="2", node_rank=0, master="h:1", nproc="1", rdzv="c10d", rdzv_id="x", rdzv_conf=["is_host=0"], env={}
     )
-    assert told.rdzv_conf == ("is_host=0",)
+    assert [item for item in told.rdzv_conf if item.startswith("is_host")] == ["is_host=0"]
+
+
+def test_c10d_drops_a_silent_node_after_6_seconds_unless_told() -> None:
+    """torch's default keeps every survivor waiting 15 s for a lost host before the next round."""
+    plan = resolve_plan(nnodes="1:2", master="h:1", nproc="1", rdzv="c10d", rdzv_id="x", env={})
+    conf = dict(item.split("=") for item in plan.rdzv_conf)
+    assert int(conf["keep_alive_interval"]) * int(conf["keep_alive_max_attempt"]) == 6
+    assert f"--rdzv-conf={','.join(plan.rdzv_conf)}" in torchrun_argv(plan, "job.yaml", [])
+    told = resolve_plan(nnodes="1:2", master="h:1", nproc="1", rdzv="c10d", rdzv_id="x",
+                        rdzv_conf=["keep_alive_interval=10"], env={})
+    conf = dict(item.split("=") for item in told.rdzv_conf)
+    assert (conf["keep_alive_interval"], conf["keep_alive_max_attempt"]) == ("10", "3")
+    assert [item.split("=")[0] for item in told.rdzv_conf].count("keep_alive_interval") == 1
+    static = resolve_plan(nnodes="2", node_rank=0, master="h:1", nproc="1", env={})
+    assert static.rdzv_conf == ()
 
 
 def test_c10d_advertises_the_address_of_the_jobs_nic() -> None:
