@@ -17,13 +17,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, TINY_MOE, assert_ok, events, trainyard
+from tests.conftest import TINY, TINY_MOE, events, train_in
 from tests.dist.checkpoint_helpers import (
     adapter_tensors,
     assert_same_tensors,
@@ -33,6 +33,7 @@ from tests.dist.checkpoint_helpers import (
     resumed_events,
 )
 from tests.dist.test_moe import assert_written_by_both_ranks, expert_keys
+from tests.world import World
 from trainyard.checkpoint.save import committed, latest_full, step_dir
 
 pytestmark = pytest.mark.e2e
@@ -118,7 +119,9 @@ def finish(process: subprocess.Popen[str], timeout: float) -> tuple[int, str]:
     return process.returncode, output
 
 
-def test_two_hosts_train_exactly_like_one_host_with_four_processes(hosts: tuple[Host, Host], tmp_path: Path) -> None:
+def test_two_hosts_train_exactly_like_one_host_with_four_processes(
+    hosts: tuple[Host, Host], worlds: Callable[[int], World], tmp_path: Path
+) -> None:
     job = [TINY, f"output_dir={tmp_path / 'two-hosts'}", "train.max_steps=6", *FAST]
     master = f"{HOST_ADDRESSES[0]}:29500"
     nodes = [
@@ -136,10 +139,7 @@ def test_two_hosts_train_exactly_like_one_host_with_four_processes(hosts: tuple[
     )
     assert f"GLOO_SOCKET_IFNAME={hosts[0].nic}  (yours, kept)" in head_output
 
-    single = trainyard(
-        "train", TINY, f"output_dir={tmp_path / 'one-host'}", "train.max_steps=6", *FAST, "--nproc", "4", cwd=tmp_path
-    )
-    assert_ok(single)
+    train_in(worlds(4), TINY, f"output_dir={tmp_path / 'one-host'}", "train.max_steps=6", *FAST)  # 4 ranks, one host
 
     two_hosts, one_host = tmp_path / "two-hosts" / "tiny", tmp_path / "one-host" / "tiny"
     assert json.loads((two_hosts / "summary.json").read_text())["world_size"] == 4
@@ -155,11 +155,10 @@ SHARDED = ["train.max_steps=6", "train.global_batch_size=32", "lora.enabled=fals
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def one_process(solo: World, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """The reference: one process, the whole global batch in one micro-batch, nothing reduced."""
     out = tmp_path_factory.mktemp("one-process")
-    job = [TINY, f"output_dir={out}", *SHARDED, "dist.strategy=none", "train.micro_batch_size=32"]
-    assert_ok(trainyard("train", *job, cwd=out))
+    train_in(solo, TINY, f"output_dir={out}", *SHARDED, "dist.strategy=none", "train.micro_batch_size=32")
     return events(out / "tiny", "train")
 
 
