@@ -95,7 +95,7 @@ def run_local(nproc: int, argv: list[str], max_restarts: int = 0) -> tuple[int, 
             rdzv_backend="c10d",
             rdzv_endpoint="localhost:0",
             max_restarts=max_restarts,
-            monitor_interval=0.5,
+            monitor_interval=0.1,  # torchrun's own: a finished or failed worker group is seen at once
             start_method="spawn",
             signals_to_handle=",".join(SIGNALS_TO_FORWARD),
         )
