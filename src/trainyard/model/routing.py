@@ -64,7 +64,9 @@ class ExpertLoad:
                 return
             logits, chosen = output[0].detach(), output[2].detach()
             with torch.no_grad():
-                self.counts[slot] += torch.bincount(chosen.reshape(-1), minlength=self.experts).to(torch.float64)
+                # A count of fixed size: bincount sizes its output from the data, one host sync per layer on a GPU.
+                flat = chosen.reshape(-1)
+                self.counts[slot].index_add_(0, flat, torch.ones(flat.shape, dtype=torch.float64, device=flat.device))
                 self.probs[slot] += logits.float().softmax(dim=-1).sum(dim=0).to(torch.float64)
                 self.tokens[slot] += logits.shape[0]
 

@@ -55,3 +55,16 @@ def test_an_expert_the_router_never_picks_is_named_idle() -> None:
     figures = load.figures(load.row())
     assert idle_by_layer(figures["expert_load"]) == {1: [3]}
     assert figures["expert_load"]["max_over_mean"][1] > 1.0
+
+
+def test_counting_never_reads_the_choices_back_to_the_host() -> None:
+    """On the meta device a tensor has no data: an op that sizes its output from the data (bincount, nonzero)
+    cannot run there, just as it cannot run on a GPU without waiting for it. The hook counts there all the same."""
+    model = build("qwen3_moe", "eager").train()
+    routers = find_routers(model)
+    load = ExpertLoad(routers, torch.device("meta"))
+    logits = torch.zeros(13, 4, device="meta")
+    chosen = torch.zeros(13, 2, dtype=torch.long, device="meta")
+    for slot, router in enumerate(routers):
+        load._hook(slot)(router.module, (), (logits, None, chosen))
+    assert load.counts.shape == (2, 4) and load.counts.device.type == "meta"
