@@ -21,7 +21,9 @@ to transformers' sdpa, or the family's eager attention where sdpa cannot honour 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -88,7 +90,7 @@ def choose(
     refuse_dropped(requested, model, where)
     if requested in FLASH and not (device.type == "cuda" and _has_flash_attn()):
         raise ModelError(
-            f"model.attn_implementation: {requested} needs a CUDA GPU and the flash_attn package",
+            f"model.attn_implementation: {requested} needs a CUDA GPU and a flash_attn package that imports",
             where=where,
             fix="install flash-attn on a GPU machine, or use auto, varlen or sdpa",
         )
@@ -120,8 +122,20 @@ def config_name(model: torch.nn.Module) -> str:
     return getattr(model.config, "model_type", type(model).__name__)
 
 
+@functools.cache
 def _has_flash_attn() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    """flash_attn imports here. A build made for another torch or CUDA is found by find_spec and fails at import
+    ("undefined symbol"): auto then keeps to varlen, saying why once, instead of failing the model load."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return False
+    try:
+        importlib.import_module("flash_attn")
+    except (ImportError, OSError) as err:
+        logging.getLogger("trainyard").warning(
+            "flash_attn is installed but does not import (%s): attention runs trainyard's varlen instead; reinstall "
+            "flash-attn for this torch (pip install flash-attn --no-build-isolation)", str(err).splitlines()[0])
+        return False
+    return True
 
 
 def document_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:

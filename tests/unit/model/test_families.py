@@ -231,3 +231,23 @@ def test_a_hub_folder_trains_and_exports_what_from_pretrained_loads(
     assert set(back) == set(base.state_dict())
     for key, tensor in base.state_dict().items():
         torch.testing.assert_close(back[key], tensor, rtol=0, atol=1e-6, msg=key)
+
+
+def test_a_flash_attn_that_does_not_import_falls_back_to_varlen_saying_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A flash-attn wheel built for another torch: find_spec finds it, its import fails. On a GPU, auto must not
+    pick it (the model load would fail), and an explicit flash_attention_2 is refused naming the import."""
+    broken = tmp_path / "flash_attn"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c10')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    attention._has_flash_attn.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="trainyard"):
+            assert attention.choose("auto", build("llama", "eager"), torch.device("cuda")) == attention.VARLEN
+        assert "flash_attn is installed but does not import (flash_attn_2_cuda.so: undefined symbol" in caplog.text
+        with pytest.raises(ModelError, match="flash_attn package that imports"):
+            attention.choose("flash_attention_2", build("llama", "eager"), torch.device("cuda"))
+    finally:
+        attention._has_flash_attn.cache_clear()
