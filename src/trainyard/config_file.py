@@ -94,7 +94,16 @@ def _decode_text(raw: bytes, name: str) -> str:
         ) from None
 
 
+LENGTH_KEYS = ("epochs", "max_steps", "total_tokens")
+"""train's keys that each set the run's length: one given on the command line replaces the file's others."""
+
+
 def _parse_override(item: str) -> tuple[list[str], Any]:
+    if item.startswith("~"):
+        if "=" in item:
+            raise ConfigError(f"override '{item}' both removes and sets a key",
+                              fix=f"remove it with {item.split('=', 1)[0]}, or set it with {item[1:]}")
+        return item[1:].strip().split("."), REMOVED
     if "=" not in item:
         raise ConfigError(
             f"override '{item}' is not key=value",
@@ -188,6 +197,44 @@ def _unknown_keys(data: dict[str, Any], where_of: Where, prefix: list[str]) -> d
     return problems
 
 
+REMOVED = object()
+"""The value of a `~key` override: the key leaves the file's data."""
+
+
+def _remove_path(data: dict[str, Any], path: list[str], item: str) -> None:
+    """`~section.key`: the file's key is gone, as if never written (its default applies). A key no section knows
+    is refused with a did-you-mean; a known key the file does not set is nothing to remove."""
+    model = _section_model(path[:-1])
+    known = list(_fields_by_key(model)) if model is not None else []
+    if model is not None and path[-1] not in known:
+        raise ConfigError(f"override '{item}': unknown key '{'.'.join(path)}'",
+                          fix=_did_you_mean(path[-1], path[:-1], known))
+    node: Any = data
+    for part in path[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    if isinstance(node, dict):
+        node.pop(path[-1], None)
+
+
+def _replace_lengths(data: dict[str, Any], parsed: list[tuple[list[str], Any]], lines: dict[str, int],
+                     file: str) -> list[str]:
+    """A run length given on the command line is the later, more specific statement: the file's other length keys
+    go. Returns the line that says so, if any key went."""
+    given = [keys[1] for keys, value in parsed
+             if len(keys) == 2 and keys[0] == "train" and keys[1] in LENGTH_KEYS and value is not REMOVED]
+    train = data.get("train")
+    if not given or not isinstance(train, dict):
+        return []
+    replaced = [key for key in LENGTH_KEYS if key in train and key not in given]
+    for key in replaced:
+        del train[key]
+    if not replaced:
+        return []
+    where = ", ".join(f"train.{key} ({file}:{lines[f'train.{key}']})" if f"train.{key}" in lines else f"train.{key}"
+                      for key in replaced)
+    return [f"train.{given[-1]} from the command line replaces {where}"]
+
+
 def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:
     node = data
     for part in path[:-1]:
@@ -251,6 +298,12 @@ def _field_problem(
     name = _field_name(loc) or "(top level)"
     value = errors[0].get("input")
     shown = "" if isinstance(value, dict) or not loc else f" (got {value!r})"
+    if value is None and field is not None and not field.is_required() and field.default is not None:
+        return ConfigError(
+            f"{name} cannot be null: it always has a value (its default is {field.default!r})",
+            where=where_of([str(p) for p in loc]),
+            fix=f"give it a value, or remove the file's key with ~{name} to use the default",
+        )
     wants_list = any(error["type"] in ("list_type", "tuple_type") for error in errors)
     if wants_list and not isinstance(value, list | dict) and field and not _model_in(field.annotation):
         fix: str | None = _list_syntax(name, value)
@@ -287,8 +340,13 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
     """Read a job: the file (or the quickstart preset when None), then the overrides in order."""
     data, lines, file = _read_yaml(path or "quickstart")
     sources: dict[str, str] = {}
-    for item in overrides:
-        keys, value = _parse_override(item)
+    parsed = [_parse_override(item) for item in overrides]
+    notes = _replace_lengths(data, parsed, lines, file)
+    for item, (keys, value) in zip(overrides, parsed, strict=True):
+        if value is REMOVED:
+            _remove_path(data, keys, item)
+            lines = {key: line for key, line in lines.items() if key != ".".join(keys)}
+            continue
         _set_path(data, keys, value)
         sources[".".join(keys)] = f"override '{item}'"
 
@@ -311,6 +369,7 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
     if problems:
         raise _all_at_once(problems) from None
     cfg._where = {**{key: f"{file}:{line}" for key, line in lines.items()}, **sources}
+    cfg._notes = notes
     return cfg
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import TINY, events
+from tests.conftest import TINY, events, run_cli
 from trainyard.batch import steps_for_epochs
 from trainyard.config_file import load_config
 from trainyard.errors import ConfigError
@@ -92,34 +92,64 @@ def test_decimal_epochs_are_exact(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("file_text", "override", "needles"),
+    ("file_text", "overrides", "needles"),
     [
         (
-            "train:\n  max_steps: 30\n",
-            "train.epochs=2",
-            ["train.max_steps ({job}:2)", "train.epochs (override 'train.epochs=2')", "not both"],
+            "train:\n  max_steps: 30\n  epochs: 2\n",
+            [],
+            ["train.max_steps ({job}:2)", "train.epochs ({job}:3)", "not both"],
         ),
         (
-            "train:\n  epochs: 2\n",
-            "train.max_steps=30",
-            ["train.max_steps (override 'train.max_steps=30')", "train.epochs ({job}:2)", "not both"],
+            "train:\n  micro_batch_size: 4\n",
+            ["train.max_steps=30", "train.epochs=2"],
+            ["train.max_steps (override 'train.max_steps=30')", "train.epochs (override 'train.epochs=2')", "not both"],
         ),
         (
-            "train:\n  epochs: 2\n  global_batch_tokens: 1024\n",
-            "train.total_tokens=4096",
-            ["train.total_tokens (override 'train.total_tokens=4096')", "train.epochs ({job}:2)", "not both"],
+            "train:\n  global_batch_tokens: 1024\n",
+            ["train.epochs=2", "train.total_tokens=4096"],
+            ["train.total_tokens (override 'train.total_tokens=4096')", "train.epochs (override 'train.epochs=2')"],
         ),
     ],
 )
 def test_epochs_exclude_max_steps_and_total_tokens_naming_both(
-    tmp_path: Path, file_text: str, override: str, needles: list[str]
+    tmp_path: Path, file_text: str, overrides: list[str], needles: list[str]
 ) -> None:
+    """Both in the file, or both on the command line: the user said two lengths in one place."""
     job = tmp_path / "job.yaml"
     job.write_text(file_text)
     with pytest.raises(ConfigError) as err:
-        load_config(str(job), [override])
+        load_config(str(job), overrides)
     for needle in needles:
         assert needle.format(job=job) in err.value.render(), err.value.render()
+
+
+@pytest.mark.parametrize(
+    ("file_text", "override", "replaced"),
+    [
+        ("train:\n  max_steps: 30\n", "train.epochs=2", "train.max_steps ({job}:2)"),
+        ("train:\n  epochs: 2\n", "train.max_steps=30", "train.epochs ({job}:2)"),
+        ("train:\n  epochs: 2\n  global_batch_tokens: 1024\n", "train.total_tokens=4096", "train.epochs ({job}:2)"),
+    ],
+)
+def test_a_length_on_the_command_line_replaces_the_files_and_says_so(
+    tmp_path: Path, file_text: str, override: str, replaced: str
+) -> None:
+    """torchtune and Hydra let the later, more specific statement win: the command line over the file."""
+    job = tmp_path / "job.yaml"
+    job.write_text(file_text)
+    cfg = load_config(str(job), [override])
+    key, value = override.split("=")
+    assert getattr(cfg.train, key.split(".")[1]) == float(value)
+    assert cfg._notes == [f"{key} from the command line replaces {replaced.format(job=job)}"]
+    others = {"train.epochs": cfg.train.epochs, "train.total_tokens": cfg.train.total_tokens}
+    assert all(value is None for name, value in others.items() if name != key)
+
+
+def test_the_dry_run_switches_a_config_to_epochs_from_the_command_line() -> None:
+    result = run_cli("train", TINY, "train.epochs=2", "--dry-run")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "train.epochs from the command line replaces train.max_steps" in result.stdout
+    assert "2 epochs" in result.stdout or "epochs 2" in result.stdout or "2.0 epochs" in result.stdout, result.stdout
 
 
 def test_epochs_are_refused_with_a_pretraining_mixture(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import TINY, run_cli
 from trainyard.batch import accumulation_steps
 from trainyard.config import JobConfig
 from trainyard.config_file import dump_config, load_config
@@ -141,12 +142,15 @@ def test_a_token_budget_sets_max_steps_on_any_world_and_the_written_config_reloa
     assert by_samples.train.max_steps == 10  # ceil(10000 / (4 x 256))
     for overrides, needles in [
         (["train.global_batch_tokens=null"], ["train.total_tokens needs", "train.global_batch_tokens"]),
-        (["train.max_steps=7"], ["not both", "300 steps", "max_steps says 7"]),
+        (["train.total_tokens=1228800", "train.max_steps=7"], ["not both", "300 steps", "max_steps says 7"]),
     ]:
         with pytest.raises(ConfigError) as err:
             load_config("configs/scratch-stdlib.yaml", overrides)
         for needle in needles:
             assert needle in err.value.render(), err.value.render()
+    steps = load_config("configs/scratch-stdlib.yaml", ["train.max_steps=7"])  # the command line's length wins
+    assert (steps.train.max_steps, steps.train.total_tokens) == (7, None)
+    assert steps._notes[0].startswith("train.max_steps from the command line replaces train.total_tokens (")
 
 
 def test_both_batch_rules_is_an_error() -> None:
@@ -296,3 +300,40 @@ def test_the_cli_prints_every_error_and_exits_2(
     assert "Traceback" not in err and "3 problems in the job config" in err
     for needle in [f"{job}:2: train.lr", f"{job}:3: train.micro_batch_size", "lora.target_modules=[q_proj]"]:
         assert needle in err, err
+
+
+def test_a_tilde_override_removes_a_key_of_the_file(tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text("train:\n  lr: 0.5\n  max_steps: 7\nlora:\n  r: 4\n")
+    cfg = load_config(str(job), ["~train.lr", "~lora.r", "~lora.alpha"])  # alpha: not in the file, nothing to do
+    defaults = load_config(str(job), ["train.max_steps=7"])
+    assert cfg.train.lr == type(defaults.train)().lr and cfg.lora.r == type(defaults.lora)().r
+    assert cfg.train.max_steps == 7
+    assert "train.lr" not in cfg._where  # nothing set it any more: errors point at the section
+
+
+@pytest.mark.parametrize(("override", "suggestion"), [("~train.lrr", "did you mean 'train.lr'?"),
+                                                      ("~lr", "did you mean 'train.lr'?")])
+def test_a_tilde_override_of_an_unknown_key_says_which_one_was_meant(override: str, suggestion: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, [override])
+    assert f"override '{override}': unknown key" in err.value.render() and suggestion in err.value.render()
+    result = run_cli("train", TINY, override, "--dry-run")
+    assert result.returncode == 2 and suggestion in result.stderr and "Traceback" not in result.stderr
+
+
+def test_null_sets_an_optional_field_to_none_and_names_a_required_ones_default(tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text("train:\n  max_steps: 7\n  global_batch_size: 16\n")
+    assert load_config(str(job), ["train.global_batch_size=null"]).train.global_batch_size is None
+    with pytest.raises(ConfigError) as err:
+        load_config(str(job), ["train.max_steps=null"])
+    text = err.value.render()
+    default = load_config(str(job), ["~train.max_steps"]).train.max_steps
+    assert f"train.max_steps cannot be null: it always has a value (its default is {default})" in text, text
+    assert "~train.max_steps" in text and "override 'train.max_steps=null'" in text
+
+
+def test_an_override_cannot_both_remove_and_set() -> None:
+    with pytest.raises(ConfigError, match="both removes and sets"):
+        load_config(TINY, ["~train.lr=1"])

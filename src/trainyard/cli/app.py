@@ -42,9 +42,13 @@ def _notice(message: str) -> None:
     err_console.print(redact_text(f"trainyard: {what}" + (f" — {fix}" if fix else "")), markup=False, soft_wrap=True)
 
 
+REMOVE = "~"
+"""`~section.key` on the command line removes a key of the job file (Hydra's and torchtune's syntax)."""
+
+
 def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
     """`train [CONFIG] [k=v ...]`: the first item is the config unless it is an override."""
-    if items and "=" not in items[0]:
+    if items and "=" not in items[0] and not items[0].startswith(REMOVE):
         return items[0], items[1:]
     return None, items
 

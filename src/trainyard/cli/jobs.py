@@ -63,7 +63,7 @@ def train(
         from trainyard.plan import dry_run as plan_dry_run
 
         text, problems = plan_dry_run(cfg, _target(gpu, gpus_per_node, nodes, world_size or nproc))
-        print(text)
+        print("\n".join([*cfg._notes, text]))
         if problems:
             from trainyard.errors import PlanError
 

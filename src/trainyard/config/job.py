@@ -29,6 +29,8 @@ class JobConfig(Section):
     log: LogConfig = LogConfig()
     _where: dict[str, str] = PrivateAttr(default_factory=dict)
     """Where each field was set ("file:line" or "override 'k=v'"), for errors found after loading."""
+    _notes: list[str] = PrivateAttr(default_factory=list)
+    """What loading decided that the user did not write (a command-line length replacing the file's): said once."""
 
     def where(self, field: str) -> str | None:
         """The file:line (or override) that set `field` or its nearest parent, if known."""

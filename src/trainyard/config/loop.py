@@ -73,7 +73,8 @@ class TrainConfig(Section):
             return self
         raise ValueError(
             f"set {field_and_where(info, other)} or {field_and_where(info, 'train.epochs')}, not both: "
-            "each sets the run's length; remove one (an override cannot remove a key of the file)"
+            "each sets the run's length; remove one (on the command line ~train.max_steps removes the file's key; a "
+            "length given there replaces the file's by itself)"
         )
 
 

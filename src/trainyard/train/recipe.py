@@ -338,6 +338,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
             run_dir, info.world_size, info.device, info.network or "default",
             precision_room.describe(precision, cfg.lora.enabled), allocator.in_use(),
         )
+    for note in cfg._notes if info.is_main else ():
+        logger.info("%s", note)
     environment = environment_record(info)
     if info.is_main:
         write_json(run_dir / run_layout.ENV, environment)
