@@ -9,8 +9,10 @@ otherwise), so an error points at the exact row to fix.
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +205,41 @@ def _encode_text(row: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     return {"input_ids": ids, "labels": list(ids)}
 
 
+CUT_SHARE = 0.05
+"""More rows than this losing target tokens to data.max_length is a warning: the model never sees their ends."""
+
+
+@dataclass
+class Truncation:
+    """Rows encoded, those that lost target tokens to data.max_length, and every row's length before the cut."""
+
+    rows: int = 0
+    cut: int = 0
+    lengths: list[int] = field(default_factory=list)
+
+    def record(self, length: int, lost_targets: int) -> None:
+        self.rows += 1
+        self.cut += lost_targets > 0
+        self.lengths.append(length)
+
+    def needed(self) -> int:
+        """The data.max_length that keeps 99% of the rows whole (their p99 length)."""
+        ordered = sorted(self.lengths)
+        return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)] if ordered else 0
+
+    def summary(self) -> dict[str, int]:
+        return {"rows": self.rows, "cut": self.cut, "p99_length": self.needed()}
+
+
+def truncation_warning(summary: dict[str, int] | None, max_length: int) -> str | None:
+    """The warning for a Truncation's summary, when more than CUT_SHARE of the rows lost target tokens."""
+    if not summary or summary["cut"] <= CUT_SHARE * summary["rows"]:
+        return None
+    return (f"{summary['cut']:,} of {summary['rows']:,} rows ({summary['cut'] / summary['rows']:.0%}) lose target "
+            f"tokens to data.max_length {max_length:,}: their answers are cut; data.max_length "
+            f"{summary['p99_length']:,} keeps 99% of the rows whole")
+
+
 def check_tokenizer_for(fmt: str, tokenizer: Any, template: ChatTemplate) -> None:
     """Fail once, before the first row, when the tokenizer cannot encode this format."""
     if fmt == "chat":
@@ -217,11 +254,12 @@ def encode_row(
     max_length: int,
     train_on_prompt: bool,
     template: ChatTemplate | None = None,
+    truncation: Truncation | None = None,
 ) -> dict[str, Any]:
     """One row -> input_ids, labels (and prompt_ids + answer when the row can be graded).
 
     `template` renders chat rows (default: the tokenizer's own). Raises BadRow when the row cannot give at least
-    one target token.
+    one target token. `truncation` counts the rows whose target tokens data.max_length cut.
     """
     if fmt == "chat":
         example = encode_chat(row, tokenizer, template or ChatTemplate(), train_on_prompt)
@@ -229,6 +267,9 @@ def encode_row(
         example = _encode_alpaca(row, tokenizer, train_on_prompt)
     else:
         example = _encode_text(row, tokenizer)
+    if truncation is not None:
+        lost = sum(label != IGNORE_INDEX for label in example["labels"][max_length:])
+        truncation.record(len(example["input_ids"]), lost)
     input_ids = example["input_ids"][:max_length]
     labels = example["labels"][:max_length]
     labels[0] = IGNORE_INDEX  # nothing predicts a document's first token
@@ -251,6 +292,7 @@ def encode_rows(
     cfg: DataConfig,
     skipped: Counter[str],
     on_skip: Callable[[str, str], None] | None = None,
+    truncation: Truncation | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Encode rows in order; bad rows raise, or are skipped and counted by reason in `skipped` (and `on_skip` is
     told where and why).
@@ -275,6 +317,7 @@ def encode_rows(
                 max_length=cfg.max_length,
                 train_on_prompt=cfg.train_on_prompt,
                 template=template,
+                truncation=truncation,
             )
         except BadRow as bad:
             if cfg.on_bad_row == "error":

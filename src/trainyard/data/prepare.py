@@ -23,7 +23,7 @@ import numpy as np
 from trainyard.config import DataConfig
 from trainyard.data.cache import build_once
 from trainyard.data.chat import chat_template_for
-from trainyard.data.formats import IGNORE_INDEX, BadRow, encode_rows, read_rows
+from trainyard.data.formats import IGNORE_INDEX, BadRow, Truncation, encode_rows, read_rows, truncation_warning
 from trainyard.data.synthetic import builtin_rows, is_builtin
 from trainyard.errors import DataError
 
@@ -181,10 +181,12 @@ def _encode(
     cfg: DataConfig,
     read: Counter[str],
     skipped: Counter[str],
+    truncation: Truncation | None = None,
 ) -> datasets.Dataset:
     """Documents of one source; a source with no usable row is an error, not an empty run."""
     here: Counter[str] = Counter()
-    docs = _dataset_from(encode_rows(_counted(rows, read), tokenizer, cfg, here), DOCUMENT_FEATURES)
+    encoded = encode_rows(_counted(rows, read), tokenizer, cfg, here, truncation=truncation)
+    docs = _dataset_from(encoded, DOCUMENT_FEATURES)
     skipped.update(here)
     if len(docs) == 0:
         raise DataError(
@@ -271,7 +273,8 @@ def tokenize_into(folder: Path, cfg: DataConfig, tokenizer: Any, fingerprint: st
     read: Counter[str] = Counter()
     skipped: Counter[str] = Counter()
     train_rows, eval_rows = sources(cfg)
-    train = _encode(train_rows, cfg.path, tokenizer, cfg, read, skipped)
+    truncation = Truncation()
+    train = _encode(train_rows, cfg.path, tokenizer, cfg, read, skipped, truncation)
     eval_docs = None
     if eval_rows is not None:
         eval_docs = _encode(eval_rows, cfg.eval_path or cfg.path, tokenizer, cfg, read, skipped)
@@ -281,7 +284,7 @@ def tokenize_into(folder: Path, cfg: DataConfig, tokenizer: Any, fingerprint: st
     train = train.remove_columns(GRADING_COLUMNS)
     if cfg.packing:
         train = pack(train, cfg.max_length)
-    stats = _stats(read, skipped, train, eval_docs, documents)
+    stats = {**_stats(read, skipped, train, eval_docs, documents), "truncation": truncation.summary()}
     folder.mkdir(parents=True)
     with _quiet_progress_bars():
         train.save_to_disk(str(folder / "train"))
@@ -340,4 +343,7 @@ def prepare_datasets(
         log(f"tokenized {documents} rows into {cache_dir}")
     else:
         log(f"reusing tokenized cache {cache_dir}")
+    warning = truncation_warning(prepared.stats.get("truncation"), cfg.max_length)
+    if warning:
+        log(f"warning: {warning}")
     return prepared

@@ -15,7 +15,7 @@ from itertools import islice
 from typing import Any
 
 from trainyard.config import JobConfig
-from trainyard.data.formats import IGNORE_INDEX, BadRow, detect_format, encode_rows
+from trainyard.data.formats import IGNORE_INDEX, BadRow, Truncation, detect_format, encode_rows, truncation_warning
 from trainyard.data.prepare import sources
 from trainyard.errors import DataError
 
@@ -37,6 +37,8 @@ class Survey:
     """Tokens of each usable document (after truncation at data.max_length)."""
     targets: int = 0
     truncated: int = 0
+    truncation: Truncation = field(default_factory=Truncation)
+    """The rows whose target tokens data.max_length cut, and every row's length before the cut."""
     dropped: Counter[str] = field(default_factory=Counter)
     first_dropped: dict[str, str] = field(default_factory=dict)
     """The location of the first row dropped for each reason."""
@@ -63,7 +65,9 @@ def survey(cfg: JobConfig, tokenizer: Any) -> Survey:
     remaining = iter(rows)
     head = _counted(islice(remaining, SURVEY_ROWS), found)
     first_at = found.first_dropped.setdefault
-    for example in encode_rows(head, tokenizer, data, found.dropped, on_skip=lambda where, why: first_at(why, where)):
+    encoded = encode_rows(head, tokenizer, data, found.dropped, on_skip=lambda where, why: first_at(why, where),
+                          truncation=found.truncation)
+    for example in encoded:
         _add(found, example, tokenizer, data.max_length)
     found.rows = found.encoded + sum(1 for _ in remaining)
     if not found.usable:
@@ -136,6 +140,9 @@ def describe(found: Survey, cfg: JobConfig, samples_per_step: int) -> list[str]:
         f"{cuts['max']:,} (data.max_length {data.max_length:,}: {found.truncated:,} truncated); "
         f"{found.targets / max(tokens, 1):.0%} of the tokens trained"
     )
+    warning = truncation_warning(found.truncation.summary(), data.max_length)
+    if warning:
+        lines.append(f"  WARNING        {warning}")
     usable = found.usable_rows_estimate()
     if data.packing:
         rows = tokens * (found.rows / max(found.encoded, 1)) / data.max_length

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -204,3 +205,36 @@ def test_builtin_task_brings_its_own_graded_eval_rows(tmp_path):
     row = prepared.eval[0]
     assert tok.decode(row["prompt_ids"]).endswith("Reply with the date only.<|assistant|>")
     assert tok.decode(row["input_ids"]).endswith(row["answer"] + "<|eos|>")
+
+
+def test_rows_whose_answers_max_length_cuts_are_warned_about_with_the_length_that_keeps_them(tmp_path):
+    """configs/tiny.yaml's data.max_length cuts most of its dates' answers: training says so on every start (the
+    cache built or reused) with the length that would keep 99% of the rows whole, and that length warns no more."""
+    from tests.conftest import TINY
+    from trainyard.config_file import load_config
+    from trainyard.model import source as source_room
+
+    cfg = load_config(TINY)
+    tokenizer = source_room.load_tokenizer(cfg.model, None)
+    for _ in ("built", "reused"):
+        said: list[str] = []
+        prepare_datasets(cfg.data, tokenizer, tmp_path / "cache", log=said.append)
+        warnings = [line for line in said if line.startswith("warning:")]
+        assert len(warnings) == 1 and "rows (" in warnings[0], said
+        assert f"lose target tokens to data.max_length {cfg.data.max_length}" in warnings[0]
+    needed = int(re.search(r"data.max_length (\d+) keeps 99% of the rows whole", warnings[0])[1])
+    assert needed > cfg.data.max_length
+    whole = load_config(TINY, [f"data.max_length={needed}"])
+    said = []
+    prepare = prepare_datasets(whole.data, tokenizer, tmp_path / "cache", log=said.append)
+    assert not [line for line in said if line.startswith("warning:")]
+    assert prepare.stats["truncation"]["cut"] <= 0.01 * prepare.stats["truncation"]["rows"]
+
+
+def test_the_dry_run_warns_of_cut_answers() -> None:
+    from tests.conftest import TINY, run_cli
+
+    result = run_cli("train", TINY, "--dry-run")
+    assert result.returncode == 0, result.stderr[-2000:]
+    warning = [line for line in result.stdout.splitlines() if "WARNING" in line]
+    assert len(warning) == 1 and re.search(r"\d+ of \d+ rows \(\d+%\) lose target tokens", warning[0]), warning
