@@ -57,8 +57,14 @@ class BackgroundHeartbeat:
         return self
 
     def stop(self) -> None:
+        """Stop beating, with a last beat at the step reached: every exit (the end, a preemption, an error) leaves
+        where the rank stopped, not its beat of up to an interval before."""
         self._stop.set()
         self._thread.join(timeout=2 * self.interval_s)
+        try:
+            self._write()
+        except OSError:
+            pass
 
     def _write(self) -> None:
         record = {

@@ -80,8 +80,9 @@ def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
             step, timeout_s = state.step + 1, cfg.dist.timeout_s
             raise health.explain_comm_failure(err, info, cfg.run_dir, step, timeout_s) from None
         raise
-    heartbeat.step = state.step
-    heartbeat.stop()
+    finally:  # a preemption or an error included: the last beat says where this rank stopped
+        heartbeat.step = state.step
+        heartbeat.stop()
     if run_eval and cfg.eval.at_end and not (cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0):
         state.last_eval = run_eval(state.step)
         job.sink.emit("eval", step=state.step, **state.last_eval)

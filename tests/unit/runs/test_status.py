@@ -171,3 +171,13 @@ def test_silent_ranks_tells_a_killed_process_from_a_blocked_one(tmp_path: Path) 
         own.stop()
     assert [beat["rank"] for beat in lost] == [1]
     assert describe_ranks(lost, time.time()).startswith("rank 1 (host ")
+
+
+def test_stopping_the_heartbeat_writes_a_last_beat_at_the_step_reached(tmp_path: Path) -> None:
+    """A preemption stops the loop between beats: the last beat must say the step it stopped at, not the one of
+    up to an interval before."""
+    heartbeat = BackgroundHeartbeat(tmp_path, rank=3, interval_s=3600).start()
+    heartbeat.step = 41
+    heartbeat.stop()
+    beats = read_heartbeats(tmp_path)
+    assert [(b["rank"], b["step"]) for b in beats] == [(3, 41)]
