@@ -6,16 +6,28 @@ above the live tensor bytes (benchmarks/RESULTS.md, issue 25). The launcher prel
 workers (LD_PRELOAD) when the system has it, chosen by measurement (benchmarks/step_memory.py); without one the
 workers keep glibc's. TRAINYARD_ALLOCATOR=glibc turns the preload off; a path names another library; an
 LD_PRELOAD the user set already is left alone.
+
+A system library preloaded into another environment can break it: Debian's jemalloc links the system libstdc++,
+which then loads before a conda environment's newer one, and extensions fail with "GLIBCXX_3.4.x not found". So the
+first launch in an environment imports torch once with the preload, in a child; where that fails the workers keep
+glibc's malloc and their first log line says why. The verdict is kept per interpreter and library.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from trainyard.errors import OptionError
 
 SWITCH_ENV = "TRAINYARD_ALLOCATOR"
+SKIPPED_ENV = "TRAINYARD_ALLOCATOR_SKIPPED"
+"""Set for the workers when the preferred library was found but breaks this environment: why it was not preloaded."""
+CHECKS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "trainyard" / "allocator-checks.json"
 PREFERRED = "jemalloc"
 # Where Debian/Ubuntu (libjemalloc2, libtcmalloc-minimal4) and RHEL put them, per architecture.
 LIBRARIES = {
@@ -35,19 +47,66 @@ def find_library(name: str, dirs: tuple[str, ...] = LIBRARY_DIRS) -> str | None:
     return None
 
 
-def preload_env(env: Mapping[str, str], dirs: tuple[str, ...] = LIBRARY_DIRS) -> dict[str, str]:
+def preload_env(
+    env: Mapping[str, str], dirs: tuple[str, ...] = LIBRARY_DIRS, problem: Callable[[str], str | None] | None = None
+) -> dict[str, str]:
     """What to add to the workers' environment: LD_PRELOAD of the chosen allocator, or nothing (switched off, the
-    user's own LD_PRELOAD, no library here)."""
+    user's own LD_PRELOAD, no library here), or why a library found here is not preloaded. `problem` says what
+    breaks with a library preloaded (None: nothing); by default `import torch` is tried once (`preload_problem`)."""
     choice = env.get(SWITCH_ENV, PREFERRED).strip()
     if choice in ("glibc", "off", "") or env.get("LD_PRELOAD"):
         return {}
     if choice in LIBRARIES:
         path = find_library(choice, dirs)
-        return {"LD_PRELOAD": path} if path else {}
-    if not Path(choice).is_file():
+    elif Path(choice).is_file():
+        path = choice
+    else:
         raise OptionError(f"{SWITCH_ENV}={choice} is neither an allocator trainyard knows nor a library file",
                           where=SWITCH_ENV, fix=f"set it to {', '.join(LIBRARIES)}, glibc (no preload) or a .so path")
-    return {"LD_PRELOAD": choice}
+    if path is None:
+        return {}
+    broken = (problem or preload_problem)(path)
+    if broken:
+        return {SKIPPED_ENV: f"{path} not preloaded: with it {broken}"}
+    return {"LD_PRELOAD": path}
+
+
+def preload_problem(path: str, checks: Path | None = None) -> str | None:
+    """What fails when this interpreter imports torch with `path` preloaded, or None. Tried once per interpreter,
+    library and torch, then read back (a launch must not pay an import of torch each time)."""
+    checks = checks or CHECKS
+    key = f"{sys.executable}|{path}|{Path(path).stat().st_mtime_ns}|{_torch_version()}"
+    try:
+        known = json.loads(checks.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        child = subprocess.run([sys.executable, "-c", "import torch"], env={**os.environ, "LD_PRELOAD": path},
+                               capture_output=True, text=True, timeout=300, check=False)
+        lines = child.stderr.strip().splitlines()
+        reason = lines[-1] if lines else f"exit {child.returncode}"
+        known[key] = None if child.returncode == 0 else f"`import torch` fails ({reason})"
+        try:
+            checks.parent.mkdir(parents=True, exist_ok=True)
+            checks.write_text(json.dumps(known, indent=1))
+        except OSError:
+            pass  # a read-only home: check again next time
+    return known[key]
+
+
+def _torch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "none"
+
+
+def describe(env: Mapping[str, str] = os.environ) -> str:
+    """The malloc in use for the first log line, and why the preferred one is not, where the launcher said so."""
+    skipped = env.get(SKIPPED_ENV)
+    return in_use() + (f" ({skipped})" if skipped else "")
 
 
 def in_use(maps: Path = Path("/proc/self/maps")) -> str:

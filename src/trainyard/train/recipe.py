@@ -337,7 +337,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         logger.info(
             "run dir %s  world %d  device %s  network %s  precision %s  malloc %s",
             run_dir, info.world_size, info.device, info.network or "default",
-            precision_room.describe(precision, cfg.lora.enabled), allocator.in_use(),
+            precision_room.describe(precision, cfg.lora.enabled), allocator.describe(),
         )
     for note in cfg._notes if info.is_main else ():
         logger.info("%s", note)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import subprocess
+
 import pytest
 
 from trainyard.errors import OptionError
@@ -18,17 +20,22 @@ def libs(tmp_path: Path) -> tuple[str, ...]:
     return (str(tmp_path),)
 
 
+def fine(path: str) -> None:
+    """A library that breaks nothing (the files above are empty)."""
+    return None
+
+
 def test_the_preferred_library_is_preloaded_where_present(libs: tuple[str, ...]) -> None:
-    assert allocator.preload_env({}, libs) == {"LD_PRELOAD": f"{libs[0]}/libjemalloc.so.2"}
-    got = allocator.preload_env({allocator.SWITCH_ENV: "tcmalloc"}, libs)
+    assert allocator.preload_env({}, libs, fine) == {"LD_PRELOAD": f"{libs[0]}/libjemalloc.so.2"}
+    got = allocator.preload_env({allocator.SWITCH_ENV: "tcmalloc"}, libs, fine)
     assert got == {"LD_PRELOAD": f"{libs[0]}/libtcmalloc_minimal.so.4"}
 
 
 def test_nothing_is_preloaded_when_switched_off_absent_or_the_user_preloads(libs: tuple[str, ...],
                                                                             tmp_path: Path) -> None:
-    assert allocator.preload_env({allocator.SWITCH_ENV: "glibc"}, libs) == {}
-    assert allocator.preload_env({"LD_PRELOAD": "/opt/mine.so"}, libs) == {}
-    assert allocator.preload_env({}, (str(tmp_path / "empty"),)) == {}
+    assert allocator.preload_env({allocator.SWITCH_ENV: "glibc"}, libs, fine) == {}
+    assert allocator.preload_env({"LD_PRELOAD": "/opt/mine.so"}, libs, fine) == {}
+    assert allocator.preload_env({}, (str(tmp_path / "empty"),), fine) == {}
 
 
 def test_an_unknown_allocator_names_the_variable() -> None:
@@ -43,3 +50,47 @@ def test_the_malloc_in_use_is_read_from_the_mapped_libraries(tmp_path: Path) -> 
     assert allocator.in_use(maps) == "jemalloc"
     maps.write_text("7f0-7f1 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n")
     assert allocator.in_use(maps) == "glibc"
+
+
+@pytest.fixture
+def breaking_library(tmp_path: Path) -> str:
+    """A real shared library whose loading ends the process, as a preload that breaks an environment's extensions
+    ends `import torch` (a conda libstdc++ shadowed by the system's: "GLIBCXX_3.4.30 not found")."""
+    source = tmp_path / "breaks.c"
+    source.write_text('#include <unistd.h>\n#include <stdio.h>\n'
+                      '__attribute__((constructor)) static void breaks(void) '
+                      '{ fputs("version GLIBCXX_3.4.32 not found\\n", stderr); _exit(1); }\n')
+    library = tmp_path / "libbreaks.so"
+    built = subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(library), str(source)], capture_output=True, text=True)
+    if built.returncode != 0:
+        pytest.skip(f"no C compiler to build the library: {built.stderr.strip()[:200]}")
+    return str(library)
+
+
+def test_a_library_that_breaks_import_torch_is_not_preloaded_and_the_first_log_line_says_why(
+    breaking_library: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checks = tmp_path / "checks.json"
+    monkeypatch.setattr(allocator, "CHECKS", checks)
+    added = allocator.preload_env({allocator.SWITCH_ENV: breaking_library})
+    assert "LD_PRELOAD" not in added
+    why = added[allocator.SKIPPED_ENV]
+    assert why.startswith(f"{breaking_library} not preloaded: with it `import torch` fails")
+    assert "GLIBCXX_3.4.32 not found" in why
+    assert allocator.describe(added) == f"{allocator.in_use()} ({why})"
+
+    def no_second_try(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the verdict is read back, not tried again")
+
+    monkeypatch.setattr(allocator.subprocess, "run", no_second_try)
+    assert allocator.preload_problem(breaking_library, checks) == why.split("with it ", 1)[1]
+
+
+def test_a_library_this_environment_takes_is_preloaded(tmp_path: Path) -> None:
+    library = allocator.find_library(allocator.PREFERRED)
+    if library is None:
+        pytest.skip("no jemalloc on this machine (apt-get install libjemalloc2)")
+    assert allocator.preload_problem(library, tmp_path / "checks.json") is None
+    assert allocator.preload_env({}, problem=lambda path: allocator.preload_problem(path, tmp_path / "c.json")) == {
+        "LD_PRELOAD": library
+    }
