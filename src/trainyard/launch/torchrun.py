@@ -228,13 +228,15 @@ def _with_is_host(conf: tuple[str, ...], rdzv: str, node_rank: int | None) -> tu
     return (*conf, f"is_host={1 if node_rank == 0 else 0}")
 
 
-KEEP_ALIVE = ("keep_alive_interval=2", "keep_alive_max_attempt=3")
-"""A node that stops beating is dropped from the c10d rendezvous after 6 s, not torch's 15 s (5 s x 3): the wait
-of every surviving node before the next round, when a host is lost (benchmarks/recovery.py)."""
+KEEP_ALIVE = ("keep_alive_interval=2", "keep_alive_max_attempt=3", "last_call_timeout=10")
+"""A node that stops beating is dropped from the c10d rendezvous after 6 s, not torch's 15 s (5 s x 3); and once
+`--nnodes MIN:MAX` has its minimum, the round waits 10 s for more nodes, not 30: both are what the surviving nodes
+wait before training again when a host is lost (benchmarks/recovery.py). Nodes that start later still join: the
+world grows at their arrival."""
 
 
 def _with_keep_alive(conf: tuple[str, ...], rdzv: str) -> tuple[str, ...]:
-    """The user's own keep-alive settings win; each default fills only the key it names."""
+    """The user's own settings win; each default fills only the key it names."""
     if rdzv != "c10d":
         return conf
     given = {item.split("=")[0] for item in conf}

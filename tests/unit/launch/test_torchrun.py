@@ -115,7 +115,7 @@ def test_elastic_c10d_command() -> None:
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=[fe80::1]:29400",
         "--rdzv-id=job7",
-        "--rdzv-conf=join_timeout=60,keep_alive_interval=2,keep_alive_max_attempt=3",
+        "--rdzv-conf=join_timeout=60,keep_alive_interval=2,keep_alive_max_attempt=3,last_call_timeout=10",
         "--max-restarts=3",
     } <= set(argv)
     assert not any(arg.startswith("--node-rank") for arg in argv)
@@ -131,10 +131,11 @@ def test_c10d_names_the_store_host_from_the_node_rank_unless_told() -> None:
 
 
 def test_c10d_drops_a_silent_node_after_6_seconds_unless_told() -> None:
-    """torch's default keeps every survivor waiting 15 s for a lost host before the next round."""
+    """torch's defaults keep every survivor waiting 15 s for a lost host, then 30 s more for other nodes."""
     plan = resolve_plan(nnodes="1:2", master="h:1", nproc="1", rdzv="c10d", rdzv_id="x", env={})
     conf = dict(item.split("=") for item in plan.rdzv_conf)
     assert int(conf["keep_alive_interval"]) * int(conf["keep_alive_max_attempt"]) == 6
+    assert conf["last_call_timeout"] == "10"
     assert f"--rdzv-conf={','.join(plan.rdzv_conf)}" in torchrun_argv(plan, "job.yaml", [])
     told = resolve_plan(nnodes="1:2", master="h:1", nproc="1", rdzv="c10d", rdzv_id="x",
                         rdzv_conf=["keep_alive_interval=10"], env={})
