@@ -38,21 +38,20 @@ class World:
     """`nproc` ranks that share one process group (formed by the first task that calls `dist.init`), or one
     process with no group at all (`nproc=1`: the single-process reference runs of trainyard)."""
 
-    def __init__(self, nproc: int, logs: Path, env: dict[str, str] | None = None) -> None:
-        self.nproc, self.logs, self.env = nproc, logs, env or {}
+    def __init__(self, nproc: int, logs: Path) -> None:
+        self.nproc, self.logs = nproc, logs
         self.ranks: list[subprocess.Popen[bytes]] = []
-        self.results: list[Any] = []
         self.starts = 0
 
     def start(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.starts += 1
         port = free_port()
-        self.ranks, self.results = [], []
+        self.ranks = []
         for rank in range(self.nproc):
             read_end, write_end = os.pipe()
             # Each rank writes one JSON line per task to this pipe; its stdout and stderr go to its log file.
-            env = {**os.environ, **self._rank_env(rank, port), "TRAINYARD_WORLD_RESULT_FD": str(write_end), **self.env}
+            env = {**os.environ, **self._rank_env(rank, port), "TRAINYARD_WORLD_RESULT_FD": str(write_end)}
             log = open(self.logs / f"world-{self.starts}-rank-{rank}.log", "wb")  # noqa: SIM115 (the rank owns it)
             process = subprocess.Popen(
                 [sys.executable, "-m", RANK_MODULE], cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=log,
