@@ -52,7 +52,7 @@ from trainyard.parallel import comm
 from trainyard.parallel import parallelize as parallel
 from trainyard.runs import layout as run_layout
 from trainyard.runs.status import BackgroundHeartbeat
-from trainyard.train import build, events
+from trainyard.train import build, events, rounds
 from trainyard.train import state as loop_state
 from trainyard.train import votes as agreement
 from trainyard.train.job import Job
@@ -95,14 +95,11 @@ def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
 def _train_steps(
     job: Job, batches: Any, state: LoopState, run_eval: Any, heartbeat: BackgroundHeartbeat, interval: LogWindow
 ) -> None:
-    """Steps until max_steps. An async save may still be in flight at the end (job.saves).
-
-    Without DiLoCo every step's votes span the world and are acted on at once. Under DiLoCo they span the site, so
-    an inner step never waits for another site: a site skips its own non-finite step, a site whose stream ended
-    idles, and the stops (preemption, ended data, timed save) are agreed right after the outer sync."""
+    """Steps until max_steps. An async save may still be in flight at the end (job.saves). When the ranks act on
+    their votes, at once or at a DiLoCo round's sync, is `rounds`'."""
     cfg, info = job.cfg, job.info
     last_full = time.monotonic()
-    tally = agreement.RoundTally()
+    agreeing = rounds.for_job(job)
     step = state.step
     while step < cfg.train.max_steps:
         step += 1
@@ -113,31 +110,21 @@ def _train_steps(
         health.record_progress(info, step, health.CONTROL)
         own = agreement.own_votes(job, window, last_full)
         votes = own.summed(info.device, agreement.step_group(job))
-        if job.outer is None and _stops_before_training(job, state, votes, position):
+        action = agreeing.before_training(state, votes, position)
+        if action is rounds.Action.STOP:
             return
-        tally.stops = tally.stops.plus(votes)
-        idle = job.outer is not None and tally.stops.data_ended > 0
-        if idle:
-            job.sampler.load_state_dict(position)  # this site's stream ended: it waits for the round's sync
         lr = job.scheduler.get_last_lr()[0]
-        step_loss, grad_norm = (None, torch.tensor(float("nan"))) if idle else _train_window(job, window, votes, step)
+        trains = action is rounds.Action.TRAIN
+        step_loss, grad_norm = _train_window(job, window, votes, step) if trains else (None, torch.tensor(float("nan")))
         if step_loss is None:
             interval.skip()  # its loss, tokens, time and comm stay out of the next train event
-            if job.outer is None:
-                continue  # every rank skipped it
-            job.scheduler.step()  # the schedule follows the step count, the same on every site
-        tokens = 0 if step_loss is None else int(votes.real_tokens * (job.outer.sites if job.outer else 1))
-        state.tokens += tokens  # under DiLoCo an estimate (this site's times the sites) until the sync
-        tally.trained_tokens += 0 if step_loss is None else votes.real_tokens
-        agreed = votes if job.outer is None else None
-        if job.outer is not None and job.outer.due(step):
-            job.sink.emit("system", step=step, event="outer_sync",
-                          **(job.outer.sync() if job.across is None else job.across.sync(step)))
-            step = _take_heal(job, state, step)
-            agreed = agreement.agree_at_sync(job, tally, votes)
-            state.tokens += int(agreed.real_tokens - job.outer.sites * tally.trained_tokens)  # the estimate, made exact
-            tally = agreement.RoundTally()
-        _check_replicas(job, step)
+            if not agreeing.goes_on_untrained():
+                continue
+        tokens = agreeing.tokens(votes, trained=step_loss is not None)
+        state.tokens += tokens
+        step, agreed = agreeing.close_step(step, state, votes)
+        if agreeing.weights_agree(step):
+            _check_replicas(job, step)
         step_time = time.monotonic() - step_start
         state.step = step
         if step_loss is not None:
@@ -148,7 +135,7 @@ def _train_steps(
         heartbeat.step = step
         if step % cfg.log.every_steps == 0 or step == cfg.train.max_steps:  # before a stop: the step was trained
             events.log_interval(state, job, interval, lr, grad_norm, whole_world=agreed is not None)
-        if job.outer is not None and agreed is not None and _stops_at_sync(job, state, agreed):
+        if agreeing.stops(state, agreed):
             return
         if run_eval and cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
             state.last_eval = run_eval(step)
@@ -160,48 +147,6 @@ def _train_steps(
             last_full = time.monotonic()
         elif cfg.checkpoint.lite_every_steps and step % cfg.checkpoint.lite_every_steps == 0:
             job.saves.save_lite(job.model, step)
-
-
-def _take_heal(job: Job, state: LoopState, step: int) -> int:
-    """Fault-tolerant DiLoCo: a site that healed from a live peer at a sync took its weights and outer state there;
-    here it takes the peer's step, data position (global, so right for every site) and schedule. Its own inner
-    optimizer state stays. The step the loop goes on from."""
-    healed = job.across.healed if job.across is not None else None
-    if healed is None:
-        return step
-    job.sampler.load_state_dict(healed["sampler"])
-    job.scheduler.load_state_dict(healed["scheduler"])
-    for group, lr in zip(job.optimizer.param_groups, job.scheduler.get_last_lr(), strict=True):
-        group["lr"] = lr
-    job.sink.emit("system", step=healed["step"], event="healed", from_step=step,
-                  outer_start_norm=job.across.start_norm())
-    state.step = healed["step"]
-    return state.step
-
-
-def _stops_before_training(job: Job, state: LoopState, votes: agreement.StepVotes, position: dict[str, Any]) -> bool:
-    """The world's votes, acted on before the step trains: the async save settled, a preemption saved and raised,
-    True where the data ended. The window drawn for a step that does not train is put back."""
-    job.saves.settle(
-        written_everywhere=votes.save_written == job.info.world_size, failed_somewhere=votes.save_failed > 0
-    )
-    if votes.preempted or votes.data_ended:
-        job.sampler.load_state_dict(position)
-    if votes.preempted:
-        loop_state.stop_for_preemption(job, state)
-    if votes.data_ended:
-        job.sink.emit("system", step=state.step, event="data_exhausted", tokens_per_source=events.per_source(job))
-    return votes.data_ended > 0
-
-
-def _stops_at_sync(job: Job, state: LoopState, agreed: agreement.StepVotes) -> bool:
-    """DiLoCo: a preemption or an ended stream on any site, agreed at the sync, stops every site after it (the
-    preemption saves and raises); True where the data ended."""
-    if agreed.preempted:
-        loop_state.stop_for_preemption(job, state)
-    if agreed.data_ended:
-        job.sink.emit("system", step=state.step, event="data_exhausted", tokens_per_source=events.per_source(job))
-    return agreed.data_ended > 0
 
 
 def _train_window(
@@ -270,8 +215,6 @@ def _check_replicas(job: Job, step: int) -> None:
     every = cfg.dist.desync_check_steps
     if not (every and step % every == 0 and info.distributed and not isinstance(job.model, FSDPModule)):
         return
-    if job.outer is not None and not job.outer.due(step):
-        return  # DiLoCo sites differ until the round's sync
     if health.injected("desync", info, step):
         health.corrupt_one_parameter(job.model)
     health.check_replicas_agree(job.model, info, step, cfg.dist.desync_tolerance)
