@@ -1,6 +1,8 @@
 """Fault-tolerant DiLoCo (torchft) on localhost: two sites of one process, each its own `trainyard launch`, the
-lighthouse a child of site 0's. Site 1 is SIGKILLed mid-run and started again: site 0 never stops and syncs alone
-while site 1 is gone; site 1 heals from site 0 (its weights become site 0's) and the two average together again."""
+lighthouse its own `trainyard lighthouse`. Site 1 is SIGKILLed mid-run and started again: site 0 never stops and
+syncs alone while site 1 is gone; site 1 heals from site 0 (its weights become site 0's) and the two average
+together again. Then the lighthouse is SIGKILLed: both sites go on alone, and once it is back one heals from the
+other, so they never average from different weights."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ SITE = [
     "dist.strategy=diloco", "diloco.fault_tolerant=true", "diloco.sites=2", "diloco.sync_every=2",
     "train.max_steps=100000", "log.every_steps=1", "log.progress=false", "log.tensorboard=false",
     "eval.every_steps=0", "eval.at_end=false", "checkpoint.at_end=false", "dist.timeout_s=60",
+    "diloco.quorum_timeout_s=75",
 ]
 """Sites that would train for hours: the test stops them once it has seen what it waits for."""
 
@@ -43,6 +46,14 @@ def launch(out: Path, site: int, lighthouse: int, *flags: str) -> subprocess.Pop
             "--nproc", "1", *flags, f"output_dir={out}", *SITE, f"diloco.site={site}",
             f"diloco.lighthouse=127.0.0.1:{lighthouse}"]
     with open(out / f"site-{site}.out", "ab") as sink:
+        return subprocess.Popen([sys.executable, "-m", "trainyard.cli", *args], cwd=REPO, start_new_session=True,
+                                stdout=sink, stderr=subprocess.STDOUT)
+
+
+def run_lighthouse(out: Path, lighthouse: int) -> subprocess.Popen[bytes]:
+    """The job's lighthouse as its own process, as `trainyard lighthouse` runs it."""
+    args = ["lighthouse", TINY, *SITE, "diloco.site=0", f"diloco.lighthouse=127.0.0.1:{lighthouse}"]
+    with open(out / "site-lighthouse.out", "ab") as sink:
         return subprocess.Popen([sys.executable, "-m", "trainyard.cli", *args], cwd=REPO, start_new_session=True,
                                 stdout=sink, stderr=subprocess.STDOUT)
 
@@ -94,27 +105,38 @@ def test_without_failures_the_outer_step_is_nesterov_sgd_on_the_average_as_in_on
 
 
 def test_a_site_killed_mid_run_heals_from_the_live_one_which_never_stops(tmp_path: Path) -> None:
+    """One launch sequence proves both failures: a site lost and back, then the lighthouse lost and back."""
     lighthouse = free_port()
-    site0 = launch(tmp_path, 0, lighthouse, "--lighthouse")
+    tower = run_lighthouse(tmp_path, lighthouse)
+    site0 = launch(tmp_path, 0, lighthouse)
     site1 = launch(tmp_path, 1, lighthouse)
     dir0, dir1 = tmp_path / "tiny" / "site-0", tmp_path / "tiny" / "site-1"
     try:
-        wait_until(lambda: any(e["outer_sites"] == 2 for e in syncs(written_events(dir1))), [site0, site1],
+        wait_until(lambda: any(e["outer_sites"] == 2 for e in syncs(written_events(dir1))), [tower, site0, site1],
                    "a sync of both sites", tmp_path)
         kill_tree(site1)
         first_life = len(written_events(dir1))
         killed_at = max(e["step"] for e in syncs(written_events(dir0)))
         wait_until(lambda: any(e["outer_sites"] == 1 and e["step"] > killed_at for e in syncs(written_events(dir0))),
-                   [site0], "site 0 syncing alone", tmp_path)
+                   [tower, site0], "site 0 syncing alone", tmp_path)
         site1 = launch(tmp_path, 1, lighthouse)
         second_life: Callable[[], list[dict[str, Any]]] = lambda: written_events(dir1)[first_life:]  # noqa: E731
-        wait_until(lambda: len([e for e in syncs(second_life()) if e["outer_sites"] == 2]) >= 2, [site0, site1],
-                   "two syncs of both sites after site 1 returned", tmp_path)
+        wait_until(lambda: len([e for e in syncs(second_life()) if e["outer_sites"] == 2]) >= 2,
+                   [tower, site0, site1], "two syncs of both sites after site 1 returned", tmp_path)
+        before_outage = [len(written_events(d)) for d in (dir0, dir1)]
+        kill_tree(tower)
+        outage = [lambda d=d, n=n: written_events(d)[n:] for d, n in zip((dir0, dir1), before_outage, strict=True)]
+        wait_until(lambda: all(any(e.get("outer_alone") for e in syncs(o())) for o in outage), [site0, site1],
+                   "both sites syncing alone without the lighthouse", tmp_path)
+        tower = run_lighthouse(tmp_path, lighthouse)
+        wait_until(lambda: all(len(rejoined(o())) >= 2 for o in outage), [tower, site0, site1],
+                   "two syncs of both sites after the lighthouse returned", tmp_path)
     finally:
         kill_tree(site1)
         kill_tree(site0)
+        kill_tree(tower)
 
-    events0 = written_events(dir0)
+    events0 = written_events(dir0)[: before_outage[0]]
     sites0 = [e["outer_sites"] for e in syncs(events0)]
     both = sites0.index(2)  # a site slower to start than the lighthouse's join timeout heals at its first sync
     assert 1 in sites0[both:] and 2 in sites0[sites0.index(1, both):], f"site 0's syncs: {sites0}"
@@ -123,7 +145,7 @@ def test_a_site_killed_mid_run_heals_from_the_live_one_which_never_stops(tmp_pat
     steps0 = [e["step"] for e in events0 if e["kind"] == "train" and e["step"] >= first]
     assert steps0 == list(range(first, first + len(steps0))), "site 0 lost or repeated a step"
 
-    back = second_life()
+    back = written_events(dir1)[first_life : before_outage[1]]
     healed = [e for e in back if e.get("event") == "healed"]
     assert len(healed) == 1, back[:5]
     step = healed[0]["step"]
@@ -137,3 +159,41 @@ def test_a_site_killed_mid_run_heals_from_the_live_one_which_never_stops(tmp_pat
     for sync in after:
         assert sync["outer_sites"] == by_step0[sync["step"]]["outer_sites"] == 2
         assert sync["outer_start_norm"] == by_step0[sync["step"]]["outer_start_norm"], "the sites disagree"
+
+    outages = [o() for o in outage]
+    for events in outages:  # neither site stopped: every step trained once, alone or not
+        steps = [e["step"] for e in events if e["kind"] == "train"]
+        assert steps == list(range(steps[0], steps[0] + len(steps))) or any(e.get("event") == "healed"
+                                                                            for e in events), steps
+    alone_norms = [[e["outer_start_norm"] for e in syncs(events) if e.get("outer_alone")] for events in outages]
+    assert alone_norms[0][-1] != alone_norms[1][-1], "alone, the sites' weights part"
+    reheal = [e for events in outages for e in events if e.get("event") == "healed"]
+    assert len(reheal) == 1, "once the lighthouse is back, one site heals from the other"
+    joined = [{e["step"]: e["outer_start_norm"] for e in rejoined(events)} for events in outages]
+    shared = sorted(set(joined[0]) & set(joined[1]))
+    assert shared and all(joined[0][k] == joined[1][k] for k in shared), f"the sites disagree after: {joined}"
+
+
+def rejoined(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Syncs of both sites after this site's last sync alone."""
+    together = syncs(events)
+    alone = [i for i, e in enumerate(together) if e.get("outer_alone")]
+    return [e for e in together[alone[-1] + 1 if alone else 0 :] if e["outer_sites"] == 2]
+
+
+def test_sites_of_different_sizes_are_refused_at_their_first_sync_naming_both(tmp_path: Path) -> None:
+    lighthouse = free_port()
+    tower = run_lighthouse(tmp_path, lighthouse)
+    sites = [launch(tmp_path, 0, lighthouse, "--nproc", "2"), launch(tmp_path, 1, lighthouse)]
+    try:
+        codes = [site.wait(timeout=240) for site in sites]
+    finally:
+        for site in sites:
+            kill_tree(site)
+        kill_tree(tower)
+    outputs = [(tmp_path / f"site-{s}.out").read_text() for s in range(2)]
+    assert codes == [2, 2], outputs
+    for output in outputs:  # site 0's second rank has no peer: torchft logs its own failed group set-up before it
+        error = output.rpartition("trainyard: error")[2]
+        assert "site 0 has 2, site 1 has 1" in error and "Traceback" not in error, output[-3000:]
+    assert "Traceback" not in outputs[1]

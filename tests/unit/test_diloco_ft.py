@@ -33,9 +33,12 @@ def test_bad_fault_tolerant_settings_exit_2_naming_the_field(overrides: list[str
         assert needle in result.stderr
 
 
-def test_launch_lighthouse_needs_a_fault_tolerant_job(tmp_path) -> None:
-    result = run_cli("launch", TINY, f"output_dir={tmp_path}", "--lighthouse", "--nnodes", "1", "--node-rank", "0",
-                     "--master", "127.0.0.1:29999", "--nproc", "1")
+@pytest.mark.parametrize("command", [
+    ["launch", "--lighthouse", "--nnodes", "1", "--node-rank", "0", "--master", "127.0.0.1:29999", "--nproc", "1"],
+    ["lighthouse"],
+], ids=["launch", "lighthouse"])
+def test_a_lighthouse_needs_a_fault_tolerant_job(tmp_path, command: list[str]) -> None:
+    result = run_cli(command[0], TINY, f"output_dir={tmp_path}", *command[1:])
     assert result.returncode == 2, result.stderr
     assert "diloco.fault_tolerant" in result.stderr and "Traceback" not in result.stderr
 

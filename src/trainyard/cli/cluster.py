@@ -1,4 +1,4 @@
-"""Commands that take a job to many machines: launch, slurm, k8s, doctor."""
+"""Commands that take a job to many machines: launch, lighthouse, slurm, k8s, doctor."""
 
 from __future__ import annotations
 
@@ -130,6 +130,22 @@ def launch(
     if code:
         fallback = f"torchrun exited with {code}; each rank's log is under {cfg.run_dir}/logs/"
         _fail(code, message or fallback, preempt_exit_code)
+
+
+@app.command("lighthouse")
+def lighthouse_command(args: ConfigArgs) -> None:
+    """Run a fault-tolerant DiLoCo job's torchft lighthouse in the foreground, with a life of its own: sites that
+    lose it take their rounds alone and re-join once it is back (run it under systemd, a Slurm step or a
+    Kubernetes Deployment that restarts it)."""
+    import os
+
+    from trainyard import config_file as config_room
+    from trainyard.launch.lighthouse import command
+
+    config_path, overrides = _config_and_overrides(args)
+    argv = command(config_room.load_config(config_path, overrides))
+    err_console.print(f"running: {' '.join(argv)}", highlight=False, markup=False, soft_wrap=True)
+    os.execve(argv[0], argv, {"RUST_LOG": "warn", **os.environ})
 
 
 def _load_job_and_check_out(args: list[str], out: Path | None, force: bool) -> tuple[str, list[str], "JobConfig"]:

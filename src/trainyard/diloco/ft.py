@@ -20,16 +20,24 @@ The survivors never stop: a site gone counts as gone once its heartbeats stop (t
 sync whose peer died mid-way is not committed: the site keeps its weights, so its next sync's pseudo-gradient
 holds both rounds' progress. Each site decides its own stops (preemption, ended data, timed saves) at its syncs.
 The sync holds one model's worth of averaged pseudo-gradient until it commits, beyond OuterSync's state.
+
+Nor does a lost lighthouse stop them: a site that cannot reach it takes its round's outer step alone and asks
+again at the next sync. Sites that trained alone, or that disagree for any other reason (one committed a sync the
+other did not), would average pseudo-gradients of different round-start weights for the rest of the run: at each
+sync the sites compare a fingerprint of their round-start weights, and the sites that differ from the lowest site
+present heal from it in a second quorum. Sites of different world sizes are refused at their first quorum.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as torch_dist
@@ -41,6 +49,23 @@ from trainyard.dist import DistInfo
 from trainyard.errors import ConfigError
 
 log = logging.getLogger("trainyard")
+
+QUORUM_RETRIES = 10
+"""The lighthouse's quorum asked again on a failure: a lighthouse restarted between two syncs is found at once."""
+
+
+def _reachable(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether the lighthouse accepts a connection: asked before a quorum, which would wait out its timeout."""
+    address = urlparse(url)
+    try:
+        with socket.create_connection((address.hostname or "localhost", address.port or 29510), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _same(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1.0)
 
 
 def data_slice(cfg: JobConfig, info: DistInfo) -> tuple[int, int]:
@@ -87,8 +112,14 @@ class FaultTolerantSync:
         """What a returning site takes from this one besides the outer state (data position, schedule)."""
         self.healed: dict[str, Any] | None = None
         """What this site took from a peer at the last sync, if it healed."""
+        self.alone = False
+        """The last sync took this site's outer step alone: the lighthouse was unreachable."""
+        self._differs = False
         self.step = 0
         """The loop's step at the sync under way: a healing peer continues from it."""
+        self.site, self.sites, self.world_size = cfg.diloco.site, cfg.diloco.sites, info.world_size
+        self.device = info.device
+        self.lighthouse = lighthouse_url(cfg)
         timeout = timedelta(seconds=cfg.dist.timeout_s)
         self.across = ProcessGroupGloo(timeout=timeout)
         # The site's master address hosts its store and (rank 0) its manager server: other sites reach both there.
@@ -96,9 +127,11 @@ class FaultTolerantSync:
             pg=self.across, load_state_dict=self._load, state_dict=self._state, min_replica_size=1,
             use_async_quorum=True, timeout=timeout, connect_timeout=timeout,
             quorum_timeout=timedelta(seconds=cfg.diloco.quorum_timeout_s),
-            rank=info.rank, world_size=info.world_size, lighthouse_addr=lighthouse_url(cfg),
+            rank=info.rank, world_size=info.world_size, lighthouse_addr=self.lighthouse,
             replica_id=f"site_{cfg.diloco.site}", hostname=os.environ["MASTER_ADDR"], init_sync=False,
-            checkpoint_transport=PGTransport(self.across, timeout, info.device),
+            quorum_retries=QUORUM_RETRIES,
+            # Staged on the CPU: gloo sends what the tensor's pointer holds, so a CUDA state must be copied first.
+            checkpoint_transport=PGTransport(self.across, timeout, torch.device("cpu")),
         )
 
     def attach(self, outer: OuterSync, loop: Callable[[], dict[str, Any]]) -> None:
@@ -109,7 +142,7 @@ class FaultTolerantSync:
         started, self.step = time.monotonic(), step
         present, committed = self._round()
         return {"outer_sync_s": time.monotonic() - started, "outer_sites": present, "outer_committed": committed,
-                "outer_start_norm": self.start_norm()}
+                "outer_alone": self.alone, "outer_start_norm": self.start_norm()}
 
     def start_norm(self) -> float:
         """The norm of this rank's round-start weights after the sync: equal on every site that took the same step
@@ -123,13 +156,15 @@ class FaultTolerantSync:
     @torch.no_grad()
     def _round(self) -> tuple[int, bool]:
         """Quorum, the sum of the pseudo-gradients of the sites that add one (torchft zeroes a healing site's), and
-        the outer step once the sync is committed. A healing site loads the peer's state in should_commit."""
+        the outer step once the sync is committed. A healing site loads the peer's state in should_commit. Without
+        a lighthouse, the site's own outer step."""
         assert self.outer is not None, "attach the outer state first"
-        self.healed = None
-        # torchft heals a replica whose step is behind the quorum's highest: make that step the loop's, so a site
-        # heals exactly when it is behind the live ones (whatever syncs either has committed since it started).
-        self.manager.load_state_dict({"step": self.step, "batches_committed": self.manager.batches_committed()})
-        self.manager.start_quorum()
+        self.healed, self.alone = None, False
+        if not self._quorum(self.step):
+            return self._alone()
+        if self._disagrees():  # every site asks again; those that differ from the lowest site heal from it
+            if not self._quorum(self.step - 1 if self._differs else self.step):
+                return self._alone()
         present = torch.tensor([1.0])
         self.manager.allreduce(present, reduce_op=ReduceOp.SUM).wait()
         sites = int(present.item())
@@ -144,6 +179,67 @@ class FaultTolerantSync:
         if not committed:
             log.warning("outer sync not committed (a site left mid-sync): this site keeps its weights")
         return sites, committed
+
+    def _quorum(self, step: int) -> bool:
+        """torchft's quorum at `step`, False (on every rank of the site) where the lighthouse cannot be reached.
+        torchft heals a replica whose step is behind the quorum's highest: the step given is the loop's, so a site
+        heals exactly when it is behind the live ones (whatever syncs either has committed since it started)."""
+        if not self._site_agrees(_reachable(self.lighthouse)):
+            log.warning("the lighthouse %s is unreachable: this site takes its outer step alone", self.lighthouse)
+            return False
+        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+        self.manager.start_quorum()
+        try:
+            self.manager.wait_quorum()
+        except Exception as err:  # noqa: BLE001 - whatever torchft's quorum client raised: the lighthouse went away
+            # torchft 0.2 keeps the failed future and raises it again at the next start_quorum.
+            self.manager._quorum_future = None
+            log.warning("the quorum failed (%s): this site takes its outer step alone", err)
+            return False
+        return True
+
+    def _site_agrees(self, fine: bool) -> bool:
+        """True where it holds on every rank of this site (a fault-tolerant site is its own torch world)."""
+        flag = torch.tensor([1.0 if fine else 0.0], device=self.device)
+        torch_dist.all_reduce(flag, op=ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _alone(self) -> tuple[int, bool]:
+        """The round's outer step on this site's own pseudo-gradient, as a world of one site would take it."""
+        assert self.outer is not None
+        for chunk in self.outer.chunks:
+            self.outer._outer_step(chunk, self.outer._pseudo_grad(chunk)[: chunk.length])
+        self.alone = True
+        return 1, True
+
+    def _disagrees(self) -> bool:
+        """Whether the sites present hold different round-start weights (and `_differs`: this site from the lowest
+        present). Each rank compares its fingerprint with its counterparts'; a site of another world size is
+        refused."""
+        assert self.sites is not None and self.site is not None
+        slots = torch.zeros(2 * self.sites, dtype=torch.float64)
+        slots[self.site], slots[self.sites + self.site] = self.fingerprint(), float(self.world_size)
+        self.manager.allreduce(slots, reduce_op=ReduceOp.SUM).wait()
+        present = [site for site in range(self.sites) if slots[self.sites + site] > 0]
+        sizes = {site: int(slots[self.sites + site]) for site in present}
+        if len(set(sizes.values())) > 1:
+            raise ConfigError(
+                "the sites of a fault-tolerant DiLoCo job must have the same number of processes, and they differ: "
+                + ", ".join(f"site {site} has {size}" for site, size in sizes.items()),
+                fix="launch every site with the same --nproc (and --nnodes)",
+            )
+        if not present:
+            self._differs = False
+            return False
+        reference = float(slots[present[0]])
+        self._differs = not self._site_agrees(_same(float(slots[self.site]), reference))
+        mismatch = any(not _same(float(slots[site]), reference) for site in present)
+        return not self._site_agrees(not mismatch)
+
+    def fingerprint(self) -> float:
+        """This rank's round-start weights in one number: equal on sites that took the same steps."""
+        assert self.outer is not None
+        return float(sum((start.double() * (1 + index % 7)).sum() for index, start in enumerate(self.outer.start)))
 
     def _average(self, chunk: _Chunk, sites: int) -> torch.Tensor:
         """One chunk's pseudo-gradient summed across sites, over `sites`; a new tensor, kept until the sync

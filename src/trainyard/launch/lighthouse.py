@@ -1,7 +1,8 @@
 """The torchft lighthouse of a fault-tolerant DiLoCo job: the sites' managers ask it for a quorum at each outer
 sync, and it tells a returning site which live peer to heal from. It holds no training state, but it must outlive
-the sites that come and go: `trainyard launch --lighthouse` starts it as a child of that launch (put it on the
-site least likely to fail), or run torchft's `torchft_lighthouse --min_replicas 1 --bind [::]:PORT` yourself.
+the sites that come and go: `trainyard lighthouse CONFIG` runs it on its own (restarted by whatever keeps
+services alive there), `trainyard launch --lighthouse` as a child of that launch. Sites that lose it go on alone
+and re-join when it is back (diloco/ft.py).
 """
 
 from __future__ import annotations
