@@ -53,6 +53,13 @@ def test_reading_a_run_dir_never_imports_torch(tmp_path: Path) -> None:
     assert "matplotlib" not in loaded["diagnose"]["modules"]  # only the report draws
 
 
+def test_a_user_error_in_status_imports_no_torch(tmp_path: Path) -> None:
+    """The error path (exit 2, the message) reached no launcher code that imports torch's elastic agent."""
+    seen = imported_by(["status", str(tmp_path / "no-such-run")])["status"]
+    assert seen["code"] == 2
+    assert not set(NEVER_TO_READ_A_RUN) & set(seen["modules"])
+
+
 def test_a_training_worker_imports_no_other_commands_or_jobs_code() -> None:
     """The recipe a worker runs: no fault-tolerant DiLoCo (torchft), no plotting, no sinks it was not asked for,
     no trace or estimate of another job's memory. (torch._dynamo is not in the list: transformers' masking_utils

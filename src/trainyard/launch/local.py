@@ -15,10 +15,6 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
 from trainyard.launch import allocator
 
 EXIT_FILE_ENV = "TRAINYARD_EXIT_FILE"
@@ -79,7 +75,12 @@ def read_exit_files(prefix: str) -> tuple[int, str] | None:
 
 
 def run_local(nproc: int, argv: list[str], max_restarts: int = 0) -> tuple[int, str | None]:
-    """Start nproc workers running `trainyard <argv>`; return (exit code, error message)."""
+    """Start nproc workers running `trainyard <argv>`; return (exit code, error message). torch's agent is imported
+    here: a worker reporting a user error, or a command that fails before launching, never needs it."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     with tempfile.TemporaryDirectory(prefix="trainyard-exit-") as tmp:
         prefix = str(Path(tmp) / "exit")
         os.environ[EXIT_FILE_ENV] = prefix
