@@ -208,13 +208,15 @@ def test_builtin_task_brings_its_own_graded_eval_rows(tmp_path):
 
 
 def test_rows_whose_answers_max_length_cuts_are_warned_about_with_the_length_that_keeps_them(tmp_path):
-    """configs/tiny.yaml's data.max_length cuts most of its dates' answers: training says so on every start (the
-    cache built or reused) with the length that would keep 99% of the rows whole, and that length warns no more."""
+    """A data.max_length that cuts most of the dates' answers (configs/tiny.yaml's keeps them): training says so on
+    every start (the cache built or reused) with the length that would keep 99% of the rows whole, and that length
+    warns no more."""
     from tests.conftest import TINY
     from trainyard.config_file import load_config
     from trainyard.model import source as source_room
 
-    cfg = load_config(TINY)
+    assert not _cut_warnings(load_config(TINY), tmp_path / "tiny-cache"), "configs/tiny.yaml cuts its answers"
+    cfg = load_config(TINY, ["data.max_length=96"])
     tokenizer = source_room.load_tokenizer(cfg.model, None)
     for _ in ("built", "reused"):
         said: list[str] = []
@@ -231,10 +233,18 @@ def test_rows_whose_answers_max_length_cuts_are_warned_about_with_the_length_tha
     assert prepare.stats["truncation"]["cut"] <= 0.01 * prepare.stats["truncation"]["rows"]
 
 
+def _cut_warnings(cfg, cache) -> list[str]:
+    from trainyard.model import source as source_room
+
+    said: list[str] = []
+    prepare_datasets(cfg.data, source_room.load_tokenizer(cfg.model, None), cache, log=said.append)
+    return [line for line in said if line.startswith("warning:")]
+
+
 def test_the_dry_run_warns_of_cut_answers() -> None:
     from tests.conftest import TINY, run_cli
 
-    result = run_cli("train", TINY, "--dry-run")
+    result = run_cli("train", TINY, "--dry-run", "data.max_length=96")
     assert result.returncode == 0, result.stderr[-2000:]
     warning = [line for line in result.stdout.splitlines() if "WARNING" in line]
     assert len(warning) == 1 and re.search(r"\d+ of \d+ rows \(\d+%\) lose target tokens", warning[0]), warning

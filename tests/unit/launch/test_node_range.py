@@ -41,7 +41,7 @@ def test_sizes_that_all_keep_the_batch_pass(nnodes: str, batch: int) -> None:
 
 
 def test_the_tokens_budget_is_checked_too() -> None:
-    cfg = load_config(TINY, ["train.global_batch_tokens=1536"])  # 8 x 2 ranks x 96 tokens: only world 2
+    cfg = load_config(TINY, ["train.global_batch_tokens=1664"])  # 8 x 2 ranks x 104 tokens: only world 2
     plan = resolve_plan(nnodes="1:2", rdzv="c10d", rdzv_id="x", master="h:1", nproc="2", env={})
     with pytest.raises(ConfigError, match=r"node counts that keep it: 1 \(world 2\)"):
         check_node_range(cfg, plan)
