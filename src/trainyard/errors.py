@@ -67,6 +67,12 @@ class NonFiniteError(TrainyardError):
     exit_code = 1
 
 
+class OutOfMemory(TrainyardError):
+    """The device ran out of memory: which step and batch, and what the estimate predicted."""
+
+    exit_code = 1
+
+
 class Preempted(TrainyardError):
     """Stopped by a preemption signal after a checkpoint was committed: requeue me."""
 

@@ -36,6 +36,10 @@ class TrainConfig(Section):
     """0 turns clipping off."""
     seed: int = 42
     on_nonfinite: Literal["error", "skip"] = "error"
+    worst_batch_first: bool = True
+    """The first optimizer step trains the epoch's largest rows (most tokens: the longest padded rows too), so a
+    job that runs out of memory does so at step 1, not at hour 10; then the sampler's order resumes, every row still
+    trained once per epoch. The dry run prints that micro-batch's tokens."""
     optimizer: Literal["adamw", "sgd"] = "adamw"
     """adamw (betas, weight_decay), or plain SGD without momentum (a linear update: DiLoCo's algebra tests)."""
     compile: bool = False

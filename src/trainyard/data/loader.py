@@ -10,6 +10,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+import numpy
+import pyarrow.compute
 import torch
 
 from trainyard.data.collate import collate
@@ -53,6 +55,13 @@ class SampleRecord:
     def write(self, record: dict[str, Any]) -> None:
         self.handle.write((json.dumps(record) + "\n").encode())  # one write per line
         self.handle.flush()
+
+
+def largest_rows(dataset: Any, count: int) -> list[int]:
+    """The `count` rows with the most tokens, most first (ties: the lower index): a micro-batch of the first of them
+    is the epoch's largest, padded (the longest rows) or padding-free (the most tokens)."""
+    lengths = pyarrow.compute.list_value_length(dataset.with_format("arrow")["input_ids"]).to_numpy()
+    return numpy.argsort(-lengths, kind="stable")[:count].tolist()
 
 
 def micro_batches(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,8 +28,11 @@ class ResumableSampler:
     number of rows per step (a rank that ran out early would hang the others), and a job of
     another world size that loads the position continues with no row skipped or repeated.
 
-    `state_dict()` is {"epoch", "position"}: the epoch and how many of its rows are consumed.
-    It is the same on every rank at a step boundary, which a checkpoint relies on.
+    `first` rows lead epoch 0, in that order, and the rest of its permutation follows without them (the worst
+    batch first: loader.largest_rows). They are part of the state, so a resume keeps the order the run began with.
+
+    `state_dict()` is {"epoch", "position"} and "first" where rows lead epoch 0: the epoch, how many of its rows
+    are consumed, and those rows. It is the same on every rank at a step boundary, which a checkpoint relies on.
     """
 
     def __init__(
@@ -40,6 +43,7 @@ class ResumableSampler:
         rank: int,
         world_size: int,
         shuffle: bool = True,
+        first: Sequence[int] = (),
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -54,6 +58,7 @@ class ResumableSampler:
         self.rank = rank
         self.world_size = world_size
         self.shuffle = shuffle
+        self.first = [int(index) for index in first]
         self.consumed = 0
         """Global position in the stream: rows taken by all ranks together since epoch 0 began."""
         self._cached: tuple[int, torch.Tensor] | None = None
@@ -65,6 +70,9 @@ class ResumableSampler:
                 order = torch.randperm(self.num_samples, generator=generator)
             else:
                 order = torch.arange(self.num_samples)
+            if epoch == 0 and self.first:
+                leading = torch.tensor(self.first, dtype=order.dtype)
+                order = torch.cat([leading, order[~torch.isin(order, leading)]])
             self._cached = (epoch, order)
         return self._cached[1]
 
@@ -92,9 +100,9 @@ class ResumableSampler:
     def epoch(self) -> int:
         return self.consumed // self.num_samples
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         epoch, position = divmod(self.consumed, self.num_samples)
-        return {"epoch": epoch, "position": position}
+        return {"epoch": epoch, "position": position, **({"first": list(self.first)} if self.first else {})}
 
     def load_state_dict(self, state: dict[str, Any], saved_world_size: int | None = None) -> None:
         """Continue at a saved global position, whatever world size saved it.
@@ -114,4 +122,12 @@ class ResumableSampler:
                 f"of {self.num_samples} rows; the data changed",
                 fix="resume with the data the checkpoint was trained on, or start a fresh run",
             )
+        if any(not 0 <= index < self.num_samples for index in state.get("first", [])):
+            raise DataError(
+                f"the saved sampler's leading rows do not fit a dataset of {self.num_samples} rows; the data changed",
+                fix="resume with the data the checkpoint was trained on, or start a fresh run",
+            )
         self.consumed = epoch * self.num_samples + position
+        first = [int(index) for index in state.get("first", [])]  # a checkpoint from before had none
+        if first != self.first:
+            self.first, self._cached = first, None

@@ -126,6 +126,24 @@ def percentiles(lengths: list[int]) -> dict[str, int]:
     return {"p50": round(cuts[49]), "p90": round(cuts[89]), "p99": round(cuts[98]), "max": max(lengths)}
 
 
+def worst_micro_batch(lengths: list[int], cfg: JobConfig) -> tuple[int, int]:
+    """The tokens a rank's largest micro-batch computes (padding included), and its longest row."""
+    micro, data = cfg.train.micro_batch_size, cfg.data
+    if data.packing:
+        return micro * data.max_length, data.max_length
+    top = sorted(lengths, reverse=True)[:micro]
+    return (sum(top) if data.padding_free else top[0] * len(top)), top[0]
+
+
+def _worst_batch_line(found: Survey, cfg: JobConfig) -> str:
+    tokens, longest = worst_micro_batch(found.lengths, cfg)
+    read = "" if found.encoded >= found.rows else f" of the {found.encoded:,} rows read"
+    shape = f"{tokens:,} tokens, rows up to {longest:,}{read}"
+    if cfg.train.worst_batch_first:
+        return f"first step       every rank's largest micro-batch: {shape} (train.worst_batch_first)"
+    return f"first step       in the sampler's order; the largest micro-batch, {shape}, comes when it comes"
+
+
 def describe(found: Survey, cfg: JobConfig, samples_per_step: int) -> list[str]:
     """The dry run's data lines: rows and drops, token lengths, epochs the steps make, one marked example."""
     data, steps = cfg.data, cfg.train.max_steps
@@ -143,6 +161,7 @@ def describe(found: Survey, cfg: JobConfig, samples_per_step: int) -> list[str]:
     warning = truncation_warning(found.truncation.summary(), data.max_length)
     if warning:
         lines.append(f"  WARNING        {warning}")
+    lines.append(_worst_batch_line(found, cfg))
     usable = found.usable_rows_estimate()
     if data.packing:
         rows = tokens * (found.rows / max(found.encoded, 1)) / data.max_length

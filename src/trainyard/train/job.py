@@ -45,6 +45,8 @@ class Job:
     """What a checkpoint must match to be resumed by this job (see checkpoint.check_compatible)."""
     saves: checkpoint.Checkpointer
     precision: precision_room.Precision
+    strategy: str = "none"
+    """The strategy the job was wrapped with (build.build_and_wrap): what an out-of-memory error is estimated for."""
     comm_timer: comm.CommTimer | None = None
     outer: diloco.OuterSync | None = None
     """dist.strategy diloco: the round-start weights and outer momentum, synced every diloco.sync_every steps."""

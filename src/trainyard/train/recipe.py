@@ -28,7 +28,7 @@ from trainyard.checkpoint import save as checkpoint
 from trainyard.config import JobConfig
 from trainyard.config_file import dump_config
 from trainyard.data import ResumableSampler, micro_batches, prepare_datasets, sample_record_path
-from trainyard.data.loader import stream_batches
+from trainyard.data.loader import largest_rows, stream_batches
 from trainyard.data.mixture import MixtureStream, mixture_stream
 from trainyard.data.pretraining import prepare_pretraining
 from trainyard.diloco import ft as diloco_ft
@@ -52,7 +52,7 @@ from trainyard.parallel import comm
 from trainyard.parallel import parallelize as parallel
 from trainyard.runs import layout as run_layout
 from trainyard.runs.status import BackgroundHeartbeat
-from trainyard.train import build, events, rounds
+from trainyard.train import build, events, oom, rounds
 from trainyard.train import state as loop_state
 from trainyard.train import votes as agreement
 from trainyard.train.job import Job
@@ -154,7 +154,10 @@ def _train_window(
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Forward, backward, clip and the optimizer step: this rank's loss sum and the gradient norm, or no loss where
     the norm was non-finite and the step skipped. The norm spans the step's group, so its ranks skip together."""
-    step_loss = _forward_backward(job, window, votes.targets, step)
+    try:
+        step_loss = _forward_backward(job, window, votes.targets, step)
+    except torch.OutOfMemoryError:
+        raise oom.explain(job, window, step, job.strategy) from None
     health.record_progress(job.info, step, health.REPORT)  # clipping and logging gather next
     grad_norm = grad_norm_and_clip(job.model, job.cfg.train.max_grad_norm)
     if not torch.isfinite(grad_norm):
@@ -202,6 +205,8 @@ def _forward_backward(job: Job, window: list[dict[str, torch.Tensor]], targets: 
                 loss_sum, _ = token_loss_sum(model, batch, info.device, job.cfg.train.loss_chunk_tokens)
             if health.injected("nan", info, step):
                 loss_sum = loss_sum * float("nan")
+            if health.injected("oom", info, step):
+                raise torch.OutOfMemoryError("injected by TRAINYARD_FAULT")
             if last:
                 health.record_progress(info, step, health.GRAD_SYNC)
             (loss_sum * scale).backward()
@@ -218,6 +223,14 @@ def _check_replicas(job: Job, step: int) -> None:
     if health.injected("desync", info, step):
         health.corrupt_one_parameter(job.model)
     health.check_replicas_agree(job.model, info, step, cfg.dist.desync_tolerance)
+
+
+def _worst_batch(cfg: JobConfig, rows: Any, data_world: int) -> list[int]:
+    """The rows of the first optimizer step under train.worst_batch_first: the epoch's largest, so the first step
+    holds every rank's largest micro-batch."""
+    if not cfg.train.worst_batch_first:
+        return []
+    return largest_rows(rows, cfg.train.micro_batch_size * accumulation_steps(cfg, data_world) * data_world)
 
 
 def _size_by_epochs(job: Job, state: LoopState) -> None:
@@ -301,7 +314,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         sampler: ResumableSampler | MixtureStream = mixture_stream(cfg, shards, data_rank, data_world)
     else:
         data = prepare_datasets(cfg.data, tokenizer, cache_root, log=logger.info)
-        sampler = ResumableSampler(len(data.train), seed=cfg.train.seed, rank=data_rank, world_size=data_world)
+        sampler = ResumableSampler(len(data.train), seed=cfg.train.seed, rank=data_rank, world_size=data_world,
+                                   first=_worst_batch(cfg, data.train, data_world))
 
     model, strategy, mesh = build.build_and_wrap(cfg, info, precision, model_path, tokenizer)
     total_params, trainable_params = model_room.parameter_counts(model)
@@ -335,6 +349,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         },
         saves=checkpoint.Checkpointer(cfg.checkpoint, cfg.run_dir / run_layout.CHECKPOINTS, info, sink.emit),
         precision=precision,
+        strategy=strategy,
     )
     job.comm_timer = comm.attach_comm_timer(model)
     if strategy == "diloco":

@@ -131,3 +131,48 @@ def test_state_from_other_data_is_rejected():
     sampler = ResumableSampler(10, seed=0, rank=0, world_size=2)
     with pytest.raises(DataError, match="does not fit"):
         sampler.load_state_dict({"epoch": 0, "position": 11})
+
+
+def test_the_first_rows_lead_epoch_0_only_and_every_row_is_still_taken_once():
+    first = [7, 2, 9, 4]
+    stream = take(ResumableSampler(10, seed=3, rank=0, world_size=1, first=first), 20)
+    plain = take(ResumableSampler(10, seed=3, rank=0, world_size=1), 20)
+    assert stream[:4] == first
+    assert sorted(stream[:10]) == list(range(10))
+    assert stream[4:10] == [i for i in plain[:10] if i not in first]  # the rest keeps the seed's order
+    assert stream[10:] == plain[10:]  # epoch 1 as without them
+
+
+def test_a_resume_keeps_the_order_the_run_began_with_on_any_world_size():
+    first = [5, 0, 8, 3]
+    ranks = [ResumableSampler(10, seed=1, rank=r, world_size=2, first=first) for r in range(2)]
+    taken = [take(s, 3) for s in ranks]
+    state = ranks[0].state_dict()
+    assert state["first"] == first
+    resumed = ResumableSampler(10, seed=1, rank=0, world_size=1)  # another world, and no leading rows of its own
+    resumed.load_state_dict(state)
+    whole = take(ResumableSampler(10, seed=1, rank=0, world_size=1, first=first), 10)
+    assert sorted(taken[0] + taken[1] + take(resumed, 4)) == list(range(10))
+    assert taken[0] + taken[1] == [whole[i] for i in (0, 2, 4, 1, 3, 5)]
+
+
+def test_leading_rows_that_do_not_fit_the_data_are_refused():
+    sampler = ResumableSampler(10, seed=1, rank=0, world_size=1)
+    with pytest.raises(DataError, match="leading rows"):
+        sampler.load_state_dict({"epoch": 0, "position": 4, "first": [3, 12]})
+
+
+def test_the_largest_rows_come_first_so_the_first_micro_batch_is_the_largest():
+    from datasets import Dataset
+
+    from trainyard.data.loader import largest_rows, micro_batches
+
+    lengths = [3, 9, 1, 9, 4, 7, 2, 5]
+    rows = Dataset.from_dict({"input_ids": [[1] * n for n in lengths], "labels": [[1] * n for n in lengths]})
+    first = largest_rows(rows, 4)
+    assert first == [1, 3, 5, 7]
+    for padding_free in (True, False):
+        sampler = ResumableSampler(len(lengths), seed=0, rank=0, world_size=1, first=first)
+        batches = list(islice(micro_batches(rows, sampler, 2, 0, padding_free=padding_free), 4))
+        sizes = [int(b["input_ids"].numel()) for b in batches]
+        assert sizes[0] == max(sizes), sizes
