@@ -181,7 +181,9 @@ def test_two_rank_fsdp_checkpoint_resumes_in_one_process(tmp_path: Path, full_re
     losses = {e["step"]: e["loss"] for e in events(run_dir, "train")}
     reference = {e["step"]: e["loss"] for e in events(full_reference, "train")}
     assert sorted(losses) == list(range(STEPS - EVERY + 1, STEPS + 1))
-    np.testing.assert_allclose([losses[s] for s in losses], [reference[s] for s in losses], rtol=2e-4, atol=1e-5)
+    # one process sums what two ranks reduced, in bf16 products where the CPU has them: a few 1e-4 apart, while a
+    # step on other rows differs by ~1e-2
+    np.testing.assert_allclose([losses[s] for s in losses], [reference[s] for s in losses], rtol=5e-4, atol=1e-5)
     got = model_tensors(step_dir(run_dir / "checkpoints", STEPS))
     want = model_tensors(step_dir(full_reference / "checkpoints", STEPS))
     for name in want:
