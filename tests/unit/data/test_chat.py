@@ -118,6 +118,76 @@ def test_eval_rows_get_the_templates_generation_prompt(tok):
     assert example["answer"] == "Blue"
 
 
+# ---------------------------------------------------------------- replies the template rewrites
+
+
+def reasoning_rows(*replies: str) -> dict:
+    """A conversation of one question per reply."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    for number, reply in enumerate(replies):
+        messages += [{"role": "user", "content": f"Question {number}"}, {"role": "assistant", "content": reply}]
+    return {"messages": messages}
+
+
+INLINE = reasoning_rows("<think>4+1</think>5", "<think>5+1</think>6", "<think>6+1</think>7")
+NEWLINES = reasoning_rows("<think>\n4+1\n</think>\n\n5", "<think>\n5+1\n</think>\n\n6", "<think>\n6+1\n</think>\n\n7")
+# Qwen3 keeps the answer of an earlier reply, and all of the last one; with thinking off too, since the row has it
+QWEN3_REASONING = ["5<|im_end|>", "6<|im_end|>", "<think>\n6+1\n</think>\n\n7<|im_end|>"]
+
+
+@pytest.mark.parametrize("row", [INLINE, NEWLINES], ids=["inline", "newlines"])
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": True}, {"enable_thinking": False}], ids=str)
+def test_qwen3_reasoning_replies_train_what_the_rendering_keeps(tok, row, kwargs):
+    """Inline reasoning (`<think>4+1</think>5`) used to fail every multi-turn row: no line of an earlier reply
+    survives Qwen3's rendering."""
+    assert trained(tok, row, "qwen3", **kwargs) == QWEN3_REASONING
+
+
+def test_gpt_oss_trains_the_analysis_of_the_last_reply_only(tok):
+    row = reasoning_rows("5", "6", "7")
+    for number, message in enumerate(row["messages"][2::2]):
+        message["thinking"] = f"{number + 4}+1"
+    assert trained(tok, row, "gpt-oss") == [
+        "<|channel|>final<|message|>5<|end|>",
+        "<|channel|>final<|message|>6<|end|>",
+        "<|channel|>analysis<|message|>6+1<|end|><|start|>assistant<|channel|>final<|message|>7<|return|>",
+    ]
+
+
+def test_replies_rewritten_by_a_custom_template_train_their_rewritten_text(tok):
+    """Earlier replies become summaries that hold none of their text, and the summary of the newest reply
+    changes the history rendered before it."""
+    row = reasoning_rows("hello there", "blue sky today", "red")
+    runs = trained(tok, row, str(TEST_TEMPLATES / "rewrites_earlier_replies.jinja"))
+    assert runs == ["(HELLO, 2 words)<|eos|>", "(BLUE, 3 words)<|eos|>", "red<|eos|>"]
+
+
+REWRITES = {
+    "upper-cased": ("{{ m.content | upper }}", ["HELLO THERE<|eos|>", "BLUE SKY TODAY<|eos|>", "red<|eos|>"]),
+    "replaced": ("(an earlier reply)", ["(an earlier reply)<|eos|>", "(an earlier reply)<|eos|>", "red<|eos|>"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REWRITES))
+def test_earlier_replies_rewritten_whatever_the_way_train_what_the_rendering_holds(tok, tmp_path, name):
+    earlier, expected = REWRITES[name]
+    path = tmp_path / f"{name}.jinja"
+    path.write_text(
+        "{% for m in messages %}{% if m.role == 'assistant' %}<|assistant|>"
+        f"{{% if loop.last %}}{{{{ m.content }}}}{{% else %}}{earlier}{{% endif %}}<|eos|>"
+        "{% else %}{{ '<|' + m.role + '|>' + m.content }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    assert trained(tok, reasoning_rows("hello there", "blue sky today", "red"), str(path)) == expected
+
+
+def test_prepare_keeps_every_row_of_inline_reasoning(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [INLINE, NEWLINES])
+    prepared = prepare(tmp_path, tok, path=str(path), chat_template="qwen3")
+    assert prepared.stats["skipped"] == {} and len(prepared.train) == 2
+    assert [target_runs(tok, example["labels"]) for example in prepared.train] == [QWEN3_REASONING] * 2
+
+
 # ---------------------------------------------------------------- {% generation %} templates
 
 
