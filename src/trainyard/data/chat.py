@@ -17,6 +17,8 @@ only the answer where it drops it (`5<|im_end|>` of `<think>4+1</think>5`).
 
 from __future__ import annotations
 
+import copy
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -94,6 +96,41 @@ def _read_template(path: Path) -> str:
             fix="fix the template at that line, or use a known template: " + known,
         ) from None
     return text
+
+
+def _jinja_literal(value: Any) -> str:
+    """`value` as a Jinja expression (JSON but for true, false and none, which Jinja spells in lower case)."""
+    if isinstance(value, bool) or value is None:
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_jinja_literal, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))}: {_jinja_literal(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value if isinstance(value, int | float | str) else str(value))
+
+
+def template_with_defaults(text: str, kwargs: dict[str, Any]) -> str:
+    """`text` rendering as if given `kwargs` when a caller passes none of them: each becomes its variable's
+    default, since a saved tokenizer keeps its template but no kwargs. A caller's own value still wins."""
+    lines = [
+        f"{{%- if {name} is not defined %}}{{%- set {name} = {_jinja_literal(value)} %}}{{%- endif %}}"
+        for name, value in kwargs.items()
+        if name.isidentifier()
+    ]
+    return "".join(lines) + "\n" + text if lines else text  # the block tags' trim drops that newline
+
+
+def tokenizer_as_trained(tokenizer: Any, cfg: DataConfig) -> Any:
+    """The tokenizer to save beside weights: its chat template is the one the job rendered rows with
+    (data.chat_template, else its own) holding data.chat_template_kwargs as defaults, so that
+    `AutoTokenizer.from_pretrained(folder).apply_chat_template(...)` renders what training saw."""
+    template = chat_template_for(cfg)
+    source = template.source(tokenizer)
+    if not isinstance(source, str) or (template.text is None and not template.kwargs):
+        return tokenizer
+    trained = copy.deepcopy(tokenizer)
+    trained.chat_template = template_with_defaults(source, template.kwargs)
+    return trained
 
 
 def check_chat_tokenizer(tokenizer: Any, template: ChatTemplate) -> None:

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
+from transformers import AutoTokenizer
 
 from tests.unit.data.conftest import prepare, target_runs, write_jsonl
 from trainyard.config import DataConfig
 from trainyard.config_file import load_config
 from trainyard.data import encode_row
-from trainyard.data.chat import ChatTemplate, chat_template_for, family_templates
+from trainyard.data.chat import ChatTemplate, chat_template_for, family_templates, renderer, tokenizer_as_trained
 from trainyard.errors import ConfigError, DataError
 
 TEST_TEMPLATES = Path(__file__).parents[2] / "data" / "chat_templates"
@@ -245,6 +246,59 @@ def test_unmaskable_and_failing_rows_are_skipped_and_counted(tmp_path, tok):
     path = write_jsonl(tmp_path / "g.jsonl", [conversation(), not_alternating])
     prepared = prepare(tmp_path, tok, path=str(path), chat_template="gemma3", on_bad_row="skip")
     assert prepared.stats["skipped"] == {"chat template failed": 1} and len(prepared.train) == 1
+
+
+# ---------------------------------------------------------------- the template saved with the weights
+
+
+def saved_and_loaded(tokenizer, cfg: DataConfig, folder: Path):
+    tokenizer_as_trained(tokenizer, cfg).save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+KWARG_ECHO = (
+    "{{ greeting }}|{{ flags | tojson }}|{{ nothing is none }}|{{ ratio * 2 }}|{{ table.a }}"
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+)
+TEMPLATES_AND_KWARGS = {
+    "qwen3, thinking off": ("qwen3", {"enable_thinking": False}),
+    "rewriting file": (str(TEST_TEMPLATES / "rewrites_earlier_replies.jinja"), {}),
+    "kwargs of every type": (
+        "echo",
+        {"greeting": 'Say "hi"\n\tté', "flags": [True, False, None], "nothing": None, "ratio": 0.25, "table": {"a": 1}},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TEMPLATES_AND_KWARGS))
+def test_the_saved_tokenizer_renders_as_the_job_did(tok, tmp_path, case):
+    name, kwargs = TEMPLATES_AND_KWARGS[case]
+    if name == "echo":
+        name = str(tmp_path / "echo.jinja")
+        Path(name).write_text(KWARG_ECHO)
+    cfg = DataConfig(chat_template=name, chat_template_kwargs=kwargs)
+    saved, render = saved_and_loaded(tok, cfg, tmp_path / "saved"), renderer(tok, chat_template_for(cfg))
+    messages = reasoning_rows("<think>4+1</think>5", "hello there", "red")["messages"]
+    for prompt in (False, True):
+        assert saved.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt) == render(
+            messages, prompt
+        )
+
+
+def test_the_saved_defaults_give_way_to_a_callers_kwargs(tok, tmp_path):
+    saved = saved_and_loaded(tok, DataConfig(chat_template="qwen3", chat_template_kwargs={"enable_thinking": False}),
+                             tmp_path)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert saved.apply_chat_template(messages, tokenize=False, add_generation_prompt=True).endswith("</think>\n\n")
+    thinking = saved.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=True)
+    assert thinking.endswith("<|im_start|>assistant\n")
+
+
+def test_the_tokenizers_own_template_gets_the_kwargs_too(tok, tmp_path):
+    assert tokenizer_as_trained(tok, DataConfig()) is tok  # nothing to carry
+    saved = saved_and_loaded(tok, DataConfig(chat_template_kwargs={"unused": 1}), tmp_path)
+    messages = conversation()["messages"]
+    assert saved.apply_chat_template(messages, tokenize=False) == tok.apply_chat_template(messages, tokenize=False)
 
 
 # ---------------------------------------------------------------- bad settings
