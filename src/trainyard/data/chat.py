@@ -301,13 +301,16 @@ def _after_shared_tail(full: str, text: str, cursor: int, anchor: str) -> int | 
     return full.find(tail, cursor) + len(tail)
 
 
-def _turn_header(reply: _Reply) -> str:
-    """The part of the generation prompt the template also writes before a reply that more turns follow: Qwen3
-    without thinking prompts with an empty <think> block that a reply rendered with its reasoning lacks."""
+def _turn_headers(reply: _Reply) -> list[str]:
+    """What the template writes before the text of a reply that more turns follow, and the part of the generation
+    prompt it shares with that: Qwen3 without thinking prompts with an empty <think> block that a reply rendered
+    with its reasoning lacks; a template may open earlier replies with a header of their own."""
     followed = reply.probed({"role": "user", "content": reply.probe})
     if followed is None or not followed.startswith(reply.history) or reply.opening is None:
-        return ""
-    return reply.opening[: _shared_prefix(reply.opening, followed[len(reply.history) :])]
+        return []
+    turn = followed[len(reply.history) :]
+    before_text = [turn[: turn.index(reply.probe)]] if reply.probe in turn else []
+    return [*before_text, reply.opening[: _shared_prefix(reply.opening, turn)]]
 
 
 def _reply_start(reply: _Reply, cursor: int) -> int:
@@ -324,9 +327,9 @@ def _reply_start(reply: _Reply, cursor: int) -> int:
     if history_end is not None and reply.opening is not None:
         if full.startswith(reply.opening, history_end):
             return history_end + len(reply.opening)
-        header = _turn_header(reply)
-        if header and full.startswith(header, history_end):
-            return history_end + len(header)
+        for header in _turn_headers(reply):
+            if header and full.startswith(header, history_end):
+                return history_end + len(header)
     raise BadRow(
         CANNOT_MASK,
         f"the prompt of message {reply.i} (assistant) is not in the rendered conversation: the template is not "

@@ -163,23 +163,31 @@ def test_replies_rewritten_by_a_custom_template_train_their_rewritten_text(tok):
     assert runs == ["(HELLO, 2 words)<|eos|>", "(BLUE, 3 words)<|eos|>", "red<|eos|>"]
 
 
-REWRITES = {
-    "upper-cased": ("{{ m.content | upper }}", ["HELLO THERE<|eos|>", "BLUE SKY TODAY<|eos|>", "red<|eos|>"]),
-    "replaced": ("(an earlier reply)", ["(an earlier reply)<|eos|>", "(an earlier reply)<|eos|>", "red<|eos|>"]),
+REWRITES = {  # an earlier reply as the template renders it, and what is trained of the two earlier replies
+    "upper-cased": ("<|assistant|>{{ m.content | upper }}", ["HELLO THERE<|eos|>", "BLUE SKY TODAY<|eos|>"]),
+    "reversed": ("<|assistant|>{{ m.content[::-1] }}", ["ereht olleh<|eos|>", "yadot yks eulb<|eos|>"]),
+    "replaced": ("<|assistant|>(an earlier reply)", ["(an earlier reply)<|eos|>"] * 2),
+    "wrapped": (
+        "<|assistant|><old>{{ m.content | upper }}</old>",
+        ["<old>HELLO THERE</old><|eos|>", "<old>BLUE SKY TODAY</old><|eos|>"],
+    ),
+    "under a header of its own": (
+        "<|earlier|>{{ m.content | upper }}", ["HELLO THERE<|eos|>", "BLUE SKY TODAY<|eos|>"]
+    ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(REWRITES))
 def test_earlier_replies_rewritten_whatever_the_way_train_what_the_rendering_holds(tok, tmp_path, name):
     earlier, expected = REWRITES[name]
-    path = tmp_path / f"{name}.jinja"
+    path = tmp_path / "rewrites.jinja"
     path.write_text(
-        "{% for m in messages %}{% if m.role == 'assistant' %}<|assistant|>"
-        f"{{% if loop.last %}}{{{{ m.content }}}}{{% else %}}{earlier}{{% endif %}}<|eos|>"
+        "{% for m in messages %}{% if m.role == 'assistant' %}"
+        f"{{% if loop.last %}}<|assistant|>{{{{ m.content }}}}{{% else %}}{earlier}{{% endif %}}<|eos|>"
         "{% else %}{{ '<|' + m.role + '|>' + m.content }}{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
-    assert trained(tok, reasoning_rows("hello there", "blue sky today", "red"), str(path)) == expected
+    assert trained(tok, reasoning_rows("hello there", "blue sky today", "red"), str(path)) == [*expected, "red<|eos|>"]
 
 
 def test_prepare_keeps_every_row_of_inline_reasoning(tmp_path, tok):
