@@ -350,17 +350,26 @@ def _turn_ends(reply: _Reply) -> set[str]:
     return ends
 
 
-def _reply_end(reply: _Reply, start: int) -> int:
-    """Where the reply ends in the whole text: at the first end-of-turn text after what its text became there.
-    That is learned by rendering the conversation with the reply's text swapped for the probe, so nothing of the
-    reply need survive the template (Qwen3 keeps only the answer of an earlier reply; a template may rewrite it)."""
-    messages, i, full = reply.messages, reply.i, reply.full
+def _swapped(reply: _Reply, k: int) -> str | None:
+    """The whole conversation rendered with message k's text swapped for the probe; None if the template refuses."""
+    messages = reply.messages
     try:
-        swapped = reply.render([*messages[:i], {**messages[i], "content": reply.probe}, *messages[i + 1 :]], False)
-        text_end = max(start, len(full) - _shared_suffix(full, swapped))
-    except BadRow:  # the template refuses the probe here: the reply ends at the first end-of-turn text
-        text_end = start
-    found = [(full.find(end, text_end), -len(end)) for end in _turn_ends(reply) if end in full[text_end:]]
+        return reply.render([*messages[:k], {**messages[k], "content": reply.probe}, *messages[k + 1 :]], False)
+    except BadRow:
+        return None
+
+
+def _reply_end(reply: _Reply, start: int) -> int:
+    """Where the reply ends in the whole text: at the first end-of-turn text after what its text became there, and
+    before the next message's text. Both are learned by rendering the conversation with a message's text swapped
+    for the probe, so nothing of the reply need survive the template (Qwen3 keeps only the answer of an earlier
+    reply; a template may rewrite it)."""
+    i, full = reply.i, reply.full
+    swapped = _swapped(reply, i)  # refused: the reply ends at the first end-of-turn text
+    text_end = start if swapped is None else max(start, len(full) - _shared_suffix(full, swapped))
+    following = _swapped(reply, i + 1) if i + 1 < len(reply.messages) else None
+    limit = len(full) if following is None else _shared_prefix(full, following)
+    found = [(full.find(end, text_end), -len(end)) for end in _turn_ends(reply) if end in full[text_end:limit]]
     if not found:
         raise BadRow(CANNOT_MASK, f"the end of message {i} (assistant) is not in the rendered conversation")
     position, minus_length = min(found)  # the nearest end; of two found at once, the longer

@@ -19,7 +19,7 @@ from tests.unit.data.conftest import prepare, target_runs, write_jsonl
 from trainyard.config import DataConfig
 from trainyard.config_file import load_config
 from trainyard.data import encode_row
-from trainyard.data.chat import ChatTemplate, chat_template_for, family_templates, renderer, tokenizer_as_trained
+from trainyard.data.chat import BadRow, ChatTemplate, chat_template_for, family_templates, renderer, tokenizer_as_trained
 from trainyard.errors import ConfigError, DataError
 
 TEST_TEMPLATES = Path(__file__).parents[2] / "data" / "chat_templates"
@@ -188,6 +188,20 @@ def test_earlier_replies_rewritten_whatever_the_way_train_what_the_rendering_hol
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
     assert trained(tok, reasoning_rows("hello there", "blue sky today", "red"), str(path)) == [*expected, "red<|eos|>"]
+
+
+def test_an_end_of_turn_written_only_after_earlier_replies_is_a_bad_row(tok, tmp_path):
+    """The template never writes <|over|> after a reply that is last or prompted for: the first reply's span
+    would run into the next turn, so the row is refused instead."""
+    path = tmp_path / "own_end.jinja"
+    path.write_text(
+        "{% for m in messages %}{% if m.role == 'assistant' %}<|assistant|>{{ m.content }}"
+        "{% if loop.last %}<|eos|>{% else %}<|over|>{% endif %}"
+        "{% else %}{{ '<|' + m.role + '|>' + m.content }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    with pytest.raises(BadRow, match="the end of message 2 .* is not in the rendered conversation"):
+        trained(tok, reasoning_rows("hello", "red"), str(path))
 
 
 def test_prepare_keeps_every_row_of_inline_reasoning(tmp_path, tok):
