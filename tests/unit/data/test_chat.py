@@ -19,7 +19,14 @@ from tests.unit.data.conftest import prepare, target_runs, write_jsonl
 from trainyard.config import DataConfig
 from trainyard.config_file import load_config
 from trainyard.data import encode_row
-from trainyard.data.chat import BadRow, ChatTemplate, chat_template_for, family_templates, renderer, tokenizer_as_trained
+from trainyard.data.chat import (
+    BadRow,
+    ChatTemplate,
+    chat_template_for,
+    family_templates,
+    renderer,
+    tokenizer_as_trained,
+)
 from trainyard.errors import ConfigError, DataError
 
 TEST_TEMPLATES = Path(__file__).parents[2] / "data" / "chat_templates"
