@@ -301,21 +301,20 @@ def _after_shared_tail(full: str, text: str, cursor: int, anchor: str) -> int | 
     return full.find(tail, cursor) + len(tail)
 
 
-def _turn_headers(reply: _Reply) -> list[str]:
-    """What the template writes before the text of a reply that more turns follow, and the part of the generation
-    prompt it shares with that: Qwen3 without thinking prompts with an empty <think> block that a reply rendered
-    with its reasoning lacks; a template may open earlier replies with a header of their own."""
+def _earlier_turn_header(reply: _Reply) -> str:
+    """What the template writes before the text of a reply that more turns follow: where a reply starts when the
+    whole text does not hold its generation prompt (Qwen3 without thinking prompts with an empty <think> block
+    that a reply rendered with its reasoning lacks; a template may open earlier replies with a header of its own)."""
     followed = reply.probed({"role": "user", "content": reply.probe})
-    if followed is None or not followed.startswith(reply.history) or reply.opening is None:
-        return []
+    if followed is None or not followed.startswith(reply.history):
+        return ""
     turn = followed[len(reply.history) :]
-    before_text = [turn[: turn.index(reply.probe)]] if reply.probe in turn else []
-    return [*before_text, reply.opening[: _shared_prefix(reply.opening, turn)]]
+    return turn[: turn.index(reply.probe)] if reply.probe in turn else ""
 
 
 def _reply_start(reply: _Reply, cursor: int) -> int:
-    """Where the reply begins in the whole text: after its generation prompt, or after the part of the prompt
-    that starts every assistant turn when the whole text holds something else in place of the rest."""
+    """Where the reply begins in the whole text: after its generation prompt, or, where the whole text holds
+    something else there, after what the template writes before the text of an earlier reply."""
     full, history = reply.full, reply.history
     if full.startswith(reply.prompt) and len(reply.prompt) >= cursor:
         return len(reply.prompt)
@@ -327,9 +326,9 @@ def _reply_start(reply: _Reply, cursor: int) -> int:
     if history_end is not None and reply.opening is not None:
         if full.startswith(reply.opening, history_end):
             return history_end + len(reply.opening)
-        for header in _turn_headers(reply):
-            if header and full.startswith(header, history_end):
-                return history_end + len(header)
+        header = _earlier_turn_header(reply)
+        if header and full.startswith(header, history_end):
+            return history_end + len(header)
     raise BadRow(
         CANNOT_MASK,
         f"the prompt of message {reply.i} (assistant) is not in the rendered conversation: the template is not "
