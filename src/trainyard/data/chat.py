@@ -368,6 +368,7 @@ def _reply_end(reply: _Reply, start: int) -> int:
     text_end = start if swapped is None else max(start, len(full) - _shared_suffix(full, swapped))
     following = _swapped(reply, i + 1) if i + 1 < len(reply.messages) else None
     limit = len(full) if following is None else _shared_prefix(full, following)
+    limit = limit if limit > start else len(full)  # a template may move the next message (a system one) up
     found = [(full.find(end, text_end), -len(end)) for end in _turn_ends(reply) if end in full[text_end:limit]]
     if not found:
         raise BadRow(CANNOT_MASK, f"the end of message {i} (assistant) is not in the rendered conversation")
