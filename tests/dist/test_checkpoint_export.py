@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import assert_ok, events, trainyard
+from tests.conftest import TINY, assert_ok, events, train_in, trainyard
 from tests.dist.checkpoint_helpers import COMMON, FULL_FSDP, LORA_DDP, STEPS, model_tensors
 from trainyard.model import build as model_room
 from trainyard.model import lora as lora_room
@@ -18,6 +19,7 @@ from trainyard.model import source as source_room
 from trainyard.checkpoint.save import step_dir
 from trainyard.config_file import load_config
 from trainyard.checkpoint.export import export
+from trainyard.data.chat import chat_template_for, renderer
 
 pytestmark = pytest.mark.dist
 
@@ -88,8 +90,6 @@ def test_eval_of_a_checkpoint_matches_the_runs_final_eval(
     reference: str, mode: list[str], nproc: int, request: pytest.FixtureRequest
 ) -> None:
     run_dir: Path = request.getfixturevalue(reference)
-    from tests.conftest import TINY
-
     result = trainyard(
         "eval",
         TINY,
@@ -108,3 +108,36 @@ def test_eval_of_a_checkpoint_matches_the_runs_final_eval(
     assert int(got["eval_tokens"]) == want["eval_tokens"]
     assert float(got["eval_loss"]) == pytest.approx(want["eval_loss"], rel=1e-6)
     assert float(got["eval_ppl"]) == pytest.approx(want["eval_ppl"], rel=1e-6)
+
+
+REASONING = [
+    {"role": "system", "content": "Add."},
+    {"role": "user", "content": "4+1?"},
+    {"role": "assistant", "content": "<think>4+1</think>5"},
+    {"role": "user", "content": "5+1?"},
+    {"role": "assistant", "content": "<think>\n5+1\n</think>\n\n6"},
+]
+
+
+def test_exports_and_adapter_folders_render_chat_as_the_job_trained(tmp_path: Path, solo) -> None:
+    """A LoRA job on chat rows with qwen3 and enable_thinking: false: the export's tokenizer and each adapter
+    folder's render a conversation, with and without the generation prompt, as the job's renderer did."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": REASONING[:i]}) + "\n" for i in (3, 5)) * 4)
+    train_in(
+        solo, TINY, f"output_dir={tmp_path}", f"data.path={data}", "data.chat_template=qwen3",
+        "data.chat_template_kwargs.enable_thinking=false", "data.max_length=192", "lora.enabled=true",
+        "train.max_steps=2", "train.micro_batch_size=2", "checkpoint.lite_every_steps=1", "checkpoint.every_steps=0",
+        "eval.every_steps=0", "eval.at_end=false", "log.progress=false", "log.tensorboard=false",
+    )
+    run_dir = tmp_path / "tiny"
+    cfg = load_config(str(run_dir / "config.yaml"))
+    render = renderer(source_room.load_tokenizer(cfg.model, None), chat_template_for(cfg.data))
+    lite, full = (step_dir(run_dir / "checkpoints", step) / "adapter" for step in (1, 2))
+    for folder in (export(run_dir, tmp_path / "export"), lite, full):
+        saved = AutoTokenizer.from_pretrained(folder)
+        for prompt in (False, True):
+            assert saved.apply_chat_template(REASONING, tokenize=False, add_generation_prompt=prompt) == render(
+                REASONING, prompt
+            )
+    assert render(REASONING, True).endswith("<think>\n\n</think>\n\n")  # the kwarg is in what they render

@@ -25,6 +25,7 @@ from trainyard.atomic import publish_folder, temp_sibling
 from trainyard.checkpoint.save import MARKER, STEP_DIR, committed_kind, latest_full, model_signature, read_trainer_state
 from trainyard.config import JobConfig
 from trainyard.config_file import load_config
+from trainyard.data.chat import tokenizer_as_trained
 from trainyard.errors import CheckpointError, OptionError
 from trainyard.model import build as model_room
 from trainyard.model import lora as lora_room
@@ -145,7 +146,8 @@ def _prepare_out(out: Path) -> Path:
 
 
 def export(ckpt: Path, out: Path, merge_lora: bool = False) -> Path:
-    """Write `out`: a plain HF model folder (+ `adapter/` for unmerged LoRA) and the tokenizer."""
+    """Write `out`: a plain HF model folder (+ `adapter/` for unmerged LoRA) and the tokenizer, whose chat template
+    is the one the job trained with."""
     transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
     step = find_checkpoint(ckpt)
@@ -163,7 +165,7 @@ def export(ckpt: Path, out: Path, merge_lora: bool = False) -> Path:
             check_model_matches(model, step)
             load_full_weights(model, step)
             model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        tokenizer_as_trained(tokenizer, cfg.data).save_pretrained(tmp)  # the chat template as training rendered it
         if not publish_folder(tmp, out):
             raise OptionError(f"--out {out} was filled by another process meanwhile", fix="choose a new folder")
     finally:

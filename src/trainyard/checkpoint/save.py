@@ -80,9 +80,10 @@ def adapter_state(model: torch.nn.Module, info: DistInfo) -> dict[str, torch.Ten
     return full
 
 
-def save_adapter(model: torch.nn.Module, out_dir: Path, info: DistInfo) -> Path | None:
-    """adapter_model.safetensors + adapter_config.json, as PeftModel.from_pretrained reads them.
-    Every rank gathers (FSDP), rank 0 keeps and writes; None when the model has no adapter."""
+def save_adapter(model: torch.nn.Module, out_dir: Path, info: DistInfo, tokenizer: Any = None) -> Path | None:
+    """adapter_model.safetensors + adapter_config.json, as PeftModel.from_pretrained reads them, and the job's
+    tokenizer (its chat template as trained) when given. Every rank gathers (FSDP), rank 0 keeps and writes; None
+    when the model has no adapter."""
     peft_model = unwrap(model)
     if not isinstance(peft_model, PeftModel):
         return None
@@ -91,6 +92,8 @@ def save_adapter(model: torch.nn.Module, out_dir: Path, info: DistInfo) -> Path 
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file(state, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
         peft_model.peft_config["default"].save_pretrained(str(out_dir))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(out_dir))
         fsync_dir(out_dir)
     return out_dir
 
@@ -158,13 +161,18 @@ def _write_shards(state: dict[str, Any], path: Path, async_save: bool, process_g
 
 
 def _write_own_files(
-    model: torch.nn.Module, path: Path, trainer_state: dict[str, Any], rank_state: dict[str, Any], info: DistInfo
+    model: torch.nn.Module,
+    path: Path,
+    trainer_state: dict[str, Any],
+    rank_state: dict[str, Any],
+    info: DistInfo,
+    tokenizer: Any = None,
 ) -> None:
     """Adapter and JSON files beside the shards. Every rank learns whether any rank failed:
     one that went on alone would wait in DCP's collectives (or the next step's) forever."""
     error: Exception | None = None
     try:
-        save_adapter(model, path / "adapter", info)
+        save_adapter(model, path / "adapter", info, tokenizer)
         path.mkdir(parents=True, exist_ok=True)
         write_atomically(path / f"rank-{info.rank}.json", json.dumps(rank_state))
         if info.is_main:
@@ -214,8 +222,12 @@ class Checkpointer:
     """Starts, settles, commits, rotates and reports the saves of one job; `emit` is the
     metrics sink's. `resumed_from` is never rotated away."""
 
-    def __init__(self, cfg: CheckpointConfig, checkpoints: Path, info: DistInfo, emit: Callable[..., None]) -> None:
+    def __init__(
+        self, cfg: CheckpointConfig, checkpoints: Path, info: DistInfo, emit: Callable[..., None], tokenizer: Any = None
+    ) -> None:
         self.cfg = cfg
+        self.tokenizer = tokenizer
+        """Saved into every adapter folder: its chat template is the one the job trains with."""
         self.dir = checkpoints
         self.info = info
         self.emit = emit
@@ -279,7 +291,7 @@ class Checkpointer:
             return True  # this step is already saved (a preemption right after a save)
         started = time.monotonic()
         try:
-            _write_own_files(model, path, trainer_state, rank_state, self.info)
+            _write_own_files(model, path, trainer_state, rank_state, self.info, self.tokenizer)
             state = self.arrange(*_state_dicts(model, optimizer, self.cfg.save_frozen))
             pending = PendingSave(path, step, _write_shards(state, path, async_save, self.group))
         except (OSError, RuntimeError) as err:
@@ -299,7 +311,7 @@ class Checkpointer:
         path = step_dir(self.dir, step)
         error = ""
         try:
-            if save_adapter(model, path / "adapter", self.info) is None:
+            if save_adapter(model, path / "adapter", self.info, self.tokenizer) is None:
                 return  # not a LoRA job: no rank has anything to save
         except (OSError, SafetensorError) as err:  # rank 0 writes; safetensors' I/O errors are not OSErrors
             error = f"saving lite checkpoint {path} failed on rank 0: {err}"

@@ -1,20 +1,24 @@
 """Chat rows -> token ids whose labels are exactly the assistant replies, under any chat template.
 
 Many real templates render a turn differently once more turns follow it (Qwen3 drops the reasoning of earlier
-replies, gpt-oss ends them with <|end|> instead of <|return|>), so rendering a prefix of a conversation does not
-give a prefix of its rendering. The conversation is therefore rendered once, and each reply is located in that
-text: a template that marks replies with `{% generation %}` says where they are itself (transformers'
-`return_assistant_tokens_mask`); otherwise each reply's text is learned by rendering the conversation up to it
-with the same template and kwargs, and found after the end of the previous one. A reply that cannot be found
-is a bad row, never a guess.
+replies, gpt-oss ends them with <|end|> instead of <|return|>, a custom template may rewrite them), so rendering a
+prefix of a conversation does not give a prefix of its rendering, and a reply's own text need not survive in it.
+The conversation is therefore rendered once, and each reply is located in that text: a template that marks replies
+with `{% generation %}` says where they are itself (transformers' `return_assistant_tokens_mask`); otherwise a reply
+starts after its generation prompt (learned by rendering the conversation up to it) and ends at the template's
+end-of-turn text after what the reply became (learned by rendering it with the reply swapped for a probe
+character). A reply that cannot be found is a bad row, never a guess.
 
-What is trained of a reply: what the model generates after the template's generation prompt, through the
-template's end-of-turn text (trailing whitespace after it excluded): `Hello!<|im_end|>`, `Hello!<|eot_id|>`,
-`<|channel|>final<|message|>Hello!<|end|>`; Qwen3's `<think>` block where the template keeps it (the last reply).
+What is trained of a reply: what the whole rendering holds of the assistant turn after the template's generation
+prompt, through its end-of-turn text (trailing whitespace after it excluded): `Hello!<|im_end|>`,
+`<|channel|>final<|message|>Hello!<|end|>`; Qwen3's `<think>` block where the template keeps it (the last reply),
+only the answer where it drops it (`5<|im_end|>` of `<think>4+1</think>5`).
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +36,9 @@ TEMPLATES_DIR = Path(__file__).parent / "templates"
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 CANNOT_MASK = "chat template cannot be masked"
+# private-use characters: no template writes them or changes them (upper-casing, trimming), so one can stand
+# in for a reply's text
+PROBES = "\ue000\ue001\ue002\ue003"
 
 
 class BadRow(Exception):
@@ -89,6 +96,41 @@ def _read_template(path: Path) -> str:
             fix="fix the template at that line, or use a known template: " + known,
         ) from None
     return text
+
+
+def _jinja_literal(value: Any) -> str:
+    """`value` as a Jinja expression (JSON but for true, false and none, which Jinja spells in lower case)."""
+    if isinstance(value, bool) or value is None:
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_jinja_literal, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))}: {_jinja_literal(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value if isinstance(value, int | float | str) else str(value))
+
+
+def template_with_defaults(text: str, kwargs: dict[str, Any]) -> str:
+    """`text` rendering as if given `kwargs` when a caller passes none of them: each becomes its variable's
+    default, since a saved tokenizer keeps its template but no kwargs. A caller's own value still wins."""
+    lines = [
+        f"{{%- if {name} is not defined %}}{{%- set {name} = {_jinja_literal(value)} %}}{{%- endif %}}"
+        for name, value in kwargs.items()
+        if name.isidentifier()
+    ]
+    return "".join(lines) + "\n" + text if lines else text  # the block tags' trim drops that newline
+
+
+def tokenizer_as_trained(tokenizer: Any, cfg: DataConfig) -> Any:
+    """The tokenizer to save beside weights: its chat template is the one the job rendered rows with
+    (data.chat_template, else its own) holding data.chat_template_kwargs as defaults, so that
+    `AutoTokenizer.from_pretrained(folder).apply_chat_template(...)` renders what training saw."""
+    template = chat_template_for(cfg)
+    source = template.source(tokenizer)
+    if not isinstance(source, str) or (template.text is None and not template.kwargs):
+        return tokenizer
+    trained = copy.deepcopy(tokenizer)
+    trained.chat_template = template_with_defaults(source, template.kwargs)
+    return trained
 
 
 def check_chat_tokenizer(tokenizer: Any, template: ChatTemplate) -> None:
@@ -188,95 +230,161 @@ def renderer(tokenizer: Any, template: ChatTemplate) -> Render:
 
 
 def _shared_prefix(a: str, b: str) -> int:
-    size = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        size += 1
-    return size
-
-
-def _last_line(text: str) -> str:
-    return text.strip().splitlines()[-1].strip()
-
-
-def _after_shared_tail(full: str, prompt: str, cursor: int, anchor: str) -> int | None:
-    """End of the first place after `cursor` where `full` holds the longest tail of `prompt` (one holding
-    `anchor`): where the reply starts when the template renders the history differently in the whole text."""
-    low, high = 0, len(prompt)
-    while low < high:  # a tail that occurs has every shorter tail occurring too
+    """Length of the longest common start of a and b (halving, so the comparisons run at C speed)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
         size = (low + high + 1) // 2
-        if full.find(prompt[-size:], cursor) >= 0:
+        if a[:size] == b[:size]:
             low = size
         else:
             high = size - 1
-    tail = prompt[-low:] if low else ""
+    return low
+
+
+def _shared_suffix(a: str, b: str) -> int:
+    return _shared_prefix(a[::-1], b[::-1])
+
+
+def _last_line(text: str) -> str:
+    return text.strip().splitlines()[-1].strip() if text.strip() else ""
+
+
+def _probe(messages: list[dict[str, Any]], full: str) -> str:
+    """A character that neither the conversation nor its rendering holds: it stands in for a reply's text."""
+    seen = full + "".join(str(message.get("content")) for message in messages)
+    for probe in PROBES:
+        if probe not in seen:
+            return probe
+    raise BadRow(CANNOT_MASK, "the conversation holds every private-use character the template is probed with")
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """Reply i of a conversation, with what locating it takes: the whole rendering `full`, the conversation
+    before the reply rendered without and with the generation prompt, and a probe character."""
+
+    render: Render
+    messages: list[dict[str, Any]]
+    i: int
+    full: str
+    history: str
+    prompt: str
+    probe: str
+
+    @property
+    def opening(self) -> str | None:
+        """The generation prompt: what the template writes between the history and a reply."""
+        return self.prompt[len(self.history) :] if self.prompt.startswith(self.history) else None
+
+    def probed(self, *after: dict[str, Any], generation_prompt: bool = False) -> str | None:
+        """The history, a reply that is only the probe, then `after`; None if the template refuses it."""
+        messages = [*self.messages[: self.i], {"role": "assistant", "content": self.probe}, *after]
+        try:
+            return self.render(messages, generation_prompt)
+        except BadRow:
+            return None
+
+
+def _after_shared_tail(full: str, text: str, cursor: int, anchor: str) -> int | None:
+    """End of the first place after `cursor` where `full` holds the longest tail of `text` (one holding `anchor`):
+    where the history ends when the template renders it differently in the whole conversation."""
+    low, high = 0, len(text)
+    while low < high:  # a tail that occurs has every shorter tail occurring too
+        size = (low + high + 1) // 2
+        if full.find(text[-size:], cursor) >= 0:
+            low = size
+        else:
+            high = size - 1
+    tail = text[-low:] if low else ""
     if not tail or anchor not in tail:
         return None
     return full.find(tail, cursor) + len(tail)
 
 
-def _reply_start(render: Render, messages: list[dict[str, Any]], i: int, full: str, cursor: int) -> int:
-    """Where reply i begins in `full`: right after its generation prompt."""
-    prompt = render(messages[:i], True)
-    if full.startswith(prompt) and len(prompt) >= cursor:
-        return len(prompt)
-    history = render(messages[:i], False)
-    shared = _shared_prefix(full, prompt)
-    if prompt.startswith(history) and shared >= max(len(history), cursor):
-        return shared  # the whole text leaves out part of the generation prompt (Qwen3's empty think block)
-    anchor = _last_line(messages[i - 1]["content"]) if i and messages[i - 1]["content"].strip() else ""
-    start = _after_shared_tail(full, prompt, cursor, anchor)
-    if start is None:
-        raise BadRow(
-            CANNOT_MASK,
-            f"the prompt of message {i} (assistant) is not in the rendered conversation: the template is not "
-            "prefix-stable in a way that can be followed",
-        )
-    return start
+def _earlier_turn_header(reply: _Reply) -> str:
+    """What the template writes before the text of a reply that more turns follow: where a reply starts when the
+    whole text does not hold its generation prompt (Qwen3 without thinking prompts with an empty <think> block
+    that a reply rendered with its reasoning lacks; a template may open earlier replies with a header of its own)."""
+    followed = reply.probed({"role": "user", "content": reply.probe})
+    if followed is None or not followed.startswith(reply.history):
+        return ""
+    turn = followed[len(reply.history) :]
+    return turn[: turn.index(reply.probe)] if reply.probe in turn else ""
 
 
-def _kept_tail(whole: str, rest: str, content: str) -> int | None:
-    """Length of the longest end of `whole` (a rendering that ends with reply i) that `rest` starts with and that
-    holds the reply's last line: the part of a reply a template keeps in context (Qwen3 drops the reasoning)."""
-    line = _last_line(content)
-    content_end = whole.rfind(line)
-    if not line or content_end < 0:
+def _reply_start(reply: _Reply, cursor: int) -> int:
+    """Where the reply begins in the whole text: after its generation prompt, or, where the whole text holds
+    something else there, after what the template writes before the text of an earlier reply."""
+    full, history = reply.full, reply.history
+    if full.startswith(reply.prompt) and len(reply.prompt) >= cursor:
+        return len(reply.prompt)
+    if full.startswith(history) and len(history) >= cursor:
+        history_end: int | None = len(history)
+    else:  # the whole text renders earlier turns differently: find where this history ends by its last text
+        anchor = _last_line(reply.messages[reply.i - 1]["content"]) if reply.i else ""
+        history_end = _after_shared_tail(full, history, cursor, anchor)
+    if history_end is not None and reply.opening is not None:
+        if full.startswith(reply.opening, history_end):
+            return history_end + len(reply.opening)
+        header = _earlier_turn_header(reply)
+        if header and full.startswith(header, history_end):
+            return history_end + len(header)
+    raise BadRow(
+        CANNOT_MASK,
+        f"the prompt of message {reply.i} (assistant) is not in the rendered conversation: the template is not "
+        "prefix-stable in a way that can be followed",
+    )
+
+
+def _turn_ends(reply: _Reply) -> set[str]:
+    """What the template writes after a reply's text: as the last message, and when a generation prompt follows
+    (gpt-oss: <|return|>, <|end|>); the whitespace after it is not part of the reply."""
+    ends = set()
+    last = reply.probed()
+    if last is not None and reply.probe in last:
+        ends.add(last[last.rindex(reply.probe) + 1 :].rstrip())
+    followed, opening = reply.probed(generation_prompt=True), reply.opening
+    if followed is not None and opening and followed.endswith(opening) and reply.probe in followed:
+        ends.add(followed[followed.rindex(reply.probe) + 1 : len(followed) - len(opening)].rstrip())
+    return ends
+
+
+def _swapped(reply: _Reply, k: int) -> str | None:
+    """The whole conversation rendered with message k's text swapped for the probe; None if the template refuses."""
+    messages = reply.messages
+    try:
+        return reply.render([*messages[:k], {**messages[k], "content": reply.probe}, *messages[k + 1 :]], False)
+    except BadRow:
         return None
-    for start in range(content_end + 1):
-        if whole[start] == rest[0] and rest.startswith(whole[start:]):
-            return len(whole) - start
-    return None
 
 
-def _reply_length(render: Render, messages: list[dict[str, Any]], i: int, full: str, start: int) -> int:
-    """How many characters of `full` from `start` are reply i, through its end-of-turn text."""
-    rest = full[start:]
-    prompt = render(messages[:i], True)
-    last = render(messages[: i + 1], False)
-    as_last = last[len(prompt) :].rstrip() if last.startswith(prompt) else ""
-    if as_last and rest.startswith(as_last):
-        return len(as_last)
-    followed = render(messages[: i + 1], True)  # gpt-oss ends a reply that is followed by more with <|end|>
-    generation_prompt = prompt[len(render(messages[:i], False)) :]
-    if followed.startswith(prompt) and generation_prompt and followed.endswith(generation_prompt):
-        as_followed = followed[len(prompt) : len(followed) - len(generation_prompt)].rstrip()
-        if as_followed and rest.startswith(as_followed):
-            return len(as_followed)
-    kept = _kept_tail(last.rstrip(), rest, messages[i]["content"]) if rest else None
-    if kept is None:
-        raise BadRow(CANNOT_MASK, f"the reply of message {i} (assistant) is not in the rendered conversation")
-    return kept
+def _reply_end(reply: _Reply, start: int) -> int:
+    """Where the reply ends in the whole text: at the first end-of-turn text after what its text became there, and
+    before the next message's text. Both are learned by rendering the conversation with a message's text swapped
+    for the probe, so nothing of the reply need survive the template (Qwen3 keeps only the answer of an earlier
+    reply; a template may rewrite it)."""
+    i, full = reply.i, reply.full
+    swapped = _swapped(reply, i)  # refused: the reply ends at the first end-of-turn text
+    text_end = start if swapped is None else max(start, len(full) - _shared_suffix(full, swapped))
+    following = _swapped(reply, i + 1) if i + 1 < len(reply.messages) else None
+    limit = len(full) if following is None else _shared_prefix(full, following)
+    limit = limit if limit > start else len(full)  # a template may move the next message (a system one) up
+    found = [(full.find(end, text_end), -len(end)) for end in _turn_ends(reply) if end in full[text_end:limit]]
+    if not found:
+        raise BadRow(CANNOT_MASK, f"the end of message {i} (assistant) is not in the rendered conversation")
+    position, minus_length = min(found)  # the nearest end; of two found at once, the longer
+    return position - minus_length
 
 
 def reply_spans(render: Render, messages: list[dict[str, Any]], full: str) -> list[range]:
     """Character spans of `full` that are assistant replies, in order, each found after the previous one."""
-    spans, cursor = [], 0
+    spans, cursor, probe = [], 0, _probe(messages, full)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = _reply_start(render, messages, i, full, cursor)
-        end = start + _reply_length(render, messages, i, full, start)
+        reply = _Reply(render, messages, i, full, render(messages[:i], False), render(messages[:i], True), probe)
+        start = _reply_start(reply, cursor)
+        end = _reply_end(reply, start)
         spans.append(range(start, end))
         cursor = end
     return spans

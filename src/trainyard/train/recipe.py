@@ -28,6 +28,7 @@ from trainyard.checkpoint import save as checkpoint
 from trainyard.config import JobConfig
 from trainyard.config_file import dump_config
 from trainyard.data import ResumableSampler, micro_batches, prepare_datasets, sample_record_path
+from trainyard.data.chat import tokenizer_as_trained
 from trainyard.data.loader import largest_rows, stream_batches
 from trainyard.data.mixture import MixtureStream, mixture_stream
 from trainyard.data.pretraining import prepare_pretraining
@@ -347,7 +348,10 @@ def run(cfg: JobConfig) -> dict[str, Any]:
             "data_fingerprint": data.fingerprint,
             "global_batch_samples": cfg.train.micro_batch_size * accum * data_world,
         },
-        saves=checkpoint.Checkpointer(cfg.checkpoint, cfg.run_dir / run_layout.CHECKPOINTS, info, sink.emit),
+        saves=checkpoint.Checkpointer(
+            cfg.checkpoint, cfg.run_dir / run_layout.CHECKPOINTS, info, sink.emit,
+            tokenizer_as_trained(tokenizer, cfg.data) if cfg.lora.enabled else None,
+        ),
         precision=precision,
         strategy=strategy,
     )

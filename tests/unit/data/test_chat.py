@@ -13,12 +13,20 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
+from transformers import AutoTokenizer
 
 from tests.unit.data.conftest import prepare, target_runs, write_jsonl
 from trainyard.config import DataConfig
 from trainyard.config_file import load_config
 from trainyard.data import encode_row
-from trainyard.data.chat import ChatTemplate, chat_template_for, family_templates
+from trainyard.data.chat import (
+    BadRow,
+    ChatTemplate,
+    chat_template_for,
+    family_templates,
+    renderer,
+    tokenizer_as_trained,
+)
 from trainyard.errors import ConfigError, DataError
 
 TEST_TEMPLATES = Path(__file__).parents[2] / "data" / "chat_templates"
@@ -118,6 +126,98 @@ def test_eval_rows_get_the_templates_generation_prompt(tok):
     assert example["answer"] == "Blue"
 
 
+# ---------------------------------------------------------------- replies the template rewrites
+
+
+def reasoning_rows(*replies: str) -> dict:
+    """A conversation of one question per reply."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    for number, reply in enumerate(replies):
+        messages += [{"role": "user", "content": f"Question {number}"}, {"role": "assistant", "content": reply}]
+    return {"messages": messages}
+
+
+INLINE = reasoning_rows("<think>4+1</think>5", "<think>5+1</think>6", "<think>6+1</think>7")
+NEWLINES = reasoning_rows("<think>\n4+1\n</think>\n\n5", "<think>\n5+1\n</think>\n\n6", "<think>\n6+1\n</think>\n\n7")
+# Qwen3 keeps the answer of an earlier reply, and all of the last one; with thinking off too, since the row has it
+QWEN3_REASONING = ["5<|im_end|>", "6<|im_end|>", "<think>\n6+1\n</think>\n\n7<|im_end|>"]
+
+
+@pytest.mark.parametrize("row", [INLINE, NEWLINES], ids=["inline", "newlines"])
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": True}, {"enable_thinking": False}], ids=str)
+def test_qwen3_reasoning_replies_train_what_the_rendering_keeps(tok, row, kwargs):
+    """Inline reasoning (`<think>4+1</think>5`) used to fail every multi-turn row: no line of an earlier reply
+    survives Qwen3's rendering."""
+    assert trained(tok, row, "qwen3", **kwargs) == QWEN3_REASONING
+
+
+def test_gpt_oss_trains_the_analysis_of_the_last_reply_only(tok):
+    row = reasoning_rows("5", "6", "7")
+    for number, message in enumerate(row["messages"][2::2]):
+        message["thinking"] = f"{number + 4}+1"
+    assert trained(tok, row, "gpt-oss") == [
+        "<|channel|>final<|message|>5<|end|>",
+        "<|channel|>final<|message|>6<|end|>",
+        "<|channel|>analysis<|message|>6+1<|end|><|start|>assistant<|channel|>final<|message|>7<|return|>",
+    ]
+
+
+def test_replies_rewritten_by_a_custom_template_train_their_rewritten_text(tok):
+    """Earlier replies become summaries that hold none of their text, and the summary of the newest reply
+    changes the history rendered before it."""
+    row = reasoning_rows("hello there", "blue sky today", "red")
+    runs = trained(tok, row, str(TEST_TEMPLATES / "rewrites_earlier_replies.jinja"))
+    assert runs == ["(HELLO, 2 words)<|eos|>", "(BLUE, 3 words)<|eos|>", "red<|eos|>"]
+
+
+REWRITES = {  # an earlier reply as the template renders it, and what is trained of the two earlier replies
+    "upper-cased": ("<|assistant|>{{ m.content | upper }}", ["HELLO THERE<|eos|>", "BLUE SKY TODAY<|eos|>"]),
+    "reversed": ("<|assistant|>{{ m.content[::-1] }}", ["ereht olleh<|eos|>", "yadot yks eulb<|eos|>"]),
+    "replaced": ("<|assistant|>(an earlier reply)", ["(an earlier reply)<|eos|>"] * 2),
+    "wrapped": (
+        "<|assistant|><old>{{ m.content | upper }}</old>",
+        ["<old>HELLO THERE</old><|eos|>", "<old>BLUE SKY TODAY</old><|eos|>"],
+    ),
+    "under a header of its own": (
+        "<|earlier|>{{ m.content | upper }}", ["HELLO THERE<|eos|>", "BLUE SKY TODAY<|eos|>"]
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REWRITES))
+def test_earlier_replies_rewritten_whatever_the_way_train_what_the_rendering_holds(tok, tmp_path, name):
+    earlier, expected = REWRITES[name]
+    path = tmp_path / "rewrites.jinja"
+    path.write_text(
+        "{% for m in messages %}{% if m.role == 'assistant' %}"
+        f"{{% if loop.last %}}<|assistant|>{{{{ m.content }}}}{{% else %}}{earlier}{{% endif %}}<|eos|>"
+        "{% else %}{{ '<|' + m.role + '|>' + m.content }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    assert trained(tok, reasoning_rows("hello there", "blue sky today", "red"), str(path)) == [*expected, "red<|eos|>"]
+
+
+def test_an_end_of_turn_written_only_after_earlier_replies_is_a_bad_row(tok, tmp_path):
+    """The template never writes <|over|> after a reply that is last or prompted for: the first reply's span
+    would run into the next turn, so the row is refused instead."""
+    path = tmp_path / "own_end.jinja"
+    path.write_text(
+        "{% for m in messages %}{% if m.role == 'assistant' %}<|assistant|>{{ m.content }}"
+        "{% if loop.last %}<|eos|>{% else %}<|over|>{% endif %}"
+        "{% else %}{{ '<|' + m.role + '|>' + m.content }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    with pytest.raises(BadRow, match="the end of message 2 .* is not in the rendered conversation"):
+        trained(tok, reasoning_rows("hello", "red"), str(path))
+
+
+def test_prepare_keeps_every_row_of_inline_reasoning(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [INLINE, NEWLINES])
+    prepared = prepare(tmp_path, tok, path=str(path), chat_template="qwen3")
+    assert prepared.stats["skipped"] == {} and len(prepared.train) == 2
+    assert [target_runs(tok, example["labels"]) for example in prepared.train] == [QWEN3_REASONING] * 2
+
+
 # ---------------------------------------------------------------- {% generation %} templates
 
 
@@ -175,6 +275,59 @@ def test_unmaskable_and_failing_rows_are_skipped_and_counted(tmp_path, tok):
     path = write_jsonl(tmp_path / "g.jsonl", [conversation(), not_alternating])
     prepared = prepare(tmp_path, tok, path=str(path), chat_template="gemma3", on_bad_row="skip")
     assert prepared.stats["skipped"] == {"chat template failed": 1} and len(prepared.train) == 1
+
+
+# ---------------------------------------------------------------- the template saved with the weights
+
+
+def saved_and_loaded(tokenizer, cfg: DataConfig, folder: Path):
+    tokenizer_as_trained(tokenizer, cfg).save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+KWARG_ECHO = (
+    "{{ greeting }}|{{ flags | tojson }}|{{ nothing is none }}|{{ ratio * 2 }}|{{ table.a }}"
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+)
+TEMPLATES_AND_KWARGS = {
+    "qwen3, thinking off": ("qwen3", {"enable_thinking": False}),
+    "rewriting file": (str(TEST_TEMPLATES / "rewrites_earlier_replies.jinja"), {}),
+    "kwargs of every type": (
+        "echo",
+        {"greeting": 'Say "hi"\n\tté', "flags": [True, False, None], "nothing": None, "ratio": 0.25, "table": {"a": 1}},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TEMPLATES_AND_KWARGS))
+def test_the_saved_tokenizer_renders_as_the_job_did(tok, tmp_path, case):
+    name, kwargs = TEMPLATES_AND_KWARGS[case]
+    if name == "echo":
+        name = str(tmp_path / "echo.jinja")
+        Path(name).write_text(KWARG_ECHO)
+    cfg = DataConfig(chat_template=name, chat_template_kwargs=kwargs)
+    saved, render = saved_and_loaded(tok, cfg, tmp_path / "saved"), renderer(tok, chat_template_for(cfg))
+    messages = reasoning_rows("<think>4+1</think>5", "hello there", "red")["messages"]
+    for prompt in (False, True):
+        assert saved.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt) == render(
+            messages, prompt
+        )
+
+
+def test_the_saved_defaults_give_way_to_a_callers_kwargs(tok, tmp_path):
+    saved = saved_and_loaded(tok, DataConfig(chat_template="qwen3", chat_template_kwargs={"enable_thinking": False}),
+                             tmp_path)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert saved.apply_chat_template(messages, tokenize=False, add_generation_prompt=True).endswith("</think>\n\n")
+    thinking = saved.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=True)
+    assert thinking.endswith("<|im_start|>assistant\n")
+
+
+def test_the_tokenizers_own_template_gets_the_kwargs_too(tok, tmp_path):
+    assert tokenizer_as_trained(tok, DataConfig()) is tok  # nothing to carry
+    saved = saved_and_loaded(tok, DataConfig(chat_template_kwargs={"unused": 1}), tmp_path)
+    messages = conversation()["messages"]
+    assert saved.apply_chat_template(messages, tokenize=False) == tok.apply_chat_template(messages, tokenize=False)
 
 
 # ---------------------------------------------------------------- bad settings
