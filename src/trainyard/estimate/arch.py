@@ -86,6 +86,8 @@ class Counts:
     routed (token, expert) pair saves its x·Aᵀ of that width for the B product."""
     lora_expert_copies_per_block: int = 0
     """Elements of those projections' B factors, copied once per forward into grouped_mm's layout and saved."""
+    head_trainable: int = 0
+    """Trainable elements of the output head (full fine-tuning): its gradient is made while every activation lives."""
 
 
 def hf_config(cfg: JobConfig):  # -> PretrainedConfig
@@ -173,6 +175,7 @@ def count(model: torch.nn.Module, shape: Shape) -> Counts:
         lora_largest_parameter=max(folded, default=0),
         lora_expert_ranks_per_block=sum(sum(m.r.values()) for m in grouped_wrappers),
         lora_expert_copies_per_block=sum(sum(b.weight.numel() for b in m.lora_B.values()) for m in grouped_wrappers),
+        head_trainable=sum(p.numel() for p in output.parameters() if p.requires_grad) if output is not None else 0,
     )
 
 

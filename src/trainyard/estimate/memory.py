@@ -95,6 +95,9 @@ class Memory:
     """With activation checkpointing: the one layer's activations rebuilt in backward (part of `activations`)."""
     tied_gradient: float = 0.0
     """A trainable tied embedding's second gradient at the end of backward, while the head's is held."""
+    head_gradient: float = 0.0
+    """A trainable head's gradient, whole (FSDP2 reduces the root's only after the backward): the chunked loss makes
+    it in its forward (loss.py), the plain head in the first op of backward; either way beside every activation."""
     peak_tensor_bytes: float = 0.0
     """Live tensor bytes at the step's peak."""
     allocator_slack: float = 0.0
@@ -213,6 +216,7 @@ def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_ro
         recomputed_layer=recomputed_layer_bytes(cfg, model.shape, counts, size, layout.gpu),
         logits=_logit_bytes(cfg, model.shape.vocab),
         tied_gradient=_tied_gradient(counts, size, shard),
+        head_gradient=counts.head_trainable * (size.compute if sharded and size.mixed else size.master),
     )
     _add_peak(parts, cfg, layout)
     return parts
@@ -279,7 +283,8 @@ def _add_peak(parts: Memory, cfg: JobConfig, layout: Layout) -> None:
     static = (parts.weights + parts.lora_adapters + parts.optimizer + parts.ddp_buckets + parts.diloco_outer
               + parts.diloco_sync + parts.mixed_precision_copies + parts.fsdp_buffers)
     # With checkpointing the logits and their gradients are gone before the last layer is recomputed.
-    forward = parts.activations - parts.recomputed_layer + max(parts.recomputed_layer, parts.logits)
+    forward = (parts.activations - parts.recomputed_layer + max(parts.recomputed_layer, parts.logits)
+               + parts.head_gradient)
     accumulates = accumulation_steps(cfg, layout.world) > 1
     held = parts.gradients if accumulates else 0.0
     parts.peak_tensor_bytes = static + max(forward + held, parts.gradients + parts.tied_gradient)
