@@ -339,7 +339,8 @@ def layer_bytes_per_token(cfg: JobConfig, shape: Shape, counts: Counts, size: Dt
     full = not cfg.lora.enabled
     norms = 2 * _norm_bytes(h, size, trainable=full)
     inputs = (3 + 2) * h * a if casts else 2 * h * size.residual
-    attention = _attention_bytes(shape, size, kind, cfg.data.max_length) + q * a  # + o_proj's input
+    eager = counts.sinks and cfg.model.attn_implementation in ("auto", "varlen", "eager")
+    attention = _attention_bytes(shape, size, kind, cfg.data.max_length, eager) + q * a  # + o_proj's input
     total = norms + inputs + attention + (q + 2 * kv) * a + _mlp_bytes(shape, size)
     if cfg.lora.enabled:
         total += counts.lora_ranks_per_block * a + _grouped_expert_lora_bytes(shape, counts, a)
@@ -363,13 +364,14 @@ def _norm_bytes(hidden: int, size: Dtypes, trainable: bool) -> float:
     return hidden * (4 + (size.residual if trainable else 0))
 
 
-def _attention_bytes(shape: Shape, size: Dtypes, kind: Gpu, document: int) -> float:
-    """Per token. On a GPU flash/sdpa saves its output and log-sum-exp, no scores. On CPU trainyard's short-document
-    path saves the fp32 softmax (heads x document length per token), its cast, and k/v repeated to all heads."""
+def _attention_bytes(shape: Shape, size: Dtypes, kind: Gpu, document: int, eager: bool = False) -> float:
+    """Per token. On a GPU flash/sdpa saves its output and log-sum-exp, no scores; a family's eager attention
+    (`eager`: sinks) its softmax in the compute dtype (heads x document length per token) and k/v repeated to all
+    heads. On CPU trainyard's short-document path saves the fp32 softmax, its cast, and the repeated k/v."""
     a, q = size.compute, shape.heads * shape.head_dim
-    if kind.device_name is not None:
+    if kind.device_name is not None and not eager:
         return q * a + shape.heads * 4
-    scores = shape.heads * document * (4 + (a if a != 4 else 0))
+    scores = shape.heads * document * (a if kind.device_name is not None else 4 + (a if a != 4 else 0))
     repeated = 2 * q * a if shape.heads != shape.kv_heads else 0
     return scores + repeated
 
