@@ -127,7 +127,9 @@ def chunked_cross_entropy(
 ) -> torch.Tensor:
     """sum over rows of cross_entropy(softcap(hidden @ weight.T + bias), targets), fp32 logits, one chunk of rows at
     a time. Each chunk's gradients are computed as it goes (Liger's fused linear cross-entropy does the same on
-    GPUs), so its logits are freed before the next chunk's exist and none wait for the backward."""
+    GPUs), so its logits are freed before the next chunk's exist and none wait for the backward. A trainable head's
+    gradient is summed in the head's own dtype (each chunk's product accumulated in fp32 by the matmul): it is the
+    gradient backward hands on, with no fp32 copy of an unsharded [V, H] beside it (estimate: head_gradient)."""
     grads = torch.is_grad_enabled()
     needs = (grads and hidden.requires_grad, grads and weight.requires_grad,
              grads and bias is not None and bias.requires_grad)
@@ -142,7 +144,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if needs[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs[1] else None
+        grad_weight = torch.zeros_like(weight) if needs[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if needs[2] and bias is not None else None
         for start in range(0, hidden.size(0), chunk):
             rows, wanted = hidden[start : start + chunk], targets[start : start + chunk]
@@ -166,7 +168,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[start : start + chunk] = grad @ weight.to(rows.dtype)
             if grad_weight is not None:
-                grad_weight += (grad.T @ rows).float()
+                _add_product(grad_weight, grad.T, rows)
             if grad_bias is not None:
                 grad_bias += grad.float().sum(dim=0)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
@@ -179,7 +181,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         scale = grad_loss.float()  # scaled in place: a second vocabulary-sized gradient would double its memory
         return (
             None if grad_hidden is None else grad_hidden.mul_(scale.to(grad_hidden.dtype)),
-            None if grad_weight is None else grad_weight.mul_(scale).to(ctx.dtypes[0]),
+            None if grad_weight is None else grad_weight.mul_(scale),
             None if grad_bias is None else grad_bias.mul_(scale).to(ctx.dtypes[1]),
             None, None, None, None,
         )
+
+
+def _add_product(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    """total += left @ right, the product accumulated in fp32 by the matmul and added in total's dtype: in place
+    where the dtypes agree, else (fp32 masters under autocast) through one product in the compute dtype."""
+    if total.dtype == left.dtype == right.dtype:
+        total.addmm_(left, right)
+    else:
+        total += left @ right

@@ -40,7 +40,8 @@ def meta_model(cfg: JobConfig) -> torch.nn.Module | None:
         if "not available offline" in err.what:
             return None
         raise
-    attention.refuse_dropped(cfg.model.attn_implementation, model, cfg.where("model.attn_implementation"))
+    attention.refuse_dropped(cfg.model.attn_implementation, model, cfg.where("model.attn_implementation"),
+                             attention.packed_rows(cfg.data))
     return model
 
 
@@ -359,6 +360,10 @@ def describe_plan(
         lines.append(
             f"data             {data.path} ({data.format}, max_length {data.max_length}, packing {data.packing})"
         )
+    if not data.padding_free and attention.packed_rows(data) and cfg.model.attn_implementation in ("auto",
+                                                                                                    *attention.FLASH):
+        lines.append("attention        packed rows reach flash-attention as one padding-free row per micro-batch "
+                     "(its varlen path keeps documents apart only in a batch of one row)")
     lines.append(estimate.describe(cfg, _hardware(target), lengths)[0])
     return "\n".join(lines)
 

@@ -115,3 +115,41 @@ def test_lora_adapters_get_the_gradients_of_full_logits_and_the_frozen_head_none
     torch.testing.assert_close(loss, full_loss, rtol=1e-6, atol=1e-6)
     for (_, got), (_, want) in zip(grads, full_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class _Made(torch.utils._python_dispatch.TorchDispatchMode):
+    """(shape, dtype) of every tensor an op makes, views and in-place results aside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[torch.Size, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        inplace = func._schema.name.endswith("_") or any(a.is_write for a in func._schema.arguments if a.alias_info)
+        for tensor in out if isinstance(out, tuple | list) else [out]:
+            if isinstance(tensor, torch.Tensor) and not func.is_view and not inplace:
+                self.seen.append((tensor.shape, tensor.dtype))
+        return out
+
+
+def test_a_full_fine_tune_s_loss_makes_the_head_gradient_in_the_head_s_dtype_and_no_fp32_copy() -> None:
+    """bf16 weights (FSDP2's unsharded parameters under bf16-mixed): the loss's forward makes one [V, H] tensor, the
+    head's gradient in bf16, which backward hands on as it is; never an fp32 [V, H] beside it (2.1 GB for
+    Llama-3-8B's head). The gradients are the unchunked loss's within bf16 rounding."""
+    model = build("qwen3", VARLEN, vocab_size=VOCAB).to(torch.bfloat16)
+    head = model.lm_head.weight
+    batch = collate(rows(), pad_id=0, padding_free=True)
+    with _Made() as made:
+        loss, _ = token_loss_sum(model, batch, torch.device("cpu"), 3)
+    assert [dtype for shape, dtype in made.seen if shape == head.shape] == [torch.bfloat16]
+    held = [t for t in loss.grad_fn.saved_tensors if t is not None and t.shape == head.shape]
+    assert [t.dtype for t in held] == [torch.bfloat16]
+    address = held[0].data_ptr()
+    del held
+    loss.backward()
+    assert head.grad.data_ptr() == address  # the held tensor is the gradient, not a copy of it
+    chunked = {name: p.grad.float() for name, p in model.named_parameters()}
+    _, full, _ = _loss_and_grads(model, batch, 0)
+    for name, want in full:
+        torch.testing.assert_close(chunked[name], want.float(), rtol=0.05, atol=2e-3, msg=name)

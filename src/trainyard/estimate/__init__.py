@@ -240,7 +240,7 @@ def render(result: Estimate) -> str:
     """The estimate as a short table for a person."""
     memory, timed, layout = result.memory, result.timing, result.layout
     parts = [("weights", memory.weights), ("lora adapters", memory.lora_adapters), ("gradients", memory.gradients),
-             ("tied grad (end)", memory.tied_gradient),
+             ("tied grad (end)", memory.tied_gradient), ("head grad (whole)", memory.head_gradient),
              ("optimizer (AdamW)", memory.optimizer), ("ddp buckets", memory.ddp_buckets),
              ("diloco outer state", memory.diloco_outer), ("diloco sync chunks", memory.diloco_sync),
              ("autocast copies", memory.mixed_precision_copies), ("fsdp buffers", memory.fsdp_buffers),

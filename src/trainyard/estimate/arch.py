@@ -13,6 +13,7 @@ from transformers.utils import logging as hf_logging
 from trainyard.config import JobConfig
 from trainyard.errors import ModelError
 from trainyard.hardware import FlopShape, flop_shape
+from trainyard.model import attention
 from trainyard.model import build as model_room
 from trainyard.model import lora as lora_room
 from trainyard.model import source as source_room
@@ -86,6 +87,11 @@ class Counts:
     routed (token, expert) pair saves its x·Aᵀ of that width for the B product."""
     lora_expert_copies_per_block: int = 0
     """Elements of those projections' B factors, copied once per forward into grouped_mm's layout and saved."""
+    sinks: bool = False
+    """The family's attention has sinks, which flash kernels drop: auto, varlen and eager run its eager attention on
+    each document, whose softmax backward keeps (attention.py), on a GPU too."""
+    head_trainable: int = 0
+    """Trainable elements of the output head (full fine-tuning): its gradient is made while every activation lives."""
 
 
 def hf_config(cfg: JobConfig):  # -> PretrainedConfig
@@ -173,6 +179,8 @@ def count(model: torch.nn.Module, shape: Shape) -> Counts:
         lora_largest_parameter=max(folded, default=0),
         lora_expert_ranks_per_block=sum(sum(m.r.values()) for m in grouped_wrappers),
         lora_expert_copies_per_block=sum(sum(b.weight.numel() for b in m.lora_B.values()) for m in grouped_wrappers),
+        sinks=attention.SINKS in attention.features(model),
+        head_trainable=sum(p.numel() for p in output.parameters() if p.requires_grad) if output is not None else 0,
     )
 
 

@@ -95,6 +95,9 @@ class Memory:
     """With activation checkpointing: the one layer's activations rebuilt in backward (part of `activations`)."""
     tied_gradient: float = 0.0
     """A trainable tied embedding's second gradient at the end of backward, while the head's is held."""
+    head_gradient: float = 0.0
+    """A trainable head's gradient, whole (FSDP2 reduces the root's only after the backward): the chunked loss makes
+    it in its forward (loss.py), the plain head in the first op of backward; either way beside every activation."""
     peak_tensor_bytes: float = 0.0
     """Live tensor bytes at the step's peak."""
     allocator_slack: float = 0.0
@@ -213,6 +216,7 @@ def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_ro
         recomputed_layer=recomputed_layer_bytes(cfg, model.shape, counts, size, layout.gpu),
         logits=_logit_bytes(cfg, model.shape.vocab),
         tied_gradient=_tied_gradient(counts, size, shard),
+        head_gradient=counts.head_trainable * (size.compute if sharded and size.mixed else size.master),
     )
     _add_peak(parts, cfg, layout)
     return parts
@@ -279,7 +283,8 @@ def _add_peak(parts: Memory, cfg: JobConfig, layout: Layout) -> None:
     static = (parts.weights + parts.lora_adapters + parts.optimizer + parts.ddp_buckets + parts.diloco_outer
               + parts.diloco_sync + parts.mixed_precision_copies + parts.fsdp_buffers)
     # With checkpointing the logits and their gradients are gone before the last layer is recomputed.
-    forward = parts.activations - parts.recomputed_layer + max(parts.recomputed_layer, parts.logits)
+    forward = (parts.activations - parts.recomputed_layer + max(parts.recomputed_layer, parts.logits)
+               + parts.head_gradient)
     accumulates = accumulation_steps(cfg, layout.world) > 1
     held = parts.gradients if accumulates else 0.0
     parts.peak_tensor_bytes = static + max(forward + held, parts.gradients + parts.tied_gradient)
@@ -334,7 +339,8 @@ def layer_bytes_per_token(cfg: JobConfig, shape: Shape, counts: Counts, size: Dt
     full = not cfg.lora.enabled
     norms = 2 * _norm_bytes(h, size, trainable=full)
     inputs = (3 + 2) * h * a if casts else 2 * h * size.residual
-    attention = _attention_bytes(shape, size, kind, cfg.data.max_length) + q * a  # + o_proj's input
+    eager = counts.sinks and cfg.model.attn_implementation in ("auto", "varlen", "eager")
+    attention = _attention_bytes(shape, size, kind, cfg.data.max_length, eager) + q * a  # + o_proj's input
     total = norms + inputs + attention + (q + 2 * kv) * a + _mlp_bytes(shape, size)
     if cfg.lora.enabled:
         total += counts.lora_ranks_per_block * a + _grouped_expert_lora_bytes(shape, counts, a)
@@ -358,13 +364,14 @@ def _norm_bytes(hidden: int, size: Dtypes, trainable: bool) -> float:
     return hidden * (4 + (size.residual if trainable else 0))
 
 
-def _attention_bytes(shape: Shape, size: Dtypes, kind: Gpu, document: int) -> float:
-    """Per token. On a GPU flash/sdpa saves its output and log-sum-exp, no scores. On CPU trainyard's short-document
-    path saves the fp32 softmax (heads x document length per token), its cast, and k/v repeated to all heads."""
+def _attention_bytes(shape: Shape, size: Dtypes, kind: Gpu, document: int, eager: bool = False) -> float:
+    """Per token. On a GPU flash/sdpa saves its output and log-sum-exp, no scores; a family's eager attention
+    (`eager`: sinks) its softmax in the compute dtype (heads x document length per token) and k/v repeated to all
+    heads. On CPU trainyard's short-document path saves the fp32 softmax, its cast, and the repeated k/v."""
     a, q = size.compute, shape.heads * shape.head_dim
-    if kind.device_name is not None:
+    if kind.device_name is not None and not eager:
         return q * a + shape.heads * 4
-    scores = shape.heads * document * (4 + (a if a != 4 else 0))
+    scores = shape.heads * document * (a if kind.device_name is not None else 4 + (a if a != 4 else 0))
     repeated = 2 * q * a if shape.heads != shape.kv_heads else 0
     return scores + repeated
 

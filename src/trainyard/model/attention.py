@@ -33,6 +33,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from trainyard.config.data import DataConfig
 from trainyard.errors import ModelError
 
 VARLEN = "trainyard_varlen"
@@ -58,8 +59,24 @@ _MASK_WITHOUT_POSITIONS = frozenset({"gpt_oss"})
 """Families whose model builds its attention mask without position_ids (transformers 5.24)."""
 
 
-def features(model: torch.nn.Module) -> list[str]:
-    """What the model's attention adds to causal attention that an implementation might drop."""
+def packed_rows(data: DataConfig) -> bool:
+    """Whether a training row may hold several documents with no mask between them (padding-free rows, packing, a
+    pretraining mixture's rows): then an implementation must read the documents from position_ids. Otherwise each
+    row is one document and a 2-D attention_mask covers its padding."""
+    return data.padding_free or data.packing or data.mixture is not None
+
+
+def one_row(implementation: str, data: DataConfig) -> bool:
+    """Whether each micro-batch is collated as one padding-free row: data.padding_free, or packed rows meeting a
+    flash kernel. transformers' flash path reads documents from position_ids only in a batch of one row
+    (`_is_packed_sequence`): packed rows of a larger batch would each attend causally across their documents.
+    Flattening them is exact: the same documents, tokens and labels, without the padding."""
+    return data.padding_free or (implementation in FLASH and packed_rows(data))
+
+
+def features(model: torch.nn.Module, packed: bool = True) -> list[str]:
+    """What the model's attention adds to causal attention that an implementation might drop; `packed`: on rows
+    holding several documents (packed_rows), where a mask that ignores position_ids joins them."""
     config = model.config
     found = []
     windows = [getattr(m, "sliding_window", None) for m in model.modules() if hasattr(m, "sliding_window")]
@@ -69,25 +86,27 @@ def features(model: torch.nn.Module) -> list[str]:
         found.append(SOFTCAP)
     if any(name.endswith(".sinks") or name == "sinks" for name, _ in model.named_parameters()):
         found.append(SINKS)
-    if config.model_type in _MASK_WITHOUT_POSITIONS:
+    if packed and config.model_type in _MASK_WITHOUT_POSITIONS:
         found.append(MASK_WITHOUT_POSITIONS)
     return found
 
 
 def choose(
-    requested: str, model: torch.nn.Module, device: torch.device, training: bool = True, where: str | None = None
+    requested: str, model: torch.nn.Module, device: torch.device, training: bool = True, where: str | None = None,
+    packed: bool = True,
 ) -> str:
-    """The transformers implementation for model.attn_implementation, refusing one that would drop a feature.
+    """The transformers implementation for model.attn_implementation, refusing one that would drop a feature on
+    the job's rows (`packed`: see packed_rows).
 
     auto: flash-attention varlen on a GPU with the flash_attn package where its kernels keep every feature of
     the family, else `varlen`."""
     if requested == "auto":
-        found = features(model)
+        found = features(model, packed)
         flash = device.type == "cuda" and _has_flash_attn()
         if flash and all("flash_attention_2" in SUPPORTED_BY[feature] for feature in found):
             return "flash_attention_2"
         return VARLEN
-    refuse_dropped(requested, model, where)
+    refuse_dropped(requested, model, where, packed)
     if requested in FLASH and not (device.type == "cuda" and _has_flash_attn()):
         raise ModelError(
             f"model.attn_implementation: {requested} needs a CUDA GPU and a flash_attn package that imports",
@@ -104,15 +123,17 @@ def choose(
     return VARLEN if requested == "varlen" else requested
 
 
-def refuse_dropped(requested: str, model: torch.nn.Module, where: str | None = None) -> None:
-    """A user's choice that would silently train another function than the family's: exit 2, naming what."""
-    found = features(model)
+def refuse_dropped(requested: str, model: torch.nn.Module, where: str | None = None, packed: bool = True) -> None:
+    """A user's choice that would silently train another function than the family's on the job's rows (`packed`:
+    see packed_rows): exit 2, naming what."""
+    found = features(model, packed)
     dropped = [feature for feature in found if requested != "auto" and requested not in SUPPORTED_BY[feature]]
     if dropped:
         able = sorted(set.intersection(*(set(SUPPORTED_BY[feature]) for feature in found)), key=IMPLEMENTATIONS.index)
         raise ModelError(
             f"model.attn_implementation: {requested} drops the {' and '.join(dropped)} of "
-            f"{config_name(model)} on padding-free rows; implementations that keep them: {', '.join(able)}",
+            f"{config_name(model)} on {'packed or padding-free' if packed else 'padded'} rows; implementations that "
+            f"keep them: {', '.join(able)}",
             where=where,
             fix="use auto (or one of those)",
         )

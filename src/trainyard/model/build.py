@@ -47,10 +47,12 @@ def causal_lm(config, trust_remote_code: bool, **kwargs: Any) -> torch.nn.Module
 
 
 def build_meta_model(  # type: ignore[no-untyped-def]
-    cfg: ModelConfig, config, dtype: torch.dtype, device: torch.device, training: bool = True, where: str | None = None
+    cfg: ModelConfig, config, dtype: torch.dtype, device: torch.device, training: bool = True, where: str | None = None,
+    packed: bool = True,
 ) -> torch.nn.Module:
     """The model with every parameter on the meta device (no memory), buffers real, and the attention
-    implementation chosen for it (one that computes every feature of its family, or a refusal).
+    implementation chosen for it (one that computes every feature of its family on the job's rows, `packed` or
+    not: attention.packed_rows; or a refusal).
 
     Parameters take `dtype`, except those the family keeps in fp32 (`_keep_in_fp32_modules_strict`, e.g. MoE
     routers; `_keep_in_fp32_modules` under fp16), as transformers' from_pretrained keeps them."""
@@ -60,7 +62,9 @@ def build_meta_model(  # type: ignore[no-untyped-def]
     kept = kept_in_fp32(model, dtype)
     for name, param in model.named_parameters():
         param.data = param.data.to(torch.float32 if kept(name) else dtype)  # from_config keeps norms in fp32 too
-    model.config._attn_implementation = attention.choose(cfg.attn_implementation, model, device, training, where)
+    model.config._attn_implementation = attention.choose(
+        cfg.attn_implementation, model, device, training, where, packed
+    )
     return model
 
 

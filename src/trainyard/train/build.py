@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from trainyard import dist, plan
 from trainyard.config import JobConfig
 from trainyard.diloco import outer as diloco
+from trainyard.model import attention
 from trainyard.model import build as model_room
 from trainyard.model import lora as lora_room
 from trainyard.model import source as source_room
@@ -37,7 +38,8 @@ def build_and_wrap(
     trainable_dtype = precision.trainable_dtype
     base_dtype = precision.frozen_dtype if cfg.lora.enabled else trainable_dtype
     where = cfg.where("model.attn_implementation")
-    model = model_room.build_meta_model(cfg.model, config, base_dtype, info.device, not forward_only, where)
+    model = model_room.build_meta_model(cfg.model, config, base_dtype, info.device, not forward_only, where,
+                                        attention.packed_rows(cfg.data))
     if cfg.lora.enabled:
         with lora_room.real_stand_ins(model, trainable_dtype):
             model = lora_room.apply_lora(model, cfg.lora, cfg.train.seed)

@@ -46,6 +46,7 @@ from trainyard.metrics import (
     setup_logging,
     write_json,
 )
+from trainyard.model import attention
 from trainyard.model import build as model_room
 from trainyard.model import routing
 from trainyard.model import source as source_room
@@ -371,15 +372,12 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         write_atomically(run_dir / run_layout.CONFIG, dump_config(cfg))
     loop_state.install_preemption_handlers(cfg.checkpoint.preemption_signals)
     record = sample_record_path(run_dir, info.rank)
+    one_row = attention.one_row(parallel.unwrap(model).config._attn_implementation, cfg.data)
     if isinstance(sampler, MixtureStream):
-        batches = stream_batches(
-            sampler, cfg.train.micro_batch_size, tokenizer.pad_token_id, record, padding_free=cfg.data.padding_free
-        )
+        batches = stream_batches(sampler, cfg.train.micro_batch_size, tokenizer.pad_token_id, record, one_row)
     else:
-        batches = micro_batches(
-            data.train, sampler, cfg.train.micro_batch_size, tokenizer.pad_token_id, record,
-            padding_free=cfg.data.padding_free,
-        )
+        batches = micro_batches(data.train, sampler, cfg.train.micro_batch_size, tokenizer.pad_token_id, record,
+                                one_row)
     try:
         state = fit(job, batches, state)
     finally:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 from torch._guards import active_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -41,15 +41,17 @@ from trainyard import precision as precision_room
 from trainyard.batch import accumulation_steps
 from trainyard.config import JobConfig
 from trainyard.diloco import outer as diloco
-from trainyard.errors import ConfigError, ModelError
+from trainyard.errors import ConfigError
 from trainyard.estimate import arch as estimate_arch
 from trainyard.estimate import memory as estimate_memory
 from trainyard.estimate.memory import Layout, Memory
+from trainyard.model import attention
 from trainyard.model import build as model_room
 from trainyard.model import lora as lora_room
 from trainyard.model import weights
 from trainyard.parallel import parallelize as parallel
 from trainyard.train.optim import build_optimizer, grad_norm_and_clip
+from trainyard.train.trace_kernels import FUSED, GroupedMmInAnyDtype, traced_attention
 
 CPU = torch.device("cpu")
 _C10D = torch.ops.c10d
@@ -285,14 +287,13 @@ def meta_model(cfg: JobConfig, config: Any, precision: precision_room.Precision)
 
 
 def _with_attention(cfg: JobConfig, config: Any, dtype: torch.dtype) -> torch.nn.Module:
-    """sdpa, whose fused kernel saves what flash-attention saves on a GPU (the output and its log-sum-exp, no
-    scores); the family's own eager attention where sdpa would drop a feature (soft-capping, sinks)."""
-    try:
-        return model_room.build_meta_model(cfg.model.model_copy(update={"attn_implementation": "sdpa"}), config,
-                                           dtype, CPU, training=True)
-    except ModelError:
-        return model_room.build_meta_model(cfg.model.model_copy(update={"attn_implementation": "eager"}), config,
-                                           dtype, CPU, training=True)
+    """The model with the attention the job chooses on its GPUs, as it runs on CPU fake tensors (trace_kernels)."""
+    packed = attention.packed_rows(cfg.data)
+    model = model_room.build_meta_model(cfg.model.model_copy(update={"attn_implementation": "varlen"}), config,
+                                        dtype, CPU, training=True, packed=packed)
+    model.config._attn_implementation = traced_attention(cfg.model.attn_implementation, model, packed,
+                                                         cfg.where("model.attn_implementation"))
+    return model
 
 
 def adapters_in_memory(model: torch.nn.Module) -> None:
@@ -340,14 +341,16 @@ class FakeWeights:
 
 
 def micro_batch_loss(model: torch.nn.Module, cfg: JobConfig) -> torch.Tensor:
-    """The loss of one full micro-batch (micro_batch_size rows of max_length tokens, every position a target), as
+    """The loss of one full micro-batch (micro_batch_size documents of max_length tokens, every position a target), as
     loss.token_loss_sum computes it (logits at target positions only, in chunks of train.loss_chunk_tokens). Its
     positions are given as an index, not found from the labels, which fake tensors do not hold."""
     rows, length = cfg.train.micro_batch_size, cfg.data.max_length
     tokens = torch.zeros((rows, length), dtype=torch.long)
     targets = torch.zeros(rows * (length - 1), dtype=torch.long)
-    return loss_room.kept_positions_loss(model, {"input_ids": tokens}, torch.arange(length - 1), targets,
-                                         cfg.train.loss_chunk_tokens)
+    with unset_fake_temporarily():  # real: varlen reads the documents from them on the host, as in training
+        positions = torch.arange(length).expand(rows, length)
+    return loss_room.kept_positions_loss(model, {"input_ids": tokens, "position_ids": positions},
+                                         torch.arange(length - 1), targets, cfg.train.loss_chunk_tokens)
 
 
 def hold_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -383,6 +386,8 @@ def trace(cfg: JobConfig, hardware: estimate.Hardware, layers: int | None = None
     the strategy, as the formula plans them); `layers` cuts the model's depth (tests)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")  # as training does
+        # moe_lora checks its operands' alignment, as the job does: a fake tensor's address is 0, which it passes
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         return _trace(cfg, hardware, layers)
 
 
@@ -396,7 +401,8 @@ def _trace(cfg: JobConfig, hardware: estimate.Hardware, layers: int | None) -> T
         sites = diloco.site_count(cfg, info) if layout.strategy == "diloco" else None
         mesh = dist.build_mesh(info, layout.strategy, cfg.dist.shard_size, sites, cfg.diloco.inner)
         memory, log = LiveBytes(), CollectiveLog(group_names(mesh))
-        with FakeTensorMode(allow_non_fake_inputs=True), memory, log:  # buffers stay real: a few small tensors
+        # buffers stay real: a few small tensors
+        with FakeTensorMode(allow_non_fake_inputs=True), GroupedMmInAnyDtype(), memory, log:
             _step_on_fake_tensors(cfg, model, layout, precision, info, mesh, memory)
     return Trace(
         mesh=dist.describe_mesh(mesh) if mesh is not None else f"the world of {layout.world}",
@@ -430,7 +436,9 @@ def _step_on_fake_tensors(
 
 def _notes(cfg: JobConfig, model: torch.nn.Module, strategy: str) -> list[str]:
     """What the traced step does differently from the job's on its GPUs."""
-    notes = [f"attention traced with {model.config._attn_implementation} (a GPU runs flash-attention or sdpa)"]
+    traced = model.config._attn_implementation
+    fused = " (sdpa's fused kernel: what flash-attention and flex_attention save)" if traced == FUSED else ""
+    notes = [f"attention: the job's {cfg.model.attn_implementation}, traced as {traced}{fused}"]
     if cfg.train.compile:
         notes.append("train.compile: the blocks' MLPs run eagerly here (compiled kernels may save less)")
     if strategy == "ddp" or (strategy == "diloco" and cfg.diloco.inner == "ddp"):

@@ -5,10 +5,12 @@ from __future__ import annotations
 import datasets
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from transformers.modeling_flash_attention_utils import _is_packed_sequence
 
+from trainyard.config.data import DataConfig
 from trainyard.data import ResumableSampler, collate, micro_batches
-from trainyard.model.attention import VARLEN, document_bounds
+from trainyard.model.attention import FLASH, VARLEN, document_bounds, one_row, varlen_attention
 
 PAD = 0
 
@@ -86,6 +88,43 @@ def test_packed_documents_match_separate_runs(attention, padding_free):
         torch.testing.assert_close(packed[0], torch.cat(alone), atol=1e-5, rtol=0)
         torch.testing.assert_close(packed[1, :9], alone[1], atol=1e-5, rtol=0)
     assert (leaky[0, 5:14] - alone[1]).abs().max() > 1e-3
+
+
+FLASH_PROBE = "test_varlen_decision_probe"
+_varlen_seen: list[bool] = []
+
+
+def _flash_probe(module, query, key, value, attention_mask, **kwargs):
+    """What transformers' flash path decides on the position_ids it is given (_flash_attention_forward): varlen over
+    the documents only where `_is_packed_sequence` holds, else causal over each whole row. Computes with varlen."""
+    _varlen_seen.append(bool(_is_packed_sequence(kwargs.get("position_ids"), query.shape[0])))
+    return varlen_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(FLASH_PROBE, _flash_probe)
+
+
+@pytest.mark.parametrize("implementation", FLASH)
+def test_packed_padded_rows_reach_a_flash_kernel_as_one_row_of_their_documents(implementation):
+    """data.packing with data.padding_free false: a flash kernel gets the micro-batch as one padding-free row,
+    which its varlen path splits into the documents; the padded rows it got before ran causal across them."""
+    rows = [
+        {"input_ids": [5, 6, 7, 8, 9], "labels": [-100, 6, 7, -100, 9], "seq_lens": [3, 2]},
+        {"input_ids": [10, 11, 12, 13], "labels": [-100, 11, -100, 13], "seq_lens": [2, 2]},
+    ]
+    packed_padded = DataConfig(packing=True, padding_free=False)
+    model = tiny_llama(FLASH_PROBE)
+    seen = {}
+    for layout, flat in (("chosen", one_row(implementation, packed_padded)), ("padded", False)):
+        batch = collate(rows, pad_id=PAD, padding_free=flat)
+        _varlen_seen.clear()
+        with torch.no_grad():
+            model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+        seen[layout] = (tuple(batch["input_ids"].shape), list(_varlen_seen))
+    assert seen["chosen"] == ((1, 9), [True, True])
+    assert seen["padded"] == ((2, 5), [False, False])  # the check can fail: what every flash layer ran before
+    assert not one_row("sdpa", packed_padded) and not one_row(VARLEN, packed_padded)  # their masks isolate rows
+    assert not one_row(implementation, DataConfig(packing=False, padding_free=False))  # one document per row
 
 
 def dataset_of(count: int) -> datasets.Dataset:

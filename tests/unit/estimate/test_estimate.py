@@ -10,6 +10,7 @@ import math
 import pytest
 
 from tests.conftest import REPO, TINY, run_cli
+from tests.unit.model.families import settings
 from trainyard import estimate, hardware
 from trainyard.config_file import load_config
 from trainyard.errors import OptionError
@@ -111,6 +112,24 @@ def test_activation_checkpointing_keeps_only_block_inputs_and_one_block() -> Non
     assert plain.activations - ckpt.activations == pytest.approx(
         (layers - 1) * ckpt.recomputed_layer - layers * tokens * hidden * residual
     )
+
+
+def test_a_family_with_sinks_keeps_each_document_s_scores_on_a_gpu(tmp_path) -> None:
+    """gpt-oss: flash kernels drop sinks, so auto runs its eager attention on each document on a GPU too, whose
+    softmax (bf16, heads x document length per token) and k/v repeated to every head stay for backward in each
+    layer; flex_attention keeps its output and log-sum-exp. (A gpt-oss-20b-shaped job, 4,096-token documents,
+    2 layers, FSDP2 on 8 GPUs: traced 15.2 GiB, formula 8.0 GiB before, 12.0 GiB now.)"""
+    job = tmp_path / "gpt-oss.yaml"
+    config = "\n".join(f"    {key}: {value}" for key, value in settings("gpt_oss").items() if key != "vocab_size")
+    job.write_text(f"model:\n  config:\n{config}\n  tokenizer: builtin:bytes\ndata:\n  max_length: 512\n")
+    h100 = estimate.Hardware("h100-80gb", 1, 1)
+    cfg = load_config(str(job))
+    eager = estimate.estimate(cfg, h100).memory
+    padded_flex = ["model.attn_implementation=flex_attention", "data.padding_free=false"]
+    flex = estimate.estimate(load_config(str(job), padded_flex), h100).memory
+    tokens, layers, heads, q = cfg.train.micro_batch_size * 512, 2, 4, 4 * 16
+    fused = q * 2 + heads * 4  # flex's output and log-sum-exp
+    assert eager.activations - flex.activations == layers * tokens * (heads * 512 * 2 + 2 * q * 2 - fused)
 
 
 def test_ring_collectives_and_young_daly() -> None:

@@ -135,6 +135,23 @@ def test_an_explicit_implementation_that_drops_a_feature_exits_2_at_dry_run(tmp_
     assert "Traceback" not in result.stderr + result.stdout
 
 
+@pytest.mark.parametrize(("packing", "code"), [("false", 0), ("true", 2)])
+def test_gpt_oss_eager_is_planned_on_padded_rows_of_one_document_and_refused_on_packed_rows(
+    tmp_path: Path, packing: str, code: int
+) -> None:
+    """gpt-oss's mask ignores position_ids: eager is exact where each row is one document under a 2-D mask, and
+    joins the documents of a packed row."""
+    job = tmp_path / "gpt-oss.yaml"
+    config = "\n".join(f"    {key}: {value}" for key, value in settings("gpt_oss").items() if key != "vocab_size")
+    job.write_text(f"model:\n  config:\n{config}\n  tokenizer: builtin:bytes\n  attn_implementation: eager\n")
+    result = run_cli("train", str(job), "--dry-run", "data.padding_free=false", f"data.packing={packing}")
+    assert result.returncode == code, result.stderr
+    if code:
+        assert "eager drops the document isolation" in result.stderr and "of gpt_oss on packed or" in result.stderr
+    else:
+        assert "strategy" in result.stdout
+
+
 @pytest.mark.parametrize("model_type", ["t5", "no_such_family"])
 def test_a_family_that_is_not_a_causal_lm_exits_2_at_dry_run(model_type: str) -> None:
     result = run_cli("train", TINY, f"model.config.model_type={model_type}", "--dry-run")

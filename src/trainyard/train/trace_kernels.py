@@ -1,0 +1,61 @@
+"""What `estimate --trace` runs in place of the job's kernels where those cannot run on CPU fake tensors, each holding
+the tensors the job's kernel holds: the attention the job chooses, and torch's grouped product in any dtype."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._meta_registrations import _create_grouped_mm_output_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from trainyard.model import attention
+
+FUSED = "trainyard_trace_fused"
+"""Stands in for flash-attention and flex_attention: what they save (the output and its log-sum-exp, no scores) is
+what sdpa's fused kernel saves on a CPU."""
+
+
+def fused_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """sdpa, without the soft-capping or sinks a fused kernel applies to its scores in place (sdpa refuses them):
+    they change values, not what is held."""
+    kwargs = {name: value for name, value in kwargs.items() if name not in ("softcap", "s_aux")}
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)[0], None
+
+
+AttentionInterface.register(FUSED, fused_attention)
+AttentionMaskInterface.register(FUSED, sdpa_mask)
+
+
+def traced_attention(requested: str, model: torch.nn.Module, packed: bool, where: str | None) -> str:
+    """The implementation the job chooses on its GPUs (refusing what the job refuses), as it runs here: varlen,
+    sdpa and eager themselves; flash-attention (auto's choice where its kernels keep every feature of the family)
+    and flex_attention as FUSED."""
+    attention.refuse_dropped(requested, model, where, packed)
+    if requested == "auto":
+        flash = all("flash_attention_2" in attention.SUPPORTED_BY[one] for one in attention.features(model, packed))
+        return FUSED if flash else attention.VARLEN
+    if requested in (*attention.FLASH, "flex_attention"):
+        return FUSED
+    return attention.VARLEN if requested == "varlen" else requested
+
+
+class GroupedMmInAnyDtype(TorchDispatchMode):
+    """torch's fake (meta) `_grouped_mm` takes bf16 only, as its sm90 fast path does; its CPU and CUDA kernels also
+    multiply fp32 (the experts of an fp32 job, or of fp32 masters under autocast, which grouped_mm does not cast).
+    Here such a product gets the output torch's own meta function shapes, in the inputs' dtype."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            mat_a, mat_b, *rest = args
+            offs = rest[0] if rest else kwargs.get("offs")
+            out_dtype = rest[2] if len(rest) > 2 else kwargs.get("out_dtype")
+            return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+        return func(*args, **kwargs)
