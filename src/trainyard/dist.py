@@ -129,12 +129,20 @@ def hsdp_shape(
 
 
 def build_mesh(
-    info: DistInfo, strategy: str, shard_size: int | None, sites: int | None = None, site_inner: str = "ddp"
+    info: DistInfo,
+    strategy: str,
+    shard_size: int | None,
+    sites: int | None = None,
+    site_inner: str = "ddp",
+    expert_parallel: int = 1,
 ) -> DeviceMesh | None:
     """The device mesh a strategy works on: 1-D ("shard",) for fsdp, 2-D ("replicate", "shard") for hsdp,
     2-D ("site", "local") for diloco (`sites` of them), 3-D ("site", "replicate", "shard") for diloco with hsdp
     within a site, none for ddp or a single process. torchrun numbers a node's ranks consecutively, so the inner
-    dimensions stay within a node. Every rank must call it; every group of the mesh waits dist.timeout_s."""
+    dimensions stay within a node. Every rank must call it; every group of the mesh waits dist.timeout_s.
+
+    `expert_parallel` > 1 (fsdp, hsdp): the same mesh, its "shard" dimension flattened from ("shard_mod_ep",
+    "ep") of a root mesh whose "ep" groups (consecutive ranks) hold the experts between them."""
     if strategy == "diloco":
         assert sites is not None, "diloco needs its number of sites"
         site = info.world_size // sites
@@ -142,10 +150,25 @@ def build_mesh(
             return _mesh(info, (sites, *hsdp_shape(info, shard_size, site)), ("site", "replicate", "shard"))
         return _mesh(info, (sites, site), ("site", "local"))
     if strategy == "fsdp":
+        if expert_parallel > 1:
+            return _expert_parallel_mesh(info, (), info.world_size, expert_parallel)
         return _mesh(info, (info.world_size,), ("shard",))
     if strategy == "hsdp":
-        return _mesh(info, hsdp_shape(info, shard_size), ("replicate", "shard"))
+        replicas, shard = hsdp_shape(info, shard_size)
+        if expert_parallel > 1:
+            return _expert_parallel_mesh(info, (replicas,), shard, expert_parallel)
+        return _mesh(info, (replicas, shard), ("replicate", "shard"))
     return None
+
+
+def _expert_parallel_mesh(info: DistInfo, replicas: tuple[int, ...], shard: int, expert_parallel: int) -> DeviceMesh:
+    """("shard",) or ("replicate", "shard") as a view of a root mesh (["replicate",] "shard_mod_ep", "ep")."""
+    outer = ("replicate",) if replicas else ()
+    root = _mesh(info, (*replicas, shard // expert_parallel, expert_parallel), (*outer, "shard_mod_ep", "ep"))
+    options = timeout_options(info)
+    override = (info.backend, options) if options is not None else None
+    root["shard_mod_ep", "ep"]._flatten("shard", backend_override=override)
+    return root[(*outer, "shard")] if outer else root["shard"]
 
 
 def _mesh(info: DistInfo, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:

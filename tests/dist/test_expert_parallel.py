@@ -1,0 +1,62 @@
+"""Expert parallelism (dist.expert_parallel 2 on 2 ranks, fsdp) computes, for every MoE family, with LoRA and with
+full fine-tuning, the single process's loss and gradients: each rank holds half of every expert stack and its
+adapters (not sharded further), tokens travel to their experts and back, and each rank trains on its own
+micro-batch, so the experts receive both ranks' tokens. One script runs every job (tests/dist/scripts/
+expert_parallel.py).
+
+Tolerance: fp32; the losses come out bitwise equal and the worst gradient differs by < 4e-7 of its largest value
+(measured on every job): the grouped products run on fewer rows per call and the ranks' gradients are summed in
+another order. A wrong gradient factor (the EP group's sum not divided by the data-parallel size) would be off
+by 2x, a lost or misrouted token by far more than GRAD_REL."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_script
+from tests.unit.model.families import settings
+from tests.world import World
+
+pytestmark = pytest.mark.dist
+
+FAMILIES = ["qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss"]
+TOKENIZER_KEYS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")
+IDLE = "glm4_moe_idle_expert"
+"""glm4_moe with its last expert's score correction bias at -1e4: no token on any rank chooses it."""
+LOSS_REL, GRAD_REL = 1e-6, 1e-5
+
+
+def job(family: str, idle: int | None = None) -> dict:
+    return {"settings": {k: v for k, v in settings(family).items() if k not in TOKENIZER_KEYS}, "idle": idle}
+
+
+@pytest.fixture(scope="module")
+def results(world: World, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], dict]:
+    out = tmp_path_factory.mktemp("expert-parallel") / "results.jsonl"
+    jobs = {family: job(family) for family in FAMILIES} | {IDLE: job("glm4_moe", idle=3)}
+    run_script(world, "expert_parallel", str(out), json.dumps(jobs))
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    return {(line["job"], line["lora"]): line for line in lines}
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expert_parallel_loss_and_gradients_match_one_process(
+    results: dict[tuple[str, bool], dict], family: str, lora: bool
+) -> None:
+    line = results.get((family, lora))
+    assert line is not None, f"the script wrote no line for {family} (lora={lora})"
+    assert line["ok_error"] is None, line["ok_error"]
+    assert line["expert_grads"] > 0 and line["expert_rows"] and set(line["expert_rows"]) == {2}, line
+    assert line["loss_rel"] < LOSS_REL, line
+    assert line["grad_rel"] < GRAD_REL, line
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_an_expert_no_token_reaches_gets_a_zero_gradient(results: dict[tuple[str, bool], dict], lora: bool) -> None:
+    line = results[(IDLE, lora)]
+    assert line["ok_error"] is None, line["ok_error"]
+    assert line["idle_zero"] is True, line
+    assert line["grad_rel"] < GRAD_REL, line
