@@ -25,6 +25,8 @@ import torch.distributed as torch_dist
 from peft.tuners.lora import ParamWrapper
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from trainyard.errors import ConfigError
 from trainyard.model.moe_lora import LowRank, expert_counts, experts_on_sorted, grouped_experts_forward, wrapper_chain
@@ -103,6 +105,27 @@ class ExpertMeshes:
     """The EP group: the ranks whose experts together make every expert."""
     shard: DeviceMesh
     """What FSDP2 shards the expert stacks over: "shard_mod_ep" (HSDP: "replicate" x "shard_mod_ep")."""
+    whole: DeviceMesh
+    """`shard`'s dimensions, then "ep": the mesh a whole expert stack is laid out on for checkpoints."""
+
+    def whole_stack(self, part: DTensor, local_experts: int, expert_innermost: bool) -> DTensor:
+        """This rank's part of an expert tensor (FSDP2's shard of its EP rank's experts) as a DTensor of the whole
+        stack, sharing its memory (a checkpoint loads into it in place). Rows (stacks, lora_A): the EP rank's rows
+        are split again by FSDP2, a strided shard on its dimension. lora_B [out, r x experts], expert innermost,
+        is seen as [out, r, experts]: FSDP2 splits dim 0, EP dim 2."""
+        local = part.to_local()
+        ranks = self.ep.size()
+        if expert_innermost:
+            out, columns = part.shape
+            local = local.view(local.shape[0], columns // local_experts, local_experts)
+            shape = torch.Size((out, columns // local_experts, local_experts * ranks))
+            placements = (*part.placements, Shard(2))
+        else:
+            shape = torch.Size((part.shape[0] * ranks, *part.shape[1:]))
+            placements = (*(_StridedShard(0, split_factor=ranks) if p.is_shard(0) else p for p in part.placements),
+                          Shard(0))
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local, self.whole, placements, run_check=False, shape=shape, stride=stride)
 
 
 def expert_meshes(mesh: DeviceMesh) -> ExpertMeshes:
@@ -111,12 +134,42 @@ def expert_meshes(mesh: DeviceMesh) -> ExpertMeshes:
     names = root.mesh_dim_names or ()
     assert "ep" in names, f"not an expert-parallel mesh: {names}"
     outer = tuple(name for name in names if name != "ep")
-    return ExpertMeshes(root["ep"], root[outer] if len(outer) > 1 else root[outer[0]])
+    return ExpertMeshes(root["ep"], root[outer] if len(outer) > 1 else root[outer[0]], root[(*outer, "ep")])
 
 
-def shard_experts(model: torch.nn.Module, ep: DeviceMesh) -> dict[str, int]:
+def meshes_of(model: torch.nn.Module) -> tuple[ExpertMeshes, int] | None:
+    """The expert meshes and experts per EP rank of a model built with expert parallelism; None otherwise."""
+    for module in model.modules():
+        if hasattr(module, "expert_meshes"):
+            return module.expert_meshes, module.local_experts
+    return None
+
+
+def whole_stacks(model: torch.nn.Module, state: Any) -> Any:
+    """A (nested) state dict of the model or its optimizer with every expert tensor as the whole stack's DTensor
+    (`ExpertMeshes.whole_stack`): what DCP writes is then the layout of a run without EP, and a load into it fills
+    the original tensors."""
+    found = meshes_of(model)
+    return state if found is None else _whole(state, "", *found)
+
+
+def peft_layout(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A gathered expert lora_B, [out, r, experts] as its whole view lays it out, in PEFT's [out, r x experts]."""
+    return tensor.reshape(tensor.shape[0], -1) if ".lora_B." in name and tensor.dim() == 3 else tensor
+
+
+def _whole(value: Any, path: str, meshes: ExpertMeshes, local_experts: int) -> Any:
+    if isinstance(value, dict):
+        return {key: _whole(item, f"{path}.{key}", meshes, local_experts) for key, item in value.items()}
+    if isinstance(value, DTensor) and value.device_mesh.mesh_dim_names == meshes.shard.mesh_dim_names:
+        return meshes.whole_stack(value, local_experts, expert_innermost=".lora_B." in path)
+    return value
+
+
+def shard_experts(model: torch.nn.Module, meshes: ExpertMeshes) -> dict[str, int]:
     """Keep only this EP rank's experts (rows of every expert stack and of their adapters) and send tokens to
     the others'; returns the first row of each base stack in the checkpoint, by checkpoint name, for loading."""
+    ep = meshes.ep
     rank, ranks = ep.get_local_rank(), ep.size()
     first_rows: dict[str, int] = {}
     for stack in find_expert_stacks(model):
@@ -133,7 +186,7 @@ def shard_experts(model: torch.nn.Module, ep: DeviceMesh) -> dict[str, int]:
         stack.experts.num_experts = local
         stack.experts.token_exchange = TokenExchange(ep.get_group(), ranks, total)
         stack.experts.forward = MethodType(_exchanged_forward, stack.experts)
-        stack.unit.expert_parallel_group = ep.get_group()
+        stack.unit.expert_meshes, stack.unit.local_experts = meshes, local
     for name, param in model.named_parameters():
         owner = _owning_stack(model, name)
         if owner is not None and "lora_" not in name:
@@ -219,8 +272,8 @@ class ExpertRows:
 def expert_parallel_groups(model: torch.nn.Module) -> dict[int, torch_dist.ProcessGroup]:
     """id(parameter) -> its EP group, for the parameters EP ranks hold apart (their norm sums over the group)."""
     return {
-        id(param): module.expert_parallel_group
+        id(param): module.expert_meshes.ep.get_group()
         for module in model.modules()
-        if hasattr(module, "expert_parallel_group")
+        if hasattr(module, "expert_meshes")
         for param in module.parameters()
     }

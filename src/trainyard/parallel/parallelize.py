@@ -57,7 +57,7 @@ def apply(
     if expert_parallel_size > 1:
         assert mesh is not None and strategy in expert_parallel.STRATEGIES, "EP is carved out of fsdp/hsdp's mesh"
         experts = expert_parallel.expert_meshes(mesh)
-        first_rows = expert_parallel.shard_experts(model, experts.ep)
+        first_rows = expert_parallel.shard_experts(model, experts)
         source = expert_parallel.ExpertRows(source, first_rows)
     if activation_checkpointing:
         selective = activation_checkpointing == "selective"
