@@ -9,13 +9,14 @@ adapter), from the grouped products' rows per call and the order of the gradient
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from tests.conftest import TINY_MOE, events, train_in
+from tests.conftest import TINY_MOE, events, run_script, train_in
 from tests.dist.checkpoint_helpers import adapter_tensors, assert_same_tensors, dcp_adapter_tensors, model_tensors
 from tests.world import World
 from trainyard.checkpoint.save import step_dir
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.dist
 STEPS, EVERY = 6, 3
 JOB = [
     f"train.max_steps={STEPS}", f"checkpoint.every_steps={EVERY}", "checkpoint.keep_last=4", "eval.every_steps=0",
-    "eval.at_end=false", "log.every_steps=1", "log.progress=false", "log.tensorboard=false", "train.precision=fp32",
+    "eval.at_end=true", "log.every_steps=1", "log.progress=false", "log.tensorboard=false", "train.precision=fp32",
 ]
 EP = "dist.expert_parallel=2"
 LOSS_REL, GRAD_NORM_REL, WEIGHT_ABS = 1e-6, 1e-6, 1e-6
@@ -45,6 +46,7 @@ def runs(request: pytest.FixtureRequest, world: World, tmp_path_factory: pytest.
     train(world, stopped, *mode, EP, f"train.max_steps={EVERY}")
     return {
         "mode": request.param,
+        "overrides": mode,
         "plain": train(world, out / "plain", *mode),
         "ep": train(world, out / "ep", *mode, EP),
         "resumed": train(world, stopped, *mode, EP),
@@ -81,6 +83,21 @@ def test_a_resumed_run_ends_bitwise_equal_to_the_uninterrupted_one(runs: dict) -
     assert [e["step"] for e in resumed] == [EVERY], resumed
     lora = runs["mode"] == "lora"
     assert_same_tensors(final_weights(runs["resumed"], lora), final_weights(runs["ep"], lora))
+
+
+def test_evaluation_during_training_and_trainyard_eval_of_the_checkpoint_give_the_run_without_eps_loss(
+    runs: dict, world: World, tmp_path: Path
+) -> None:
+    """The final eval of the EP run (forward passes through the token exchange) and `trainyard eval` of its last
+    checkpoint with the job's config (built without EP: the checkpoint holds whole expert stacks and a PEFT adapter
+    file) both give the eval loss of the run without EP."""
+    want = events(runs["plain"], "eval")[-1]["eval_loss"]
+    assert abs(events(runs["ep"], "eval")[-1]["eval_loss"] - want) <= LOSS_REL * want
+    out = tmp_path / "figures.json"
+    final = step_dir(runs["ep"] / "checkpoints", STEPS)
+    run_script(world, "evaluate_checkpoint", str(out), TINY_MOE, str(final), *JOB, *runs["overrides"], EP,
+               f"output_dir={tmp_path}")
+    assert abs(json.loads(out.read_text())["eval_loss"] - want) <= LOSS_REL * want
 
 
 def test_every_ep_rank_writes_its_experts_into_the_full_checkpoint(runs: dict) -> None:

@@ -102,8 +102,11 @@ def save_adapter(model: torch.nn.Module, out_dir: Path, info: DistInfo) -> Path 
 
 
 def model_signature(model: torch.nn.Module) -> str:
-    """Names and shapes of every parameter: a resumed job must build the same model."""
-    shapes = [f"{name}:{tuple(getattr(p, 'shape', ()))}" for name, p in unwrap(model).named_parameters()]
+    """Names and shapes of every parameter: a resumed job must build the same model. An expert stack held apart
+    by expert parallelism counts with its whole shape (an evaluation without EP reads the same checkpoint)."""
+    model = unwrap(model)
+    whole = expert_parallel.whole_shapes(model)
+    shapes = [f"{name}:{whole.get(name, tuple(getattr(p, 'shape', ())))}" for name, p in model.named_parameters()]
     return hashlib.sha256("\n".join(shapes).encode()).hexdigest()[:16]
 
 

@@ -95,7 +95,8 @@ def check(model: torch.nn.Module, expert_parallel: int, strategy: str, shard: in
         raise ConfigError(
             f"dist.expert_parallel {expert_parallel} must divide the number of experts ({experts}) and the shard "
             f"dimension ({shard} ranks)", where=where,
-            fix=f"set dist.expert_parallel to a common divisor of {experts} and {shard}",
+            fix="set dist.expert_parallel to one of "
+            + ", ".join(str(d) for d in range(1, min(experts, shard) + 1) if experts % d == 0 and shard % d == 0),
         )
 
 
@@ -151,6 +152,21 @@ def whole_stacks(model: torch.nn.Module, state: Any) -> Any:
     the original tensors."""
     found = meshes_of(model)
     return state if found is None else _whole(state, "", *found)
+
+
+def whole_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Each parameter EP ranks hold apart, by name: its shape in the same model without EP."""
+    found = meshes_of(model)
+    if found is None:
+        return {}
+    ranks, apart = found[0].ep.size(), expert_parallel_groups(model)
+    shapes = {}
+    for name, param in model.named_parameters():
+        if id(param) in apart:
+            shape = list(param.shape)
+            shape[1 if ".lora_B." in name else 0] *= ranks
+            shapes[name] = tuple(shape)
+    return shapes
 
 
 def peft_layout(name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,8 @@ def build_and_wrap(
     if forward_only and strategy == "ddp":
         strategy = "none"
     sites = diloco.site_count(cfg, info) if strategy == "diloco" else None
-    ep = cfg.dist.expert_parallel
+    # `trainyard eval` reads a checkpoint as a run without EP wrote it (adapter file, whole expert stacks in DCP)
+    ep = 1 if forward_only else cfg.dist.expert_parallel
     if ep > 1:
         shard = dist.hsdp_shape(info, cfg.dist.shard_size)[1] if strategy == "hsdp" else info.world_size
         expert_parallel.check(model, ep, strategy, shard, cfg.where("dist.expert_parallel"))
