@@ -28,8 +28,19 @@ IDLE = "glm4_moe_idle_expert"
 LOSS_REL, GRAD_REL = 1e-6, 1e-5
 
 
-def job(family: str, idle: int | None = None) -> dict:
-    return {"settings": {k: v for k, v in settings(family).items() if k not in TOKENIZER_KEYS}, "idle": idle}
+LAYOUTS = {
+    "fsdp-ep2-shard2": (["dist.strategy=fsdp", "dist.expert_parallel=2"], [2, 2]),
+    "fsdp-ep4": (["dist.strategy=fsdp", "dist.expert_parallel=4"], [1, 1]),
+    "hsdp-2x2-ep2": (["dist.strategy=hsdp", "dist.shard_size=2", "dist.expert_parallel=2"], [2, 2]),
+}
+"""On 4 ranks (qwen3_moe): EP=2 with the experts' rows sharded again over the 2 ranks left of the shard dimension;
+EP=4 (one expert per rank); HSDP, EP=2 within each shard group of 2, replicated across the 2 groups. With the
+experts' rows: [experts of an EP rank, ranks FSDP2 shards them over (replicas included)]."""
+
+
+def job(family: str, idle: int | None = None, parallel: list[str] | None = None) -> dict:
+    settings_ = {k: v for k, v in settings(family).items() if k not in TOKENIZER_KEYS}
+    return {"settings": settings_, "idle": idle, **({"parallel": parallel} if parallel else {})}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +60,29 @@ def test_expert_parallel_loss_and_gradients_match_one_process(
     line = results.get((family, lora))
     assert line is not None, f"the script wrote no line for {family} (lora={lora})"
     assert line["ok_error"] is None, line["ok_error"]
-    assert line["expert_grads"] > 0 and line["expert_rows"] and set(line["expert_rows"]) == {2}, line
+    assert line["expert_grads"] > 0 and line["expert_rows"], line
+    assert all(rows == [2, 1] for rows in line["expert_rows"]), "2 of 4 experts, not sharded further"
+    assert line["loss_rel"] < LOSS_REL, line
+    assert line["grad_rel"] < GRAD_REL, line
+
+
+@pytest.fixture(scope="module")
+def four_ranks(worlds, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], dict]:
+    out = tmp_path_factory.mktemp("expert-parallel-4") / "results.jsonl"
+    jobs = {name: job("qwen3_moe", parallel=parallel) for name, (parallel, _) in LAYOUTS.items()}
+    run_script(worlds(4), "expert_parallel", str(out), json.dumps(jobs))
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    return {(line["job"], line["lora"]): line for line in lines}
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_on_4_ranks_ep_within_a_larger_shard_dimension_and_under_hsdp_is_exact(
+    four_ranks: dict[tuple[str, bool], dict], layout: str, lora: bool
+) -> None:
+    line = four_ranks[(layout, lora)]
+    assert line["ok_error"] is None, line["ok_error"]
+    assert line["expert_rows"] and all(rows == LAYOUTS[layout][1] for rows in line["expert_rows"]), line
     assert line["loss_rel"] < LOSS_REL, line
     assert line["grad_rel"] < GRAD_REL, line
 

@@ -129,6 +129,8 @@ def shard_fsdp2(
         for stack in expert_parallel.find_expert_stacks(model):
             fully_shard(stack.unit, mesh=experts.shard, mp_policy=policy)
             stack.unit.set_gradient_divide_factor(float(mesh.size()))
+            if experts.shard.size(-1) > 1:  # gloo has no PREMUL_SUM: sum, then divide (alone, FSDP2 divides a copy)
+                stack.unit.set_force_sum_reduction_for_comms(True)
     for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

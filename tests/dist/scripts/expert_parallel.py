@@ -1,14 +1,15 @@
-"""Run under torchrun (2 ranks): for each MoE family, with LoRA and with full fine-tuning, build the job the way
-training does (`build.build_and_wrap`, dist.strategy fsdp, dist.expert_parallel 2, fp32), run one forward and
-backward with a different padding-free micro-batch on each rank, and compare the mean of the ranks' losses and
-every trainable parameter's gradient (the EP ranks' experts put back together) with a 1-process build on rank 0
-that takes both micro-batches' mean loss.
+"""Run under torchrun (2 ranks, or more): for each MoE family, with LoRA and with full fine-tuning, build the job the
+way training does (`build.build_and_wrap`, dist.strategy fsdp, dist.expert_parallel 2 by default, fp32), run one
+forward and backward with a different padding-free micro-batch on each rank, and compare the mean of the ranks'
+losses and every trainable parameter's gradient (the EP ranks' experts put back together) with a 1-process build on
+rank 0 that takes every rank's micro-batch's mean loss.
 
 argv: result file, a JSON object {job: {"settings": HF config settings (model_type included), "idle": expert or
-null}}. `idle`: that expert's score correction bias is set far below the others' (glm4_moe, deepseek_v3), so no
-token anywhere chooses it. Rank 0 writes one JSON line per (job, lora): job, lora, loss_rel, grad_rel, grad_abs
-(max abs difference), worst, trainable, expert_rows (rows of each expert stack a rank holds), idle_zero (the idle
-expert's gradients are all zero in both builds, or null), ok_error. A failure is caught per job.
+null, "parallel": the dist overrides (default: dist.strategy=fsdp dist.expert_parallel=2)}}. `idle`: that expert's score
+correction bias is set far below the others' (glm4_moe, deepseek_v3), so no token anywhere chooses it. Rank 0 writes
+one JSON line per (job, lora): job, lora, loss_rel, grad_rel, grad_abs (max abs difference), worst, trainable,
+expert_rows (per expert stack: the experts a rank holds, the size of the mesh FSDP shards them over), idle_zero (the
+idle expert's gradients are all zero in both builds, or null), ok_error. A failure is caught per job.
 """
 
 from __future__ import annotations
@@ -98,18 +99,20 @@ def build_model(overrides: list[str], info: dist.DistInfo, settings: dict, idle:
     cfg = load_config(TINY, overrides)
     tokenizer = source_room.load_tokenizer(cfg.model, None)
     model, _, mesh = build.build_and_wrap(cfg, info, precision.resolve(cfg, info.device), None, tokenizer)
-    apart = set(expert_parallel.expert_parallel_groups(model))
-    ep_rank, ep_size = (torch_dist.get_rank(), torch_dist.get_world_size()) if apart else (0, 1)
+    groups = expert_parallel.expert_parallel_groups(model)
+    group = next(iter(groups.values()), None)
+    apart = set(groups)
+    ep_rank, ep_size = (torch_dist.get_rank(group), torch_dist.get_world_size(group)) if apart else (0, 1)
     if cfg.lora.enabled:
         perturb_adapters(model, experts_of(settings), apart, ep_rank, ep_size)
     make_idle(model, idle)
     return model
 
 
-def whole_expert_grad(name: str, grad: torch.Tensor, experts: int) -> torch.Tensor:
-    """An EP gradient put back together from both ranks' experts (the world is the EP group here)."""
-    parts = [torch.zeros_like(grad) for _ in range(torch_dist.get_world_size())]
-    torch_dist.all_gather(parts, grad.contiguous())
+def whole_expert_grad(name: str, grad: torch.Tensor, experts: int, group: torch_dist.ProcessGroup) -> torch.Tensor:
+    """An EP gradient put back together from the EP group's experts."""
+    parts = [torch.zeros_like(grad) for _ in range(torch_dist.get_world_size(group))]
+    torch_dist.all_gather(parts, grad.contiguous(), group=group)
     if "lora_B" in name:
         out = grad.shape[0]
         return torch.cat([p.reshape(out, -1, experts // len(parts)) for p in parts], dim=2).reshape(out, -1)
@@ -126,20 +129,16 @@ def full_grads(model: torch.nn.Module, experts: int) -> dict[str, torch.Tensor |
         if isinstance(grad, DTensor):
             grad = grad.full_tensor()
         if grad is not None and id(param) in apart:
-            grad = whole_expert_grad(name, grad, experts)
+            grad = whole_expert_grad(name, grad, experts, apart[id(param)])
         grads[key(name)] = None if grad is None else grad.detach().float().clone()
     return grads
 
 
-def expert_rows(model: torch.nn.Module) -> list[int]:
-    """Rows of each expert stack a rank holds, with the size of the mesh FSDP shards them over."""
+def expert_rows(model: torch.nn.Module) -> list[list[int]]:
+    """Per expert stack: the experts of this EP rank, and the size of the mesh FSDP shards them over."""
     apart = expert_parallel.expert_parallel_groups(model)
-    found = []
-    for param in model.parameters():
-        if id(param) in apart and param.dim() == 3:
-            assert isinstance(param, DTensor) and param.device_mesh.size() == 1, "expert stacks sharded further"
-            found.append(param.shape[0])
-    return found
+    return [[param.shape[0], param.device_mesh.size()] for param in model.parameters()
+            if id(param) in apart and param.dim() == 3 and isinstance(param, DTensor)]
 
 
 def idle_rows_zero(grads: dict[str, torch.Tensor | None], idle: int, experts: int) -> bool:
@@ -161,11 +160,11 @@ def idle_rows_zero(grads: dict[str, torch.Tensor | None], idle: int, experts: in
     return looked > 0
 
 
-def compare(settings: dict, idle: int | None, lora: bool, info: dist.DistInfo) -> dict:
+def compare(settings: dict, idle: int | None, lora: bool, info: dist.DistInfo, parallel: list[str]) -> dict:
     experts = experts_of(settings)
     common = [f"model.config={json.dumps(settings)}", "model.tokenizer=builtin:bytes", "train.precision=fp32",
               f"lora.enabled={str(lora).lower()}", "model.attn_implementation=auto"]
-    sharded = build_model([*common, "dist.strategy=fsdp", "dist.expert_parallel=2"], info, settings, idle)
+    sharded = build_model([*common, *parallel], info, settings, idle)
     rows_held = expert_rows(sharded)
     loss = loss_of(sharded, batch(1 + info.rank))
     loss.backward()
@@ -210,13 +209,13 @@ def compare(settings: dict, idle: int | None, lora: bool, info: dist.DistInfo) -
 def main() -> None:
     result_file, jobs = Path(sys.argv[1]), json.loads(sys.argv[2])
     info = dist.init(load_config(TINY, ["dist.timeout_s=120"]).dist)
-    assert info.world_size == 2, info
     if info.is_main:
         result_file.write_text("")
     for job, spec in jobs.items():
         for lora in (True, False):
             try:
-                figures, error = compare(spec["settings"], spec["idle"], lora, info), None
+                parallel = spec.get("parallel", ["dist.strategy=fsdp", "dist.expert_parallel=2"])
+                figures, error = compare(spec["settings"], spec["idle"], lora, info, parallel), None
             except Exception:  # whatever it is, reported for this job alone
                 figures, error = {}, traceback.format_exc()
             errors: list[str | None] = [None] * info.world_size
