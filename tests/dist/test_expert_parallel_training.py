@@ -37,15 +37,20 @@ def train(world: World, out: Path, *overrides: str) -> Path:
     return out / "tiny-moe"
 
 
-@pytest.fixture(scope="module", params=["lora", "full"])
-def runs(request: pytest.FixtureRequest, world: World, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Without EP, with EP, and with EP stopped after the first full checkpoint then run again (a resume)."""
-    mode = [f"lora.enabled={str(request.param == 'lora').lower()}"]
-    out = tmp_path_factory.mktemp(f"ep-{request.param}")
+@pytest.fixture(scope="module", params=[("lora", 2), ("full", 2), ("lora", 4), ("full", 4)],
+                ids=["lora", "full", "lora-4-ranks", "full-4-ranks"])
+def runs(request: pytest.FixtureRequest, worlds, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Without EP, with EP, and with EP stopped after the first full checkpoint then run again (a resume). On 4
+    ranks EP=2 leaves 2 ranks of the shard dimension, over which FSDP2 shards each EP rank's experts again."""
+    kind, nproc = request.param
+    world = worlds(nproc)
+    mode = [f"lora.enabled={str(kind == 'lora').lower()}"]
+    out = tmp_path_factory.mktemp(f"ep-{kind}-{nproc}")
     stopped = out / "resumed"
     train(world, stopped, *mode, EP, f"train.max_steps={EVERY}")
     return {
-        "mode": request.param,
+        "mode": kind,
+        "world": world,
         "overrides": mode,
         "plain": train(world, out / "plain", *mode),
         "ep": train(world, out / "ep", *mode, EP),
@@ -86,7 +91,7 @@ def test_a_resumed_run_ends_bitwise_equal_to_the_uninterrupted_one(runs: dict) -
 
 
 def test_evaluation_during_training_and_trainyard_eval_of_the_checkpoint_give_the_run_without_eps_loss(
-    runs: dict, world: World, tmp_path: Path
+    runs: dict, tmp_path: Path
 ) -> None:
     """The final eval of the EP run (forward passes through the token exchange) and `trainyard eval` of its last
     checkpoint with the job's config (built without EP: the checkpoint holds whole expert stacks and a PEFT adapter
@@ -95,18 +100,19 @@ def test_evaluation_during_training_and_trainyard_eval_of_the_checkpoint_give_th
     assert abs(events(runs["ep"], "eval")[-1]["eval_loss"] - want) <= LOSS_REL * want
     out = tmp_path / "figures.json"
     final = step_dir(runs["ep"] / "checkpoints", STEPS)
-    run_script(world, "evaluate_checkpoint", str(out), TINY_MOE, str(final), *JOB, *runs["overrides"], EP,
+    run_script(runs["world"], "evaluate_checkpoint", str(out), TINY_MOE, str(final), *JOB, *runs["overrides"], EP,
                f"output_dir={tmp_path}")
     assert abs(json.loads(out.read_text())["eval_loss"] - want) <= LOSS_REL * want
 
 
 def test_every_ep_rank_writes_its_experts_into_the_full_checkpoint(runs: dict) -> None:
-    """Each expert tensor in DCP is in two chunks, one per EP rank; under LoRA the adapter file (gathered from both
+    """Each expert tensor in DCP is in two chunks, one per EP rank (4 on 4 ranks); under LoRA the adapter file (gathered from both
     ranks' experts) is what DCP holds, lora_B seen as [out, r, experts] there."""
     final = step_dir(runs["ep"] / "checkpoints", STEPS)
     metadata = FileSystemReader(str(final)).read_metadata().state_dict_metadata
     experts = [key for key in metadata if key.startswith("model.") and ".experts." in key]
-    assert experts and all(len(metadata[key].chunks) == 2 for key in experts), experts
+    ranks = runs["world"].nproc
+    assert experts and all(len(metadata[key].chunks) == ranks for key in experts), experts
     if runs["mode"] == "lora":
         in_dcp = {name: t.reshape(t.shape[0], -1) for name, t in dcp_adapter_tensors(final).items()}
         assert_same_tensors(adapter_tensors(final), in_dcp)
