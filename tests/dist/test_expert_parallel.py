@@ -25,6 +25,8 @@ FAMILIES = ["qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss"]
 TOKENIZER_KEYS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")
 IDLE = "glm4_moe_idle_expert"
 """glm4_moe with its last expert's score correction bias at -1e4: no token on any rank chooses it."""
+CHECKPOINTED = "glm4_moe_activation_checkpointing"
+"""glm4_moe with full activation checkpointing: the backward recomputes each block, all-to-alls included."""
 LOSS_REL, GRAD_REL = 1e-6, 1e-5
 
 
@@ -46,7 +48,10 @@ def job(family: str, idle: int | None = None, parallel: list[str] | None = None)
 @pytest.fixture(scope="module")
 def results(world: World, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], dict]:
     out = tmp_path_factory.mktemp("expert-parallel") / "results.jsonl"
-    jobs = {family: job(family) for family in FAMILIES} | {IDLE: job("glm4_moe", idle=3)}
+    checkpointed = ["dist.strategy=fsdp", "dist.expert_parallel=2", "model.gradient_checkpointing=true"]
+    jobs = {family: job(family) for family in FAMILIES} | {
+        IDLE: job("glm4_moe", idle=3), CHECKPOINTED: job("glm4_moe", parallel=checkpointed)
+    }
     run_script(world, "expert_parallel", str(out), json.dumps(jobs))
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     return {(line["job"], line["lora"]): line for line in lines}
@@ -85,6 +90,15 @@ def test_on_4_ranks_ep_within_a_larger_shard_dimension_and_under_hsdp_is_exact(
     assert line["expert_rows"] and all(rows == LAYOUTS[layout][1] for rows in line["expert_rows"]), line
     assert line["loss_rel"] < LOSS_REL, line
     assert line["grad_rel"] < GRAD_REL, line
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_activation_checkpointing_recomputes_the_exchange_exactly(
+    results: dict[tuple[str, bool], dict], lora: bool
+) -> None:
+    line = results[(CHECKPOINTED, lora)]
+    assert line["ok_error"] is None, line["ok_error"]
+    assert line["loss_rel"] < LOSS_REL and line["grad_rel"] < GRAD_REL, line
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
