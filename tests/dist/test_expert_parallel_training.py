@@ -1,11 +1,13 @@
-"""tiny-moe trained on 2 ranks with dist.expert_parallel 2 (each rank holds 2 of the 4 routed experts of each MoE
-layer) against the same job without EP, LoRA and full fine-tuning, fp32: the same losses, gradient norms and expert
-load at every step, the same weights at the end, in checkpoints laid out as without EP; and a run stopped at a
-full checkpoint then resumed ends bitwise equal to the uninterrupted one.
+"""tiny-moe trained with dist.expert_parallel 2 (each EP rank holds 2 of the 4 routed experts of each MoE layer; on 4
+ranks FSDP2 shards them again over 2) against the same job without EP, LoRA and full fine-tuning, fp32: the same
+losses, gradient norms and expert load at every step, the same weights at the end, in checkpoints laid out as
+without EP (export and `trainyard eval` read them so); and a run stopped at a full checkpoint then resumed ends
+bitwise equal to the uninterrupted one.
 
 Tolerance: the expert counts come out equal, the per-step losses equal under LoRA and within 3e-8 relative under
 full fine-tuning; gradient norms differ by < 2e-7 relative and final weights by < 1e-6 (measured: 1.8e-7 on the
-adapter), from the grouped products' rows per call and the order of the gradient sums. A misplaced expert or a wrong gradient factor moves them by orders of magnitude more."""
+adapter), from the grouped products' rows per call and the order of the gradient sums. A misplaced expert or a
+wrong gradient factor moves them by orders of magnitude more."""
 
 from __future__ import annotations
 
@@ -14,11 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from tests.conftest import TINY_MOE, events, run_script, train_in
 from tests.dist.checkpoint_helpers import adapter_tensors, assert_same_tensors, dcp_adapter_tensors, model_tensors
 from tests.world import World
+from trainyard.checkpoint.export import export
 from trainyard.checkpoint.save import step_dir
 
 pytestmark = pytest.mark.dist
@@ -105,9 +109,19 @@ def test_evaluation_during_training_and_trainyard_eval_of_the_checkpoint_give_th
     assert abs(json.loads(out.read_text())["eval_loss"] - want) <= LOSS_REL * want
 
 
+def test_export_of_the_ep_checkpoint_is_the_model_of_the_run_without_ep(runs: dict, tmp_path: Path) -> None:
+    """`trainyard export` (LoRA merged) reads an EP checkpoint as one without EP: the same whole model."""
+    lora = runs["mode"] == "lora"
+    want = load_file(export(runs["plain"], tmp_path / "plain", merge_lora=lora) / "model.safetensors")
+    got = load_file(export(runs["ep"], tmp_path / "ep", merge_lora=lora) / "model.safetensors")
+    assert got.keys() == want.keys() and any(".experts." in name for name in want)
+    for name, tensor in want.items():
+        assert (got[name].float() - tensor.float()).abs().max().item() <= WEIGHT_ABS, name
+
+
 def test_every_ep_rank_writes_its_experts_into_the_full_checkpoint(runs: dict) -> None:
-    """Each expert tensor in DCP is in two chunks, one per EP rank (4 on 4 ranks); under LoRA the adapter file (gathered from both
-    ranks' experts) is what DCP holds, lora_B seen as [out, r, experts] there."""
+    """Each expert tensor in DCP is in one chunk per rank (EP rank, and FSDP2 shard on 4 ranks); under LoRA the
+    adapter file (gathered from every EP rank's experts) is what DCP holds, lora_B seen as [out, r, experts] there."""
     final = step_dir(runs["ep"] / "checkpoints", STEPS)
     metadata = FileSystemReader(str(final)).read_metadata().state_dict_metadata
     experts = [key for key in metadata if key.startswith("model.") and ".experts." in key]
