@@ -27,6 +27,9 @@ IDLE = "glm4_moe_idle_expert"
 """glm4_moe with its last expert's score correction bias at -1e4: no token on any rank chooses it."""
 CHECKPOINTED = "glm4_moe_activation_checkpointing"
 """glm4_moe with full activation checkpointing: the backward recomputes each block, all-to-alls included."""
+FOLDED = "gpt_oss_peft_fold"
+"""gpt_oss with lora.moe_adapter: peft: PEFT folds W + B·A over this rank's experts, then the exchange runs them
+(against the grouped products of the 1-process reference: equal to < 4e-6, tests/unit/model/test_moe_lora.py)."""
 LOSS_REL, GRAD_REL = 1e-6, 1e-5
 
 
@@ -50,7 +53,8 @@ def results(world: World, tmp_path_factory: pytest.TempPathFactory) -> dict[tupl
     out = tmp_path_factory.mktemp("expert-parallel") / "results.jsonl"
     checkpointed = ["dist.strategy=fsdp", "dist.expert_parallel=2", "model.gradient_checkpointing=true"]
     jobs = {family: job(family) for family in FAMILIES} | {
-        IDLE: job("glm4_moe", idle=3), CHECKPOINTED: job("glm4_moe", parallel=checkpointed)
+        IDLE: job("glm4_moe", idle=3), CHECKPOINTED: job("glm4_moe", parallel=checkpointed),
+        FOLDED: job("gpt_oss", parallel=["dist.strategy=fsdp", "dist.expert_parallel=2", "lora.moe_adapter=peft"]),
     }
     run_script(world, "expert_parallel", str(out), json.dumps(jobs))
     lines = [json.loads(line) for line in out.read_text().splitlines()]
@@ -99,6 +103,12 @@ def test_activation_checkpointing_recomputes_the_exchange_exactly(
     line = results[(CHECKPOINTED, lora)]
     assert line["ok_error"] is None, line["ok_error"]
     assert line["loss_rel"] < LOSS_REL and line["grad_rel"] < GRAD_REL, line
+
+
+def test_pefts_folded_expert_adapters_run_through_the_exchange_too(results: dict[tuple[str, bool], dict]) -> None:
+    line = results[(FOLDED, True)]
+    assert line["ok_error"] is None, line["ok_error"]
+    assert line["expert_grads"] > 0 and line["loss_rel"] < LOSS_REL and line["grad_rel"] < GRAD_REL, line
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
