@@ -197,22 +197,14 @@ def shard_experts(model: torch.nn.Module, meshes: ExpertMeshes) -> dict[str, int
             stack.experts._parameters[name] = torch.nn.Parameter(
                 kept if kept.is_meta else kept.clone(), requires_grad=param.requires_grad
             )
+            first_rows[checkpoint_key(f"{stack.name}.{name}")] = start
         for wrapper in stack.wrappers:
             _keep_adapter_experts(wrapper, start, local)
         stack.experts.num_experts = local
         stack.experts.token_exchange = TokenExchange(ep.get_group(), ranks, total)
         stack.experts.forward = MethodType(_exchanged_forward, stack.experts)
         stack.unit.expert_meshes, stack.unit.local_experts = meshes, local
-    for name, param in model.named_parameters():
-        owner = _owning_stack(model, name)
-        if owner is not None and "lora_" not in name:
-            first_rows[checkpoint_key(name)] = rank * owner.num_experts
     return first_rows
-
-
-def _owning_stack(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
-    module = model.get_submodule(name.rpartition(".")[0])
-    return module if hasattr(module, "token_exchange") else None
 
 
 def _keep_adapter_experts(wrapper: ParamWrapper, start: int, local: int) -> None:
