@@ -27,7 +27,7 @@ from trainyard.checkpoint.save import step_dir
 
 pytestmark = pytest.mark.dist
 
-STEPS, EVERY = 6, 3
+STEPS, EVERY = 4, 2
 JOB = [
     f"train.max_steps={STEPS}", f"checkpoint.every_steps={EVERY}", "checkpoint.keep_last=4", "eval.every_steps=0",
     "eval.at_end=true", "log.every_steps=1", "log.progress=false", "log.tensorboard=false", "train.precision=fp32",
