@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainyard.config import DistConfig
@@ -220,6 +221,21 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
+
+
+def all_to_all_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Equal slices of `counts`, one to each rank of the group; what each rank sent this one, in rank order."""
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    return received
+
+
+def all_to_all_rows(
+    rows: torch.Tensor, receive_splits: list[int], send_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """`send_splits[r]` rows to each rank r, `receive_splits[r]` rows from each: differentiable (the backward sends
+    the gradients back the same way)."""
+    return all_to_all_single_autograd(rows, receive_splits, send_splits, group)
 
 
 def all_gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -23,11 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 from peft.tuners.lora import ParamWrapper
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from trainyard import dist
 from trainyard.errors import ConfigError
 from trainyard.model.moe_lora import LowRank, expert_counts, experts_on_sorted, grouped_experts_forward, wrapper_chain
 from trainyard.model.weights import InMemory, RowReader, SafetensorsFolder, checkpoint_key
@@ -243,11 +243,10 @@ class TokenExchange:
     ) -> torch.Tensor:
         local = self.experts // self.ranks
         sent = expert_counts(expert_ids, self.experts).to(torch.int64)
-        received = torch.empty_like(sent)  # [source rank, local expert]: rows each rank sends each of ours
-        torch_dist.all_to_all_single(received, sent, group=self.group)
+        received = dist.all_to_all_counts(sent, self.group)  # [source rank, local expert]: rows sent to our experts
         send_splits = sent.view(self.ranks, local).sum(dim=1).tolist()
         receive_splits = received.view(self.ranks, local).sum(dim=1).tolist()
-        arrived = all_to_all_single_autograd(rows, receive_splits, send_splits, self.group)
+        arrived = dist.all_to_all_rows(rows, receive_splits, send_splits, self.group)
         # arrived: by source rank, then by expert; the grouped products want them by expert
         local_ids = torch.arange(local, device=rows.device).repeat(self.ranks)
         local_ids = torch.repeat_interleave(local_ids, received)
@@ -255,7 +254,7 @@ class TokenExchange:
         out = experts_on_sorted(experts, adapters, arrived[order], local_ids)
         back = torch.empty_like(order)
         back[order] = torch.arange(order.size(0), device=order.device)
-        return all_to_all_single_autograd(out[back].contiguous(), send_splits, receive_splits, self.group)
+        return dist.all_to_all_rows(out[back].contiguous(), send_splits, receive_splits, self.group)
 
 
 @dataclass

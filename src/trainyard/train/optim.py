@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from trainyard import dist
 from trainyard.config import JobConfig
 from trainyard.parallel import expert_parallel
 
@@ -72,7 +73,7 @@ def _expert_parallel_norm_and_clip(
     rest = [p for p in params if id(p) not in apart]
     expert_squares = _squared_norm(experts)
     if experts:
-        torch.distributed.all_reduce(expert_squares, group=apart[id(experts[0])])
+        dist.all_reduce_sum(expert_squares, group=apart[id(experts[0])])
     norm = (_squared_norm(rest) + expert_squares).sqrt()
     if max_norm > 0:
         for group in (experts, rest):
