@@ -98,6 +98,13 @@ def check(model: torch.nn.Module, expert_parallel: int, strategy: str, shard: in
             fix="set dist.expert_parallel to one of "
             + ", ".join(str(d) for d in range(1, min(experts, shard) + 1) if experts % d == 0 and shard % d == 0),
         )
+    if (experts // expert_parallel) % (shard // expert_parallel):
+        raise ConfigError(
+            f"dist.expert_parallel {expert_parallel}: each EP rank's {experts // expert_parallel} experts do not "
+            f"split evenly over the {shard // expert_parallel} ranks left of the shard dimension (checkpoints lay "
+            "an expert stack out in whole rows per rank)", where=where,
+            fix=f"set dist.expert_parallel so that {experts} / it is a multiple of {shard} / it",
+        )
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """dist.expert_parallel is refused, exit 2 naming the field, where it cannot run exactly: without fsdp/hsdp, on a
 model without routed experts or of a family not proven, at a size that does not divide the experts and the shard
-dimension; a checkpoint written at one EP size resumes only at that size."""
+dimension, or whose EP ranks' experts do not split evenly over the ranks left of it; a checkpoint written at one EP
+size resumes only at that size."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def test_the_size_must_divide_the_experts_and_the_shard_dimension() -> None:
     assert "must divide the number of experts (4) and the shard dimension (6 ranks)" in refusal(model, 3, shard=6)
     assert "one of 1, 2" in refusal(model, 4, shard=6)
     assert "needs dist.strategy fsdp or hsdp" in refusal(model, 2, strategy="ddp")
+    assert "2 experts do not split evenly over the 4 ranks" in refusal(model, 2, shard=8)
     expert_parallel.check(model, 2, "hsdp", 4, WHERE)
     expert_parallel.check(model, 4, "fsdp", 4, WHERE)
 
