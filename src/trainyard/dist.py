@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainyard.config import DistConfig
@@ -129,12 +130,20 @@ def hsdp_shape(
 
 
 def build_mesh(
-    info: DistInfo, strategy: str, shard_size: int | None, sites: int | None = None, site_inner: str = "ddp"
+    info: DistInfo,
+    strategy: str,
+    shard_size: int | None,
+    sites: int | None = None,
+    site_inner: str = "ddp",
+    expert_parallel: int = 1,
 ) -> DeviceMesh | None:
     """The device mesh a strategy works on: 1-D ("shard",) for fsdp, 2-D ("replicate", "shard") for hsdp,
     2-D ("site", "local") for diloco (`sites` of them), 3-D ("site", "replicate", "shard") for diloco with hsdp
     within a site, none for ddp or a single process. torchrun numbers a node's ranks consecutively, so the inner
-    dimensions stay within a node. Every rank must call it; every group of the mesh waits dist.timeout_s."""
+    dimensions stay within a node. Every rank must call it; every group of the mesh waits dist.timeout_s.
+
+    `expert_parallel` > 1 (fsdp, hsdp): the same mesh, its "shard" dimension flattened from ("shard_mod_ep",
+    "ep") of a root mesh whose "ep" groups (consecutive ranks) hold the experts between them."""
     if strategy == "diloco":
         assert sites is not None, "diloco needs its number of sites"
         site = info.world_size // sites
@@ -142,10 +151,25 @@ def build_mesh(
             return _mesh(info, (sites, *hsdp_shape(info, shard_size, site)), ("site", "replicate", "shard"))
         return _mesh(info, (sites, site), ("site", "local"))
     if strategy == "fsdp":
+        if expert_parallel > 1:
+            return _expert_parallel_mesh(info, (), info.world_size, expert_parallel)
         return _mesh(info, (info.world_size,), ("shard",))
     if strategy == "hsdp":
-        return _mesh(info, hsdp_shape(info, shard_size), ("replicate", "shard"))
+        replicas, shard = hsdp_shape(info, shard_size)
+        if expert_parallel > 1:
+            return _expert_parallel_mesh(info, (replicas,), shard, expert_parallel)
+        return _mesh(info, (replicas, shard), ("replicate", "shard"))
     return None
+
+
+def _expert_parallel_mesh(info: DistInfo, replicas: tuple[int, ...], shard: int, expert_parallel: int) -> DeviceMesh:
+    """("shard",) or ("replicate", "shard") as a view of a root mesh (["replicate",] "shard_mod_ep", "ep")."""
+    outer = ("replicate",) if replicas else ()
+    root = _mesh(info, (*replicas, shard // expert_parallel, expert_parallel), (*outer, "shard_mod_ep", "ep"))
+    options = timeout_options(info)
+    override = (info.backend, options) if options is not None else None
+    root["shard_mod_ep", "ep"]._flatten("shard", backend_override=override)
+    return root[(*outer, "shard")] if outer else root["shard"]
 
 
 def _mesh(info: DistInfo, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
@@ -197,6 +221,21 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
+
+
+def all_to_all_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Equal slices of `counts`, one to each rank of the group; what each rank sent this one, in rank order."""
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    return received
+
+
+def all_to_all_rows(
+    rows: torch.Tensor, receive_splits: list[int], send_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """`send_splits[r]` rows to each rank r, `receive_splits[r]` rows from each: differentiable (the backward sends
+    the gradients back the same way)."""
+    return all_to_all_single_autograd(rows, receive_splits, send_splits, group)
 
 
 def all_gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -28,6 +28,7 @@ from trainyard.model import attention
 from trainyard.model import build as model_room
 from trainyard.model import lora as lora_room
 from trainyard.model import source as source_room
+from trainyard.parallel import expert_parallel
 from trainyard.runs import layout as run_layout
 
 
@@ -334,6 +335,8 @@ def describe_plan(
             strategy, why = auto_strategy(model, info, cfg, device_bytes)
             why = f": {why}"
         lines.append(f"strategy         {strategy} (requested {cfg.dist.strategy}{why})")
+        if cfg.dist.expert_parallel > 1 and world_size > 1:
+            lines.append(_experts_words(cfg, model, info, strategy))
         if strategy == "diloco":
             sites, outer = diloco.site_count(cfg, info), cfg.diloco
             inner = outer.inner
@@ -366,6 +369,17 @@ def describe_plan(
                      "(its varlen path keeps documents apart only in a batch of one row)")
     lines.append(estimate.describe(cfg, _hardware(target), lengths)[0])
     return "\n".join(lines)
+
+
+def _experts_words(cfg: JobConfig, model: torch.nn.Module, info: DistInfo, strategy: str) -> str:
+    """dist.expert_parallel checked against the model and the shard dimension, and what each rank holds."""
+    ep = cfg.dist.expert_parallel
+    shard = dist.hsdp_shape(info, cfg.dist.shard_size)[1] if strategy == "hsdp" else info.world_size
+    expert_parallel.check(model, ep, strategy, shard, cfg.where("dist.expert_parallel"))
+    experts = expert_parallel.find_expert_stacks(model)[0].experts.num_experts
+    further = f"sharded further over {shard // ep} ranks" if shard > ep else "not sharded further"
+    return (f"experts          expert parallel {ep}: each rank holds {experts // ep} of the {experts} routed experts "
+            f"of each MoE layer (tokens sent to them by all-to-all), {further}")
 
 
 def check_world(cfg: JobConfig, nodes: int, per_node: int) -> None:

@@ -59,6 +59,22 @@ def test_fsdp2_ranks_read_only_their_half_and_match_transformers(
     assert all(rank["tied"] for label in ("random", "llama-bf16-file-lora") for rank in results[label])
 
 
+def test_expert_parallel_ranks_read_only_their_experts_rows_and_match_transformers(
+    world: World, folders: dict[str, Path], tmp_path: Path
+) -> None:
+    """dist.expert_parallel 2: each rank reads its 2 of the 4 experts from the folder's one-by-one expert tensors
+    (and half of the rest), adapters included; together they make transformers' model."""
+    ep = "dist.expert_parallel=2"
+    jobs = [
+        ["moe-ep", _folder_job(folders["moe"], ep), str(folders["moe"])],
+        ["moe-ep-lora", _folder_job(folders["moe"], "lora.enabled=true", ep), str(folders["moe"])],
+    ]
+    for label, ranks in _run(world, "fsdp", jobs, tmp_path).items():
+        for rank in ranks:
+            assert rank["mismatched"] == [] and rank["meta_left"] == [], label
+            assert abs(rank["held_share"] - 0.5) < 1e-3, (label, rank["held_share"])
+
+
 def test_ddp_ranks_hold_one_whole_copy_equal_to_transformers(world: World, folders: dict[str, Path], tmp_path: Path) -> None:
     jobs = [["random", [], ""], ["moe", _folder_job(folders["moe"]), str(folders["moe"])]]
     results = _run(world, "ddp", jobs, tmp_path)

@@ -121,7 +121,8 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path)
     """
     differences = [
         f"{key}: checkpoint has {saved.get(key)!r}, this job has {current.get(key)!r}"
-        for key in ("model_signature", "lora", "data_fingerprint", "global_batch_samples", "diloco_sites")
+        for key in ("model_signature", "lora", "data_fingerprint", "global_batch_samples", "diloco_sites",
+                    "expert_parallel")
         if saved.get(key) != current.get(key)
     ]
     differences += _sampler_disagreements(path, int(saved.get("world_size", 1)))

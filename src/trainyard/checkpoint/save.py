@@ -58,6 +58,7 @@ from trainyard.checkpoint.layout import (  # noqa: F401  (the checkpoint room's 
 from trainyard.config import CheckpointConfig
 from trainyard.dist import DistInfo, all_reduce_sum, broadcast_text
 from trainyard.errors import CheckpointError
+from trainyard.parallel import expert_parallel
 from trainyard.parallel.parallelize import unwrap
 
 DISK_FIX = "check free space and permissions of the checkpoint dir; the previous checkpoint is intact"
@@ -70,11 +71,13 @@ def adapter_state(model: torch.nn.Module, info: DistInfo) -> dict[str, torch.Ten
     """The adapter's tensors, full size on rank 0's host, and none on any other rank. Every rank joins each adapter
     DTensor's gather (one tensor at a time, nothing but the adapter) and only rank 0 keeps it, as torch's
     full_state_dict with cpu_offload does: a host copy on every rank cost 7.3 GB per rank (58 GB a node) for
-    GLM-4.5-Air's 1.82B-parameter adapter."""
+    GLM-4.5-Air's 1.82B-parameter adapter. Under expert parallelism an expert adapter is gathered from every EP
+    rank's experts."""
     full = {}
-    for name, tensor in get_peft_model_state_dict(unwrap(model)).items():
+    state = expert_parallel.whole_stacks(model, get_peft_model_state_dict(unwrap(model)))
+    for name, tensor in state.items():
         if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
+            tensor = expert_parallel.peft_layout(name, tensor.full_tensor())
         if info.is_main:
             full[name] = tensor.detach().to("cpu").contiguous()
     return full
@@ -102,8 +105,11 @@ def save_adapter(model: torch.nn.Module, out_dir: Path, info: DistInfo, tokenize
 
 
 def model_signature(model: torch.nn.Module) -> str:
-    """Names and shapes of every parameter: a resumed job must build the same model."""
-    shapes = [f"{name}:{tuple(getattr(p, 'shape', ()))}" for name, p in unwrap(model).named_parameters()]
+    """Names and shapes of every parameter: a resumed job must build the same model. An expert stack held apart
+    by expert parallelism counts with its whole shape (an evaluation without EP reads the same checkpoint)."""
+    model = unwrap(model)
+    whole = expert_parallel.whole_shapes(model)
+    shapes = [f"{name}:{whole.get(name, tuple(getattr(p, 'shape', ())))}" for name, p in model.named_parameters()]
     return hashlib.sha256("\n".join(shapes).encode()).hexdigest()[:16]
 
 
@@ -292,7 +298,8 @@ class Checkpointer:
         started = time.monotonic()
         try:
             _write_own_files(model, path, trainer_state, rank_state, self.info, self.tokenizer)
-            state = self.arrange(*_state_dicts(model, optimizer, self.cfg.save_frozen))
+            parts = _state_dicts(model, optimizer, self.cfg.save_frozen)
+            state = self.arrange(*(expert_parallel.whole_stacks(model, part) for part in parts))
             pending = PendingSave(path, step, _write_shards(state, path, async_save, self.group))
         except (OSError, RuntimeError) as err:
             self._failed(step, CheckpointError(f"saving checkpoint {path} failed: {err}", fix=DISK_FIX))
@@ -370,7 +377,8 @@ def load_full(
     """Load weights and optimizer (resharded by DCP to this world), return this rank's state. DCP fills the
     arranged state in place, so the model and optimizer dicts nested in it hold what was loaded."""
     model_state, optim_state = _state_dicts(model, optimizer, save_frozen)
-    dcp.load(arrange(model_state, optim_state), checkpoint_id=str(path))
+    whole = (expert_parallel.whole_stacks(model, part) for part in (model_state, optim_state))
+    dcp.load(arrange(*whole), checkpoint_id=str(path))  # an expert stack's whole view shares its memory
     set_state_dict(
         model,
         optimizer,

@@ -85,28 +85,43 @@ def grouped_experts_forward(
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     """transformers' `grouped_mm_experts_forward` (sort by expert, grouped up/gate, down, weight, unsort), with
-    each projection's adapter applied to the tokens routed to each expert."""
+    each projection's adapter applied to the tokens routed to each expert. Under expert parallelism the experts
+    module carries a `token_exchange` (parallel/expert_parallel.py) that runs the sorted rows on the ranks holding
+    their experts; the routing weights are applied here, on the tokens' own rank, either way."""
     num_tokens, hidden_dim = hidden_states.shape
     num_top_k = top_k_index.size(-1)
     expert_ids, perm = torch.sort(top_k_index.reshape(-1))
     tokens = hidden_states[perm // num_top_k]
     routing = top_k_weights.reshape(-1)[perm]
-    # histc as transformers counts (a fixed-size output: fake tensors and CUDA graphs); CPU histc wants floats
-    counted = expert_ids.float() if expert_ids.device.type in ("cpu", "mps") else expert_ids.int()
-    per_expert = torch.histc(counted, bins=experts.num_experts, min=0, max=experts.num_experts - 1)
-    offsets = torch.cumsum(per_expert, dim=0, dtype=torch.int32)
+    run = getattr(experts, "token_exchange", None) or experts_on_sorted
+    out = run(experts, adapters, tokens, expert_ids)
+    weighted = out * routing.unsqueeze(-1)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.size(0), device=perm.device)
+    final = weighted[inverse].view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
+    return final.to(hidden_states.dtype)
 
+
+def experts_on_sorted(
+    experts: torch.nn.Module, adapters: dict[str, LowRank], tokens: torch.Tensor, expert_ids: torch.Tensor
+) -> torch.Tensor:
+    """Every expert of `experts` on its rows (`tokens` sorted by `expert_ids`, ids of this module's experts),
+    before the routing weights: up/gate, activation, down, optional post-expert norm."""
+    offsets = torch.cumsum(expert_counts(expert_ids, experts.num_experts), dim=0, dtype=torch.int32)
     up_name = "gate_up_proj" if experts.has_gate else "up_proj"
     out = _project(experts, up_name, adapters.get(up_name), tokens, expert_ids, offsets)
     out = experts._apply_gate(out) if experts.has_gate else experts.act_fn(out)
     out = _project(experts, "down_proj", adapters.get("down_proj"), out, expert_ids, offsets)
     if experts.has_post_expert_norm:
         out = experts.post_expert_norm(out)
-    weighted = out * routing.unsqueeze(-1)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.size(0), device=perm.device)
-    final = weighted[inverse].view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
-    return final.to(hidden_states.dtype)
+    return out
+
+
+def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows per expert, as transformers counts them: histc (a fixed-size output: fake tensors and CUDA graphs);
+    CPU histc wants floats."""
+    counted = expert_ids.float() if expert_ids.device.type in ("cpu", "mps") else expert_ids.int()
+    return torch.histc(counted, bins=num_experts, min=0, max=num_experts - 1)
 
 
 def _project(

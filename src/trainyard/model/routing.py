@@ -36,7 +36,9 @@ def find_routers(model: torch.nn.Module) -> list[Router]:
                       None)
         layer = _LAYER.search(f".{name}.")
         if router is not None and layer is not None:
-            count = next(p.shape[0] for p in experts.parameters() if p.dim() == 3)
+            # expert parallelism: this rank holds some of the experts, the router chooses among all
+            exchange = next((m.token_exchange for m in experts.modules() if hasattr(m, "token_exchange")), None)
+            count = exchange.experts if exchange else next(p.shape[0] for p in experts.parameters() if p.dim() == 3)
             found.append(Router(int(layer[1]), router, count))
     return sorted(found, key=lambda r: r.layer)
 

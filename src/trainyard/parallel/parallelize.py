@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainyard.dist import DistInfo
 from trainyard.model import weights
 from trainyard.model.build import decoder_blocks
-from trainyard.parallel import checkpointing
+from trainyard.parallel import checkpointing, expert_parallel
 from trainyard.precision import Precision
 
 
@@ -46,12 +46,19 @@ def apply(
     site_inner: str = "ddp",
     activation_checkpointing: bool | str = False,
     compile_mlps: bool = False,
+    expert_parallel_size: int = 1,
 ) -> torch.nn.Module:
-    """The fixed order: activation checkpointing → compile → shard → allocate and fill this rank's own weights
-    (DDP: wrap after load). Parameters that already hold values (LoRA adapters) keep them; the meta ones and every
-    persistent buffer are read from `source`. diloco runs `site_inner` (diloco.inner) within each site; the outer
-    sync across sites is diloco/outer.py's."""
+    """The fixed order: keep this rank's experts (expert parallelism) → activation checkpointing → compile →
+    shard → allocate and fill this rank's own weights (DDP: wrap after load). Parameters that already hold values
+    (LoRA adapters) keep them; the meta ones and every persistent buffer are read from `source`. diloco runs
+    `site_inner` (diloco.inner) within each site; the outer sync across sites is diloco/outer.py's."""
     already_real = {name for name, param in model.named_parameters() if not param.is_meta}
+    experts = None
+    if expert_parallel_size > 1:
+        assert mesh is not None and strategy in expert_parallel.STRATEGIES, "EP is carved out of fsdp/hsdp's mesh"
+        experts = expert_parallel.expert_meshes(mesh)
+        first_rows = expert_parallel.shard_experts(model, experts)
+        source = expert_parallel.ExpertRows(source, first_rows)
     if activation_checkpointing:
         selective = activation_checkpointing == "selective"
         checkpointing.enable_activation_checkpointing(model, selective=selective)
@@ -60,7 +67,7 @@ def apply(
         logging.getLogger("trainyard").info("torch.compile on %d blocks' MLPs", checkpointing.compile_blocks(model))
     if shards_within(strategy, site_inner):
         assert mesh is not None, f"{strategy} shards over dist.build_mesh's mesh"
-        shard_fsdp2(model, within_site(mesh) if strategy == "diloco" else mesh, precision)
+        shard_fsdp2(model, within_site(mesh) if strategy == "diloco" else mesh, precision, experts)
     materialize(model, info.device)
     weights.load(model, source, skip=lambda name: name in already_real)
     if strategy == "ddp" or (strategy == "diloco" and site_inner == "ddp"):
@@ -107,10 +114,23 @@ def mixed_precision_policy(precision: Precision) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=precision.compute_dtype, reduce_dtype=torch.float32)
 
 
-def shard_fsdp2(model: torch.nn.Module, mesh: DeviceMesh, precision: Precision) -> torch.nn.Module:
+def shard_fsdp2(
+    model: torch.nn.Module,
+    mesh: DeviceMesh,
+    precision: Precision,
+    experts: expert_parallel.ExpertMeshes | None = None,
+) -> torch.nn.Module:
     """fully_shard every decoder block, then the root (embeddings, norm, head). A 2-D mesh
-    ("replicate", "shard") makes it HSDP: sharded within a group, replicated across groups."""
+    ("replicate", "shard") makes it HSDP: sharded within a group, replicated across groups. Under expert
+    parallelism each block's expert stacks are their own unit first, on the expert mesh; their gradients are
+    divided by the whole data-parallel size, as the rest's are (the all-to-all's backward summed the EP group's)."""
     policy = mixed_precision_policy(precision)
+    if experts is not None:
+        for stack in expert_parallel.find_expert_stacks(model):
+            fully_shard(stack.unit, mesh=experts.shard, mp_policy=policy)
+            stack.unit.set_gradient_divide_factor(float(mesh.size()))
+            if experts.shard.size(-1) > 1:  # gloo has no PREMUL_SUM: sum, then divide (alone, FSDP2 divides a copy)
+                stack.unit.set_force_sum_reduction_for_comms(True)
     for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

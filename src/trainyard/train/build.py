@@ -20,6 +20,7 @@ from trainyard.model import build as model_room
 from trainyard.model import lora as lora_room
 from trainyard.model import source as source_room
 from trainyard.model import weights
+from trainyard.parallel import expert_parallel
 from trainyard.parallel import parallelize as parallel
 from trainyard.precision import Precision
 
@@ -55,7 +56,12 @@ def build_and_wrap(
     if forward_only and strategy == "ddp":
         strategy = "none"
     sites = diloco.site_count(cfg, info) if strategy == "diloco" else None
-    mesh = dist.build_mesh(info, strategy, cfg.dist.shard_size, sites, cfg.diloco.inner)
+    # `trainyard eval` reads a checkpoint as a run without EP wrote it (adapter file, whole expert stacks in DCP)
+    ep = 1 if forward_only else cfg.dist.expert_parallel
+    if ep > 1:
+        shard = dist.hsdp_shape(info, cfg.dist.shard_size)[1] if strategy == "hsdp" else info.world_size
+        expert_parallel.check(model, ep, strategy, shard, cfg.where("dist.expert_parallel"))
+    mesh = dist.build_mesh(info, strategy, cfg.dist.shard_size, sites, cfg.diloco.inner, ep)
     shards = mesh.size(-1) if mesh is not None and parallel.shards_within(strategy, cfg.diloco.inner) else 1
     plan.check_fits(strategy, cfg.dist.strategy, shards, model, info, cfg.where("dist.strategy"))
     if cfg.model.config is not None and info.local_world_size > 1:  # one whole model per node, not per rank
@@ -67,5 +73,5 @@ def build_and_wrap(
         assert model_path is not None
         source = weights.SafetensorsFolder.open(model_path, model)
     wrapped = parallel.apply(model, strategy, info, precision, source, mesh, cfg.diloco.inner,
-                             cfg.model.gradient_checkpointing, cfg.train.compile)
+                             cfg.model.gradient_checkpointing, cfg.train.compile, ep)
     return wrapped, strategy, mesh

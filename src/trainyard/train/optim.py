@@ -7,7 +7,9 @@ import math
 
 import torch
 
+from trainyard import dist
 from trainyard.config import JobConfig
+from trainyard.parallel import expert_parallel
 
 
 def lr_lambda(cfg: JobConfig):
@@ -54,6 +56,32 @@ def _can_fuse(params: list[torch.nn.Parameter]) -> bool:
 def grad_norm_and_clip(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Total gradient norm over all ranks (DTensor-aware), clipped when max_norm > 0."""
     params = [p for p in model.parameters() if p.grad is not None]
+    apart = expert_parallel.expert_parallel_groups(model)
+    if apart:
+        return _expert_parallel_norm_and_clip(params, apart, max_norm)
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
     full_tensor = getattr(norm, "full_tensor", None)
     return full_tensor() if full_tensor else norm
+
+
+def _expert_parallel_norm_and_clip(
+    params: list[torch.nn.Parameter], apart: dict[int, torch.distributed.ProcessGroup], max_norm: float
+) -> torch.Tensor:
+    """The same under expert parallelism: the expert stacks' gradients live on another mesh than the rest (torch
+    stacks norms of one mesh only), and each EP rank holds other experts, so their squares sum over the EP group."""
+    experts = [p for p in params if id(p) in apart]
+    rest = [p for p in params if id(p) not in apart]
+    expert_squares = _squared_norm(experts)
+    if experts:
+        dist.all_reduce_sum(expert_squares, group=apart[id(experts[0])])
+    norm = (_squared_norm(rest) + expert_squares).sqrt()
+    if max_norm > 0:
+        for group in (experts, rest):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+    return norm
+
+
+def _squared_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    full_tensor = getattr(norm, "full_tensor", None)
+    return (full_tensor() if full_tensor else norm).float().square()

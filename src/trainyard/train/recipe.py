@@ -348,6 +348,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
             "lora": cfg.lora.model_dump(mode="json") if cfg.lora.enabled else None,
             "data_fingerprint": data.fingerprint,
             "global_batch_samples": cfg.train.micro_batch_size * accum * data_world,
+            "expert_parallel": cfg.dist.expert_parallel if cfg.dist.expert_parallel > 1 else None,
         },
         saves=checkpoint.Checkpointer(
             cfg.checkpoint, cfg.run_dir / run_layout.CHECKPOINTS, info, sink.emit,

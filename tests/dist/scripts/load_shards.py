@@ -1,7 +1,8 @@
 """Run under torchrun: build each job the way `trainer.run` does (meta device, wrap, then each
 rank's own weights) and compare every weight with what transformers loads by itself.
 
-argv: strategy, a JSON list of [label, config overrides, HF folder or "", lora], result dir.
+argv: strategy, a JSON list of [label, config overrides, HF folder or "", lora], result dir. Under expert
+parallelism the experts EP ranks hold apart are compared as whole stacks (gathered from every rank).
 Each rank writes <result dir>/<label>-rank<r>.json: mismatching tensors, the share of the
 model's elements it holds, and whether a tied pair stayed one tensor.
 """
@@ -23,6 +24,7 @@ from trainyard import dist
 from trainyard.train import build
 from trainyard import precision
 from trainyard.model import weights
+from trainyard.parallel import expert_parallel
 from trainyard.parallel import parallelize as parallel
 from trainyard.model import source as source_room
 from trainyard.config_file import load_config
@@ -58,10 +60,10 @@ def compare(label: str, overrides: list[str], folder: str, strategy: str, out: P
     wanted = {_key(k): v for k, v in reference(cfg, folder, tokenizer).state_dict().items()}
     net = parallel.unwrap(model)
     mismatched, held, total = [], 0, 0
-    for name, tensor in net.state_dict().items():
+    for name, tensor in expert_parallel.whole_stacks(net, net.state_dict()).items():  # EP: whole expert stacks
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         held, total = held + local.numel(), total + tensor.numel()
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        full = expert_parallel.peft_layout(name, tensor.full_tensor()) if isinstance(tensor, DTensor) else tensor
         key = _key(name)
         if key not in wanted or not torch.equal(full.float(), wanted[key].float()):
             mismatched.append(name)
