@@ -33,7 +33,10 @@ JOB = [
     "eval.at_end=true", "log.every_steps=1", "log.progress=false", "log.tensorboard=false", "train.precision=fp32",
 ]
 EP = "dist.expert_parallel=2"
-LOSS_REL, GRAD_NORM_REL, WEIGHT_ABS = 1e-6, 1e-6, 1e-6
+LOSS_REL, GRAD_NORM_REL = 1e-6, 1e-6
+WEIGHT_ABS = 1e-5
+"""AdamW at lr 3e-3 moves an element whose gradient is at fp32 rounding (summed in another order under EP) by a
+share of lr: after 4 steps a few 1e-6 apart where the rows of step 1 make such elements, far below a step's 3e-3."""
 
 
 def train(world: World, out: Path, *overrides: str) -> Path:
