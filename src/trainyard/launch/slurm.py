@@ -57,7 +57,8 @@ class SlurmJob:
     signal_lead: int | None = None
     """Seconds between SIGUSR1 and the time limit; None: from the estimated step and full-save time."""
     gpu: str | None = None
-    """The device kind (`trainyard estimate --gpu`) the signal lead is estimated for."""
+    """The device kind (`trainyard estimate --gpu`) the signal lead is estimated for; None: the partition's GRES
+    type where sinfo names one (`with_node_defaults`), else assumed."""
     node_source: str | None = None
     """Where gpus_per_node / cpus_per_task came from when not from the command line (e.g. sinfo)."""
 
