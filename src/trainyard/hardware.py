@@ -213,6 +213,23 @@ def network_of(kind: Gpu, preset: str) -> tuple[float, str]:
     return kind.node_network_gbps, f"{kind.network_words}, usual for {kind.name} nodes"
 
 
+def kind_of_gres_type(name: str) -> str | None:
+    """The device kind a Slurm GRES type names (`gpu:h100:8`), or None. Sites name types freely (h100, H100-80GB,
+    AutoDetect=nvml's nvidia_h100_80gb_hbm3): matched by the model, then form factor and memory. An A100 without
+    80 GB in its name is taken as the 40 GB one (the smaller, so a job that fits is sure to); an H100 NVL or a
+    GH200 has no kind here."""
+    name = name.lower().replace("_", "-")
+    if "gh200" in name or "nvl" in name:
+        return None
+    if "h200" in name:
+        return "h200"
+    if "h100" in name:
+        return "h100-pcie" if "pcie" in name else "h100-80gb"
+    if "a100" in name:
+        return "a100-80gb" if "80g" in name else "a100-40gb"
+    return "l4" if name in ("l4", "nvidia-l4") else None
+
+
 def gpu(name: str) -> Gpu:
     """The device kind by name; an unknown one lists the known."""
     if name not in GPUS:

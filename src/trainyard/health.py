@@ -2,7 +2,7 @@
 
 These checks run only at their interval or on a failure path, where every rank is present,
 so they cost nothing on a healthy step. `TRAINYARD_FAULT` injects a fault on purpose
-(`nan@rank1:step3`, `desync@rank1:step3`) so the detection itself can be tested.
+(`nan@rank1:step3`, `desync@rank1:step3`, `leak@rank1:step3`) so the detection itself can be tested.
 """
 
 from __future__ import annotations
@@ -33,6 +33,21 @@ def injected(kind: str, info: DistInfo, step: int) -> bool:
     """True where TRAINYARD_FAULT asks for this fault on this rank at this step."""
     wanted = os.environ.get(FAULT_ENV, "")
     return wanted == f"{kind}@rank{info.rank}:step{step}"
+
+
+LEAK_BYTES = 32 * 2**20
+"""What an injected leak keeps per log window: far above the noise of a process's RSS between windows."""
+_leaked: list[torch.Tensor] = []
+
+
+def leak_if_injected(info: DistInfo, step: int) -> None:
+    """`leak@rankR:stepN`: from the log at step N on, rank R keeps LEAK_BYTES more on its device at each log, as a
+    list of tensors kept across steps would. A log without that fault lets go of what an earlier run kept."""
+    wanted = re.fullmatch(r"leak@rank(\d+):step(\d+)", os.environ.get(FAULT_ENV, ""))
+    if wanted is None or int(wanted[1]) != info.rank or step < int(wanted[2]):
+        _leaked.clear()
+        return
+    _leaked.append(torch.ones(LEAK_BYTES // 4, device=info.device))  # written, so resident (unlike a zeroed map)
 
 
 def corrupt_one_parameter(model: torch.nn.Module) -> None:

@@ -14,6 +14,8 @@ import secrets
 import subprocess
 import sys
 import time
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,9 +63,87 @@ def setup_logging(run_dir: Path, info: DistInfo) -> logging.Logger:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
+    """This rank's memory for the log: the process's RSS on CPU, the allocator's peak since the last log on CUDA
+    (LogWindow.figures starts the next window's peak)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return psutil.Process().memory_info().rss
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """What this rank could still take: the host's available memory on CPU (shared with the other processes of the
+    node); on CUDA the device's free memory and what the allocator holds unused."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return psutil.virtual_memory().available
+
+
+@dataclass(frozen=True)
+class MemoryGrowth:
+    """A steady rise of some ranks' memory (`MemoryTrend`): the worst of them, the one that runs out first."""
+
+    step: int
+    ranks: list[int]
+    bytes_per_step: float
+    memory_bytes: float
+    available_bytes: float
+    runs_out_at_step: int | None
+    """Where the rise's line meets the memory the rank could still take; None if that was not measured. The ranks
+    of a CPU node share its memory: ranks that leak together run out sooner."""
+
+
+class MemoryTrend:
+    """Each rank's memory over the last log windows, to catch a leak while the job still runs.
+
+    The rule: a rank's memory grew steadily when each of its last `windows` log windows held more than the one
+    before (noise goes both ways, a leak only up) and they grew by at least `min_growth` of the first of them in
+    all (an allocator settling in rises by little). The rate is the least-squares slope of memory over step across
+    those windows, the run-out step where that line meets what the rank could still take. After an alarm the
+    rank's count starts again: a leak that goes on is reported every `windows` windows, not every window."""
+
+    def __init__(self, windows: int = 5, min_growth: float = 0.01) -> None:
+        self.windows = windows
+        self.min_growth = min_growth
+        self.seen: dict[int, deque[tuple[int, float]]] = {}
+
+    def observe(self, step: int, used: dict[int, float], available: dict[int, float]) -> MemoryGrowth | None:
+        """One log window's memory (and what each rank could still take), by rank; the alarm, if any."""
+        rising = {}
+        for rank, memory in used.items():
+            seen = self.seen.setdefault(rank, deque(maxlen=self.windows))
+            seen.append((step, memory))
+            if self._steady_rise(seen):
+                rising[rank] = _slope(seen)
+                seen.clear()
+        if not rising:
+            return None
+        runs_out = {rank: _runs_out_at(step, rate, available.get(rank)) for rank, rate in rising.items()}
+        worst = min(rising, key=lambda rank: (runs_out[rank] is None, runs_out[rank] or 0, -rising[rank]))
+        return MemoryGrowth(step, sorted(rising), rising[worst], used[worst], available.get(worst, 0.0),
+                            runs_out[worst])
+
+    def _steady_rise(self, seen: deque[tuple[int, float]]) -> bool:
+        memory = [value for _, value in seen]
+        return (
+            len(memory) == self.windows
+            and all(later > earlier for earlier, later in zip(memory, memory[1:]))
+            and memory[-1] - memory[0] >= self.min_growth * memory[0]
+        )
+
+
+def _slope(points: deque[tuple[int, float]]) -> float:
+    """Least-squares bytes per step."""
+    steps, values = zip(*points)
+    mean_step, mean_value = sum(steps) / len(steps), sum(values) / len(values)
+    spread = sum((s - mean_step) ** 2 for s in steps)
+    return sum((s - mean_step) * (v - mean_value) for s, v in zip(steps, values)) / spread if spread else 0.0
+
+
+def _runs_out_at(step: int, bytes_per_step: float, available: float | None) -> int | None:
+    if not available or bytes_per_step <= 0:
+        return None
+    return step + math.ceil(available / bytes_per_step)
 
 
 class LogWindow:
@@ -82,6 +162,9 @@ class LogWindow:
         self.peak = peak
         self.expert_load = expert_load
         """model.routing.ExpertLoad for an MoE: its counts ride the window's one all-gather."""
+        self.memory_trend = MemoryTrend()
+        self._memory: tuple[dict[int, float], dict[int, float]] = ({}, {})
+        """Each rank's memory and what it could still take at the last `figures`, by global rank."""
         self.reset()
 
     def reset(self) -> None:
@@ -116,15 +199,19 @@ class LogWindow:
 
     def figures(self, group: ProcessGroup | None = None) -> dict[str, Any]:
         """The interval's figures over the group's ranks (the world by default; a DiLoCo site's between outer syncs),
-        with one all-gather: sums to add up, each rank's busy time to spot stragglers. Every rank of the group must
-        call it. MFU: the steps' model FLOPs per rank-second over the peak."""
-        own = [self.seconds, self.flops]
+        with one all-gather: sums to add up, each rank's busy time to spot stragglers, its memory (the highest is
+        `peak_memory_bytes`). Every rank of the group must call it. MFU: the steps' model FLOPs per rank-second over
+        the peak."""
+        own = [self.seconds, self.flops, peak_memory_bytes(self.device), available_memory_bytes(self.device)]
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)  # each window's own peak: a leak shows as a rise
         mine = torch.cat([self.sums, torch.tensor(own, dtype=torch.float64, device=self.device)])
         if self.expert_load is not None:
             mine = torch.cat([mine, self.expert_load.row()])
         every = all_gather_rows(mine, group)
         loss_sum, targets, real_tokens, _, flops = every[:, :5].sum(dim=0).tolist()
         ranks = group_ranks(group)
+        self._memory = (dict(zip(ranks, every[:, 5].tolist())), dict(zip(ranks, every[:, 6].tolist())))
         times = every[:, 3]
         median = times.median().item()
         elapsed = max(self.seconds, 1e-9)
@@ -141,8 +228,13 @@ class LogWindow:
             "step_time_spread": (times.max() - times.min()).item() / max(median, 1e-9),
             "comm_share": self.comm_timer.take() / elapsed if self.comm_timer is not None else None,
             "stragglers": [r for r, t in zip(ranks, times.tolist(), strict=True) if median > 0 and t > 1.2 * median],
-            **(self.expert_load.figures(every[:, 5:].sum(dim=0)) if self.expert_load is not None else {}),
+            "peak_memory_bytes": int(every[:, 5].max().item()),
+            **(self.expert_load.figures(every[:, 7:].sum(dim=0)) if self.expert_load is not None else {}),
         }
+
+    def memory_growth(self, step: int) -> MemoryGrowth | None:
+        """The last `figures`' memory, by rank, added to the trend: a steady rise over the last windows, if any."""
+        return self.memory_trend.observe(step, *self._memory)
 
 
 def json_safe(value: Any) -> Any:

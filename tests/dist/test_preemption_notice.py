@@ -13,6 +13,7 @@ import pytest
 
 from tests.dist.checkpoint_helpers import LORA_DDP, kill_tree, last_step, start, train_args, wait_for_step
 from trainyard.checkpoint.save import latest_full, step_dir
+from trainyard.runs.status import read_heartbeats
 
 pytestmark = pytest.mark.dist
 
@@ -46,6 +47,8 @@ def test_sigterm_after_a_save_is_one_notice_line_not_an_error(tmp_path: Path, co
     assert step == saved == last_step(run_dir)
     assert latest_full(checkpoints) == step_dir(checkpoints, step)
     assert "Traceback" not in stderr and "Error" not in stderr and "error" not in stderr, stderr[-3000:]
+    # Each rank's last beat, written on its way out, says where it stopped: `trainyard status` shows that step.
+    assert [(beat["rank"], beat["step"]) for beat in read_heartbeats(run_dir)] == [(0, step), (1, step)]
 
 
 def _signal_every_process(proc: psutil.Process, signum: int) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, events, trainyard
+from tests.conftest import TINY, events, run_cli, trainyard
 from tests.dist.checkpoint_helpers import last_step
 
 pytestmark = pytest.mark.e2e
@@ -108,6 +108,7 @@ def _write_conf(root: Path, socket_path: Path) -> Path:
         "\n".join(
             [
                 "ClusterName=trainyard",
+                "GresTypes=gpu",
                 f"SlurmctldHost={host}",
                 "SlurmUser=root",
                 f"SlurmctldPort={_free_port()}",
@@ -133,6 +134,9 @@ def _write_conf(root: Path, socket_path: Path) -> Path:
                 "AccountingStorageType=accounting_storage/none",
                 f"{node_line} State=UNKNOWN",
                 f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP",
+                # Never up (no slurmd answers there): only for sinfo, which lists a node's configured GRES.
+                "NodeName=gpu-absent NodeAddr=127.0.0.2 CPUs=64 Gres=gpu:h100:8 State=UNKNOWN",
+                "PartitionName=h100 Nodes=gpu-absent State=UP",
             ]
         )
         + "\n"
@@ -158,7 +162,7 @@ def slurm() -> Iterator[dict[str, str]]:
 
         def node_idle() -> bool:
             state = subprocess.run(
-                ["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, env=env, check=False
+                ["sinfo", "-h", "-p", "debug", "-o", "%T"], capture_output=True, text=True, env=env, check=False
             ).stdout.strip()
             return state == "idle"
 
@@ -279,3 +283,19 @@ def test_generated_script_trains_is_preempted_requeues_and_finishes(slurm: dict[
     assert [e["step"] for e in events(run_dir, "train") if e["step"] > step] == list(range(step + 1, 201))
     summary = (run_dir / "summary.json").read_text()
     assert '"steps": 200' in summary and '"world_size": 2' in summary
+
+
+def test_the_gpu_kind_comes_from_the_partitions_gres_type(slurm: dict[str, str], tmp_path: Path) -> None:
+    """sinfo names the partition's GPUs (gpu:h100:8): the signal lead is estimated for h100 nodes without --gpu. A
+    partition whose GRES has no type (this node has no GPUs at all) keeps the default kind, said to be assumed."""
+    typed = run_cli("slurm", TINY, "--partition", "h100", "--nodes", "1", cwd=tmp_path, env=slurm)
+    said = " ".join(typed.stderr.split())
+    assert typed.returncode == 0, said
+    assert "--gpus-per-node 8 and --cpus-per-task 64 read from partition h100's smallest node (sinfo)" in said
+    assert "--gpu h100-80gb read from partition h100's GRES type (sinfo)" in said
+    assert "estimated by trainyard for 1 x 8 h100-80gb:" in said
+    untyped = run_cli("slurm", TINY, "--partition", "debug", "--nodes", "1", "--gpus-per-node", "2", "--cpus-per-task",
+                      "2", cwd=tmp_path, env=slurm)
+    said = " ".join(untyped.stderr.split())
+    assert untyped.returncode == 0, said
+    assert "GRES type" not in said and "estimated by trainyard for 1 x 2 h100-80gb (assumed: pass --gpu KIND)" in said

@@ -122,3 +122,15 @@ def test_glm_air_counts_the_experts_a_token_runs_through_and_its_attention_width
     assert shape.heads * shape.qk_head_dim == 12288 and shape.windows == (None,) * 46
     per_token = hardware.flops_per_token(shape, [1000, 3000])
     assert per_token == pytest.approx(6 * shape.active + 6 * 2 * 12288 * (1000 * 1001 + 3000 * 3001) / 2 / 4000 * 46)
+
+
+@pytest.mark.parametrize(
+    ("gres_type", "kind"),
+    [("h100", "h100-80gb"), ("H100-80GB", "h100-80gb"), ("nvidia_h100_80gb_hbm3", "h100-80gb"),
+     ("nvidia_h100_pcie", "h100-pcie"), ("h200", "h200"), ("nvidia_a100-sxm4-80gb", "a100-80gb"),
+     ("nvidia_a100_80gb_pcie", "a100-80gb"), ("a100", "a100-40gb"), ("nvidia_a100-pcie-40gb", "a100-40gb"),
+     ("l4", "l4"), ("nvidia_l4", "l4"), ("l40s", None), ("nvidia_h100_nvl", None), ("gh200", None), ("v100", None)],
+)
+def test_slurm_gres_types_name_a_device_kind_only_where_one_fits(gres_type: str, kind: str | None) -> None:
+    assert hardware.kind_of_gres_type(gres_type) == kind
+    assert kind is None or kind in hardware.GPUS

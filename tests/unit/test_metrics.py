@@ -1,4 +1,4 @@
-"""MFU's denominator, strict JSON in every sink, and the log window's arithmetic."""
+"""MFU's denominator, strict JSON in every sink, the log window's arithmetic, and the memory-growth rule."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from trainyard.dist import DistInfo
 from trainyard.hardware import device_peak_flops, matmul_precision, peak_flops
 from trainyard.metrics import (
     LogWindow,
+    MemoryTrend,
     MetricsSink,
     write_json,
 )
@@ -138,3 +139,53 @@ def test_the_report_still_finds_a_non_finite_loss_written_as_null(tmp_path: Path
         sink.emit("train", step=step, loss=loss, lr=1e-3, grad_norm=1.0, tokens_per_s=10.0)
     sink.close()
     assert "non-finite train loss first at step 2 (2 logged steps)" in notable_events(load_run(cfg.run_dir))
+
+
+GIB = 2**30
+
+
+def observe_all(trend: MemoryTrend, memory_by_step: dict[int, float], available: float = 8 * GIB) -> list:
+    """Rank 0's memory window by window; the alarms raised."""
+    alarms = [trend.observe(step, {0: memory}, {0: available}) for step, memory in memory_by_step.items()]
+    return [alarm for alarm in alarms if alarm is not None]
+
+
+def test_a_steady_rise_is_reported_with_its_rate_and_run_out_step() -> None:
+    leak = 64 * 2**20  # per step, logged every 10 steps
+    alarms = observe_all(MemoryTrend(), {step: 2 * GIB + leak * step for step in range(10, 110, 10)})
+    assert [alarm.step for alarm in alarms] == [50, 100]  # every 5 windows while it goes on, not every window
+    first = alarms[0]
+    assert first.ranks == [0]
+    assert first.bytes_per_step == pytest.approx(leak)
+    assert first.runs_out_at_step == 50 + 8 * GIB // leak  # 8 GiB left at 64 MiB a step
+
+
+def test_noise_a_settling_allocator_and_a_plateau_raise_nothing() -> None:
+    base = 2 * GIB
+    noisy = {step: base + (1 if step % 20 else -1) * 40 * 2**20 for step in range(10, 210, 10)}  # up and down
+    settling = {step: base + 2**20 * step / 10 for step in range(10, 110, 10)}  # rising by 1 MiB a window: < 1%
+    plateau = {10: base, 20: base + GIB, 30: base + GIB, 40: base + 2 * GIB, 50: base + 2 * GIB, 60: base + 2 * GIB}
+    for memory in (noisy, settling, plateau):
+        assert observe_all(MemoryTrend(), memory) == []
+
+
+def test_the_rank_that_runs_out_first_is_the_one_reported() -> None:
+    trend, alarm = MemoryTrend(), None
+    for step in range(1, 6):
+        used = {0: GIB + step * 2**20, 1: GIB + step * 100 * 2**20, 2: GIB + step * 50 * 2**20}
+        alarm = trend.observe(step, used, {0: 4 * GIB, 1: 40 * GIB, 2: 1 * GIB})
+    assert alarm is not None and alarm.ranks == [1, 2]  # rank 0 rose by less than 1%
+    assert alarm.bytes_per_step == pytest.approx(50 * 2**20)  # rank 2: 1 GiB left at 50 MiB a step
+    assert alarm.runs_out_at_step == 5 + math.ceil(GIB / (50 * 2**20))
+
+
+def test_the_log_window_reports_a_leak_in_this_process() -> None:
+    """RSS measured for real: tensors kept window after window."""
+    window, kept, alarms = LogWindow(torch.device("cpu"), None, peak=None), [], []
+    for step in range(1, 7):
+        kept.append(torch.ones(64 * 2**20 // 4))
+        assert window.figures()["peak_memory_bytes"] > 64 * 2**20 * len(kept)
+        alarms.append(window.memory_growth(step))
+    assert alarms[:4] == [None] * 4
+    assert alarms[4] is not None and alarms[4].ranks == [0]
+    assert alarms[4].bytes_per_step == pytest.approx(64 * 2**20, rel=0.2)

@@ -305,9 +305,13 @@ def k8s(
         typer.Option("--nproc-per-node", min=1, help="processes per pod (default: one per GPU, or 1)"),
     ] = None,
     grace: Annotated[
-        int,
-        typer.Option("--grace", help="seconds between SIGTERM and SIGKILL, for the preemption save (more than 15)"),
-    ] = 300,
+        Optional[int],
+        typer.Option(
+            "--grace",
+            help="seconds between SIGTERM and SIGKILL, for the preemption save (more than 15; default: estimated "
+            "step + full save, x1.5, as the Slurm signal lead)",
+        ),
+    ] = None,
     runtime: Annotated[
         Optional[str],
         typer.Option("--runtime", help="trainjob: use this ClusterTrainingRuntime instead of writing one"),
@@ -338,17 +342,20 @@ def k8s(
         storage_class=storage_class,
         secrets=tuple(secret or ()),
         nproc_per_node=nproc_per_node,
-        grace_s=grace,
+        grace_s=grace if grace is not None else k8s_room.K8sJob.grace_s,  # until the estimate below
         runtime=runtime,
     )
     k8s_room.render_manifests(cfg, job)  # checks the options before the job is planned
     target = _check_before_writing(cfg, gpu, gpus_per_node, k8s_room.nproc_per_node(job), nodes, skip_data_check)
     host = host_memory(cfg, Hardware(target.gpu, target.gpus_per_node, target.nodes))
+    if grace is None:
+        job = k8s_room.with_estimated_grace(job, cfg, target.gpu)
     text = k8s_room.render_manifests(cfg, dataclasses.replace(job, memory_gib=host.request_gib))
+    notes = [f"terminationGracePeriodSeconds {job.grace_s}: {job.grace_reason}"]
     moves = [f"  {move.describe()}" for move in k8s_room.volume_moves(cfg)]
     if moves:
-        notes = [f"paths moved onto the shared volume at {k8s_room.DATA_MOUNT}:", *moves]
-        err_console.print(redact_text("\n".join(notes)), highlight=False, markup=False, soft_wrap=True)
+        notes += [f"paths moved onto the shared volume at {k8s_room.DATA_MOUNT}:", *moves]
+    err_console.print(redact_text("\n".join(notes)), highlight=False, markup=False, soft_wrap=True)
     if out is None:
         print(text, end="")
         return

@@ -11,7 +11,8 @@ stops after committing a checkpoint is restarted by the operator on its own.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+import textwrap
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -20,6 +21,7 @@ import yaml
 from trainyard.config import JobConfig
 from trainyard.config_file import dump_config
 from trainyard.errors import ConfigError, OptionError
+from trainyard.launch.stop_lead import estimated_lead
 from trainyard.launch.torchrun import PREEMPTED_EXIT_CODE
 from trainyard.network import network_env
 from trainyard.redaction import redact_text
@@ -56,7 +58,8 @@ class K8sJob:
     """NAME (WANDB_API_KEY and HF_TOKEN from that Secret) or VAR=NAME:KEY."""
     nproc_per_node: int | None = None
     grace_s: int = 300
-    """terminationGracePeriodSeconds: time for the preemption save after SIGTERM."""
+    """terminationGracePeriodSeconds: time for the preemption save after SIGTERM (`with_estimated_grace`)."""
+    grace_reason: str = "--grace"
     backoff_limit: int = 10
     runtime: str | None = None
     """TrainJob only: an existing ClusterTrainingRuntime instead of the generated runtime."""
@@ -104,6 +107,12 @@ def _check(job: K8sJob) -> None:
 
 def nproc_per_node(job: K8sJob) -> int:
     return job.nproc_per_node or job.gpus_per_node or 1
+
+
+def with_estimated_grace(job: K8sJob, cfg: JobConfig, kind: str) -> K8sJob:
+    """Slurm's signal-lead rule (launch/stop_lead.py) for the grace period: a fixed 300 s cut a large save short."""
+    lead = estimated_lead(cfg, kind, nproc_per_node(job), job.nodes, SHUTDOWN_MARGIN_S, "--grace")
+    return replace(job, grace_s=lead.seconds, grace_reason=lead.reason)
 
 
 def secret_env(specs: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -433,7 +442,7 @@ def _memory_note(job: K8sJob) -> str:
 
 
 def _comments(name: str, cfg: JobConfig, job: K8sJob) -> dict[str, str]:
-    grace = job.grace_s
+    grace, why = job.grace_s, textwrap.fill(f"{job.grace_s} s: {job.grace_reason}.", 110, subsequent_indent="  ")
     return {
         "config": f"""
 The job as every pod reads it ({CONFIG_FILE}): overrides applied, every run path (outputs, caches,
@@ -452,13 +461,15 @@ preempted pod comes back and resumes from checkpoints/LATEST. A config error (2)
 stays failed instead of looping. A node that vanishes is retried (137); runPolicy.backoffLimit caps retries.
 terminationGracePeriodSeconds {grace}: SIGTERM reaches trainyard, the workers save, and torchrun
 gives them {grace - SHUTDOWN_MARGIN_S} s before it kills them, ahead of the kubelet's SIGKILL.
+{why}
 Secrets are env entries from Secrets (secretKeyRef): no value is in this file.{_memory_note(job)}""",
         "runtime": f"""
 A TrainingRuntime for '{name}' (Kubeflow Trainer v2). Its Job's podFailurePolicy carries the
 restart rules: exit 75 (stopped after a committed checkpoint) is ignored by the backoff count and
 the pod is recreated; exit 2 (a config error) fails the job at once; an evicted or preempted pod
 (DisruptionTarget) is retried free. Anything else counts towards backoffLimit ({job.backoff_limit}).
-terminationGracePeriodSeconds {grace} gives the preemption save its time.""",
+terminationGracePeriodSeconds {grace} gives the preemption save its time.
+{why}""",
         "trainjob": f"""
 Kubeflow Trainer v2 TrainJob '{name}': {job.nodes} node(s) x {nproc_per_node(job)} process(es). The controller sets
 PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK and PET_MASTER_ADDR/PORT; `trainyard launch` reads them.

@@ -8,7 +8,6 @@ script from the job config, commented so it can be read and edited before submit
 
 from __future__ import annotations
 
-import math
 import re
 import shlex
 import shutil
@@ -19,7 +18,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from trainyard.config import JobConfig
-from trainyard.errors import ConfigError, ModelError, OptionError
+from trainyard.errors import ConfigError, OptionError
+from trainyard.hardware import kind_of_gres_type
+from trainyard.launch.stop_lead import SignalLead, estimated_lead
 from trainyard.launch.torchrun import PREEMPTED_EXIT_CODE
 from trainyard.network import network_env
 from trainyard.redaction import is_secret_name, redact_text
@@ -27,16 +28,13 @@ from trainyard.runs import layout as run_layout
 
 SHUTDOWN_MARGIN_S = 10
 """The agent kills workers this long before Slurm would, so its own exit is clean."""
-MIN_SAVE_WINDOW_S = 80
-"""The least time workers get to finish a step and save after SIGUSR1, however small the job."""
-SAVE_MARGIN = 1.5
-SAVE_MARGIN_S = 30
-"""The save window is the estimated step + full save times this factor, plus these seconds: the estimate assumes
-a disk bandwidth it has not measured."""
 DEFAULT_GPU = "h100-80gb"
-"""The device kind the signal lead is estimated for when --gpu is not given (CPU-only nodes: cpu)."""
+"""The device kind the signal lead is estimated for when neither --gpu nor the partition's GRES type names one
+(CPU-only nodes: cpu)."""
 _SAFE_VALUE = re.compile(r"[A-Za-z0-9_.:,@%+=/\-\[\]]+")
 _GRES_GPUS = re.compile(r"\bgpu(?::[^:,(]+)?:(\d+)")
+_GRES_GPU_TYPE = re.compile(r"\bgpu:([^:,(]+):\d+")
+_TIME = re.compile(r"(?:(\d+)-)?(\d+(?::\d+){0,2})")
 
 
 @dataclass(frozen=True)
@@ -59,20 +57,10 @@ class SlurmJob:
     signal_lead: int | None = None
     """Seconds between SIGUSR1 and the time limit; None: from the estimated step and full-save time."""
     gpu: str | None = None
-    """The device kind (`trainyard estimate --gpu`) the signal lead is estimated for."""
+    """The device kind (`trainyard estimate --gpu`) the signal lead is estimated for; None: the partition's GRES
+    type where sinfo names one (`with_node_defaults`), else assumed."""
     node_source: str | None = None
     """Where gpus_per_node / cpus_per_task came from when not from the command line (e.g. sinfo)."""
-
-
-@dataclass(frozen=True)
-class SignalLead:
-    seconds: int
-    reason: str
-
-    @property
-    def save_window_s(self) -> int:
-        """What the workers get (torchrun's shutdown timeout): the lead less the agent's own margin."""
-        return self.seconds - SHUTDOWN_MARGIN_S
 
 
 def _check(job: SlurmJob) -> None:
@@ -124,8 +112,20 @@ def sinfo_node_shape(text: str) -> tuple[int, int]:
     return cpus, gpus
 
 
-def partition_node_shape(partition: str) -> tuple[int, int] | None:
-    """The partition's (CPUs, GPUs) per node as Slurm reports them; None where Slurm is not installed here."""
+def sinfo_gpu_kind(text: str) -> str | None:
+    """The device kind (`trainyard estimate --gpu`) of the GPUs in `sinfo --Node --format '%c %G'` output, from
+    their GRES type (`gpu:h100:8` names h100); None where a node's GPUs have no type, or no type or more than one
+    kind matches: then nothing is guessed from it."""
+    types = [set(_GRES_GPU_TYPE.findall(line)) for line in text.splitlines() if _GRES_GPUS.search(line)]
+    if not types or not all(types):
+        return None
+    kinds = {kind_of_gres_type(name) for names in types for name in names}
+    return kinds.pop() if len(kinds) == 1 and None not in kinds else None
+
+
+def partition_nodes(partition: str) -> str | None:
+    """`sinfo --Node --format '%c %G'` of the partition: each node's CPUs and GRES; None where Slurm is not
+    installed here."""
     if shutil.which("sinfo") is None:
         return None
     command = ["sinfo", "--noheader", "--Node", "--partition", partition, "--format", "%c %G"]
@@ -135,17 +135,25 @@ def partition_node_shape(partition: str) -> tuple[int, int] | None:
             f"--partition {partition}: sinfo lists no node in it ({result.stderr.strip() or 'empty'})",
             fix="check the name with `sinfo -s`, or pass --gpus-per-node and --cpus-per-task yourself",
         )
-    return sinfo_node_shape(result.stdout)
+    return result.stdout
 
 
 def with_node_defaults(job: SlurmJob) -> SlurmJob:
-    """GPUs and CPUs per node from the partition when the command line leaves them out.
+    """GPUs and CPUs per node, and the GPUs' kind, from the partition when the command line leaves them out.
 
-    A missing --gpus-per-node used to mean 0: a GPU job then ran CPU-only with one process per node."""
-    if job.gpus_per_node is not None and job.cpus_per_task is not None:
-        return job
-    shape = partition_node_shape(job.partition) if job.partition else None
-    if shape is None:
+    A missing --gpus-per-node used to mean 0: a GPU job then ran CPU-only with one process per node. A missing
+    --gpu estimated an A100 node's save as an H100's."""
+    wants_shape = job.gpus_per_node is None or job.cpus_per_task is None
+    wants_kind = job.gpu is None and job.gpus_per_node != 0
+    nodes = None
+    if job.partition and wants_shape:
+        nodes = partition_nodes(job.partition)
+    elif job.partition and wants_kind:
+        try:  # the kind alone: a partition sinfo cannot read keeps the default kind, as before
+            nodes = partition_nodes(job.partition)
+        except (OptionError, OSError, subprocess.SubprocessError):
+            nodes = None
+    if nodes is None:
         if job.gpus_per_node is None:
             raise OptionError(
                 "--gpus-per-node is missing: it says how many processes each node runs and whether on GPUs",
@@ -153,48 +161,69 @@ def with_node_defaults(job: SlurmJob) -> SlurmJob:
                 "(with Slurm installed here, --partition NAME reads it from the partition)",
             )
         return job
-    cpus, gpus = shape
+    cpus, gpus = sinfo_node_shape(nodes) if wants_shape else (0, 0)
+    kind = sinfo_gpu_kind(nodes) if wants_kind else None
     read = [f"--gpus-per-node {gpus}"] if job.gpus_per_node is None else []
     read += [f"--cpus-per-task {cpus}"] if job.cpus_per_task is None else []
+    said = [f"{' and '.join(read)} read from partition {job.partition}'s smallest node (sinfo)"] if read else []
+    said += [f"--gpu {kind} read from partition {job.partition}'s GRES type (sinfo)"] if kind else []
     return replace(
         job,
         gpus_per_node=gpus if job.gpus_per_node is None else job.gpus_per_node,
         cpus_per_task=cpus if job.cpus_per_task is None else job.cpus_per_task,
-        node_source=f"{' and '.join(read)} read from partition {job.partition}'s smallest node (sinfo)",
+        gpu=kind or job.gpu,
+        node_source="; ".join(said) or None,
     )
 
 
 def signal_lead(job: SlurmJob, cfg: JobConfig) -> SignalLead:
-    """How long before the time limit SIGUSR1 comes: enough to finish a step and commit a full checkpoint.
-
-    From trainyard's estimate of this job at this world size and device kind (a 70B full save takes minutes,
-    not the 80 s a fixed lead gave), with a margin; --signal-lead overrides it."""
+    """How long before the time limit SIGUSR1 comes: enough to finish a step and commit a full checkpoint
+    (launch/stop_lead.py), for the device kind of --gpu, the partition's GRES type, or else assumed;
+    --signal-lead overrides it."""
     if job.signal_lead is not None:
-        return SignalLead(job.signal_lead, "--signal-lead")
-    from trainyard.estimate import Hardware, estimate
-    from trainyard.estimate.timing import DEFAULT_DISK_GBYTES_S
-
+        return SignalLead(job.signal_lead, "--signal-lead", SHUTDOWN_MARGIN_S)
     kind = job.gpu or (DEFAULT_GPU if job.gpus_per_node else "cpu")
-    hardware = Hardware(kind, nproc_per_node(job), job.nodes)
-    try:
-        timing = estimate(cfg, hardware, suggest=False).timing
-    except (ModelError, ConfigError) as err:
-        raise OptionError(
-            f"cannot estimate the full checkpoint's save time for the preemption signal: {err.what}",
-            fix="pass --signal-lead SECONDS: more than one step plus one full save",
-        ) from None
-    # Under DiLoCo a stop takes effect at the round's outer sync (sites agree only there): up to sync_every steps.
-    steps = cfg.diloco.sync_every if cfg.dist.strategy == "diloco" else 1
-    window = max(MIN_SAVE_WINDOW_S, math.ceil(SAVE_MARGIN * (steps * timing.step_s + timing.save_s)) + SAVE_MARGIN_S)
     assumed = "" if job.gpu or kind == "cpu" else " (assumed: pass --gpu KIND)"
-    rounds = f"{steps} steps (to the round's outer sync) x " if steps > 1 else ""
-    reason = (
-        f"estimated by trainyard for {job.nodes} x {nproc_per_node(job)} {kind}{assumed}: {rounds}a step "
-        f"{timing.step_s:.3g} s + a full save {timing.save_s:.3g} s ({timing.checkpoint_bytes / 1e9:.3g} GB at "
-        f"{DEFAULT_DISK_GBYTES_S:g} GB/s), x{SAVE_MARGIN:g} + {SAVE_MARGIN_S} s (at least {MIN_SAVE_WINDOW_S} s) "
-        f"for the workers, + {SHUTDOWN_MARGIN_S} s for the agent; --signal-lead N overrides"
-    )
-    return SignalLead(window + SHUTDOWN_MARGIN_S, reason)
+    return estimated_lead(cfg, kind, nproc_per_node(job), job.nodes, SHUTDOWN_MARGIN_S, "--signal-lead", assumed)
+
+
+def time_limit_s(text: str) -> int | None:
+    """Seconds of an sbatch --time (minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+    days-hours:minutes, days-hours:minutes:seconds); None for no limit (UNLIMITED, INFINITE)."""
+    if text.upper() in ("UNLIMITED", "INFINITE", "-1"):
+        return None
+    match = _TIME.fullmatch(text)
+    if match is None:
+        raise OptionError(
+            f"--time {text} is not a Slurm time limit",
+            fix="write it as MINUTES, HH:MM:SS or DAYS-HH[:MM[:SS]], e.g. --time 24:00:00",
+        )
+    days, clock = int(match[1] or 0), [int(part) for part in match[2].split(":")]
+    if match[1] is not None:  # days-hours[:minutes[:seconds]]
+        hours, minutes, seconds = [*clock, 0, 0][:3]
+    else:  # minutes, minutes:seconds or hours:minutes:seconds
+        hours, minutes, seconds = [0, *clock] if len(clock) == 2 else [0, *clock, 0] if len(clock) == 1 else clock
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def _check_time(job: SlurmJob, lead: SignalLead) -> None:
+    """A limit that the signal's lead and one step do not fit in would signal before the first step ends: the job
+    would save, requeue and start again without ever training."""
+    limit = time_limit_s(job.time) if job.time is not None else None
+    step_s = lead.step_s or 0.0
+    needed = lead.seconds + step_s
+    if limit is not None and limit < needed:
+        shown = f"the signal's lead {lead.seconds} s" + (f" plus one step ({step_s:.3g} s)" if step_s else "")
+        raise OptionError(
+            f"--time {job.time} ({limit} s) is shorter than {shown}: SIGUSR1 would come before a step is trained",
+            fix=f"give --time at least {_hms(needed)} (more, to train for longer than a step), "
+            "or a shorter --signal-lead",
+        )
+
+
+def _hms(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds) + 1, 60)
+    return f"{minutes // 60:02d}:{minutes % 60:02d}:{secs:02d}"
 
 
 def nproc_per_node(job: SlurmJob) -> int:
@@ -299,7 +328,9 @@ def resolve(job: SlurmJob, cfg: JobConfig) -> tuple[SlurmJob, SignalLead]:
     """The options checked, the node's GPUs and CPUs filled in, and the preemption signal's lead."""
     _check(job)
     job = with_node_defaults(job)
-    return job, signal_lead(job, cfg)
+    lead = signal_lead(job, cfg)
+    _check_time(job, lead)
+    return job, lead
 
 
 def render_sbatch(job: SlurmJob, cfg: JobConfig, lead: SignalLead | None = None) -> str:

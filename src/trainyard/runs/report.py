@@ -52,6 +52,8 @@ class Plot:
     title: str
     ylabel: str
     lines: tuple[Line, ...]
+    marks: str = ""
+    """A system event drawn as a dotted vertical line at its step, in the run's colour."""
 
 
 PLOTS = (
@@ -59,7 +61,9 @@ PLOTS = (
     Plot(
         "tokens_per_s.png", "throughput (real tokens, all ranks)", "tokens/s", (Line("train", "tokens_per_s", "", "-"),)
     ),
-    Plot("peak_memory.png", "peak memory (rank 0)", "GiB", (Line("train", "peak_memory_bytes", "", "-", 1 / GIB),)),
+    Plot("peak_memory.png", "memory per step, highest rank (dotted: a memory_growth alarm)",
+         "GiB (CPU: RSS; CUDA: peak per log window)", (Line("train", "peak_memory_bytes", "", "-", 1 / GIB),),
+         "memory_growth"),
     Plot("lr.png", "learning rate", "lr", (Line("train", "lr", "", "-"),)),
     Plot("grad_norm.png", "gradient norm (before clipping)", "grad norm", (Line("train", "grad_norm", "", "-"),)),
     Plot("router_aux_loss.png", "MoE router auxiliary (load-balancing) loss", "aux loss",
@@ -156,6 +160,8 @@ def draw(runs: list[Run], plot: Plot, out: Path) -> Path | None:
                 steps, [v * line.scale for v in values], line.style, color=f"C{index % 10}", label=label, markersize=4
             )
             drawn += 1
+        for step in (e["step"] for e in run.events if plot.marks and e.get("event") == plot.marks and "step" in e):
+            axes.axvline(step, color=f"C{index % 10}", linestyle=":", linewidth=1.5)
     if not drawn:
         return None
     axes.set_title(plot.title)
@@ -242,12 +248,24 @@ def notable_events(run: Run) -> list[str]:
         notes.append(f"non-finite train loss first at step {bad_steps[0]} ({len(bad_steps)} logged steps)")
     system = Counter(str(e.get("event", "system")) for e in run.events if e.get("kind") == "system")
     notes += [f"system event `{name}` x{count}" for name, count in sorted(system.items())]
+    notes += memory_notes(run)
     checkpoints = [e.get("step") for e in run.events if e.get("kind") == "checkpoint"]
     if checkpoints:
         notes.append(f"{len(checkpoints)} checkpoint(s), last at step {checkpoints[-1]}")
     if run.bad_lines:
         notes.append(f"{run.bad_lines} unreadable line(s) in metrics.jsonl skipped")
     return notes
+
+
+def memory_notes(run: Run) -> list[str]:
+    """The first and the latest memory_growth alarm: when the rise began to show and how fast it goes now."""
+    alarms = [e for e in run.events if e.get("kind") == "system" and e.get("event") == "memory_growth"]
+    if not alarms:
+        return []
+    last = alarms[-1]
+    runs_out = f", runs out near step {last['runs_out_at_step']}" if last.get("runs_out_at_step") else ""
+    return [f"memory grew steadily from step {alarms[0].get('step')} on: {_fmt(last.get('bytes_per_step'), ',.0f')} "
+            f"bytes per step on rank(s) {last.get('ranks')} at step {last.get('step')}{runs_out}"]
 
 
 def last_samples(run: Run) -> tuple[Path, list[dict[str, Any]]] | None:

@@ -1,5 +1,6 @@
 """The train events the loop writes: the log window's figures over the ranks they cover (the world, or a DiLoCo
-site between outer syncs), the epoch, each mixture source's tokens, and the experts no token reached."""
+site between outer syncs), the epoch, each mixture source's tokens, the experts no token reached, and a rank's
+memory that keeps growing."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 
 from trainyard.data import ResumableSampler
 from trainyard.data.mixture import MixtureStream
-from trainyard.metrics import LogWindow, peak_memory_bytes
+from trainyard import health
+from trainyard.hardware import GIB, MIB
+from trainyard.metrics import LogWindow, MemoryGrowth
 from trainyard.model import routing
 from trainyard.train import votes as agreement
 from trainyard.train.job import Job
@@ -21,14 +24,17 @@ def log_interval(
     state: LoopState, job: Job, interval: LogWindow, lr: float, grad_norm: torch.Tensor, whole_world: bool
 ) -> None:
     """The train event: over the world, or under DiLoCo between outer syncs over rank 0's site only (`site`)."""
+    health.leak_if_injected(job.info, state.step)
     figures = interval.figures(None if whole_world else agreement.step_group(job))  # the group's ranks: one all-gather
+    growth = interval.memory_growth(state.step)
     interval.reset()
     _warn_idle_experts(job, state.step, figures.get("expert_load"))
+    _warn_memory_growth(job, growth)
     state.first_loss = figures["loss"] if state.first_loss is None else state.first_loss
     state.last_loss = figures["loss"]
     job.sink.emit(
         "train", step=state.step, lr=lr, grad_norm=float(grad_norm), **figures, **site_field(job, whole_world),
-        peak_memory_bytes=peak_memory_bytes(job.info.device), tokens=state.tokens,
+        tokens=state.tokens,
         **({"tokens_per_source": per_source(job)} if isinstance(job.sampler, MixtureStream) else {}),
         **({"epoch": epoch(job.sampler)} if isinstance(job.sampler, ResumableSampler) else {}),
     )
@@ -44,6 +50,23 @@ def _warn_idle_experts(job: Job, step: int, load: dict[str, Any] | None) -> None
             logging.getLogger("trainyard").warning(
                 "step %d: experts that received no token since the last log, by layer: %s", step,
                 "; ".join(f"layer {layer}: {experts}" for layer, experts in idle.items()))
+
+
+def _warn_memory_growth(job: Job, growth: MemoryGrowth | None) -> None:
+    """A leak (tensors kept across steps, a growing cache) kills a job hours later with an OOM that names no cause:
+    say it while the job runs, with the rate and the step where that rate runs out of memory."""
+    if growth is None:
+        return
+    job.sink.emit("system", step=growth.step, event="memory_growth", ranks=growth.ranks,
+                  bytes_per_step=round(growth.bytes_per_step), memory_bytes=int(growth.memory_bytes),
+                  available_bytes=int(growth.available_bytes), runs_out_at_step=growth.runs_out_at_step)
+    if job.info.is_main:
+        runs_out = f"near step {growth.runs_out_at_step}" if growth.runs_out_at_step else "at a step not known"
+        logging.getLogger("trainyard").warning(
+            "step %d: memory grew over the last log windows on rank(s) %s: %.1f MiB per step, %.2f GiB now with "
+            "%.2f GiB left; at this rate it runs out %s (a leak: tensors or caches kept across steps?)",
+            growth.step, growth.ranks, growth.bytes_per_step / MIB, growth.memory_bytes / GIB,
+            growth.available_bytes / GIB, runs_out)
 
 
 def site_field(job: Job, whole_world: bool) -> dict[str, int]:

@@ -20,6 +20,7 @@ from trainyard.launch.k8s import (
     k8s_name,
     render_manifests,
     secret_env,
+    with_estimated_grace,
 )
 from trainyard.network import network_env
 
@@ -222,3 +223,27 @@ def test_pods_request_the_host_memory_the_estimate_predicts(tmp_path: Path, kind
     requests = [doc for doc in yaml.safe_load_all(text) if "memory:" in yaml.safe_dump(doc)]
     assert requests, "no document requests memory"
     assert f"memory: {predicted}Gi" in text and f"requests.memory {predicted}Gi" in text
+
+
+def test_the_grace_period_is_slurms_signal_lead_for_the_estimated_save_and_grace_wins(tmp_path: Path) -> None:
+    """A fixed 300 s grace killed a 70B full save (~420 s estimated) half-way."""
+    from tests.unit.launch.test_slurm import LLAMA_70B
+    from trainyard.launch.slurm import SHUTDOWN_MARGIN_S as SLURM_MARGIN_S
+    from trainyard.launch.slurm import SlurmJob, resolve
+
+    config = tmp_path / "big.yaml"
+    config.write_text(LLAMA_70B)
+    cfg = load_config(str(config))
+    job = with_estimated_grace(K8sJob(nodes=4, gpus_per_node=8, image="img:1"), cfg, "h100-80gb")
+    _, lead = resolve(SlurmJob(config=str(config), overrides=(), nodes=4, gpus_per_node=8, gpu="h100-80gb"), cfg)
+    assert job.grace_s > 400 and job.grace_s - 15 == lead.seconds - SLURM_MARGIN_S  # the same save window
+    text = render_manifests(cfg, job)
+    pod = documents(text)["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == job.grace_s
+    assert f"--shutdown-timeout {job.grace_s - 15}" in " ".join(pod["containers"][0]["command"])
+    assert "estimated by trainyard for 4 x 8 h100-80gb" in text and "--grace N overrides" in text
+    estimated = run_cli("k8s", TINY, "--image", "img:1", "--nodes", "2", cwd=tmp_path)
+    assert estimated.returncode == 0, estimated.stderr
+    assert "terminationGracePeriodSeconds 95: estimated by trainyard for 2 x 1 cpu" in estimated.stderr  # the floor
+    given = run_cli("k8s", TINY, "--image", "img:1", "--grace", "600", cwd=tmp_path)
+    assert "terminationGracePeriodSeconds: 600" in given.stdout and "600 s: --grace." in given.stdout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from tests.conftest import REPO, TINY, run_cli
 from trainyard.config_file import load_config
 from trainyard.errors import ConfigError, OptionError
-from trainyard.launch.slurm import SlurmJob, render_sbatch, resolve, sinfo_node_shape
+from trainyard.launch.slurm import SlurmJob, render_sbatch, resolve, sinfo_gpu_kind, sinfo_node_shape, time_limit_s
 from trainyard.network import network_env
 
 LLAMA_70B = """\
@@ -245,3 +246,55 @@ def test_under_diloco_the_lead_covers_the_steps_to_the_rounds_outer_sync(tmp_pat
     _, lead = resolve(job, cfg)
     assert lead.save_window_s > cfg.diloco.sync_every * timing.step_s + timing.save_s
     assert f"{cfg.diloco.sync_every} steps (to the round's outer sync)" in render_sbatch(job, cfg)
+
+
+# `sinfo --noheader --Node --partition P --format '%c %G'` from slurmctld (Debian's slurm-wlm 22.05), partitions of
+# nodes configured with these Gres= lines; the last is the one-node cluster of tests/e2e/test_slurm.py.
+SINFO = {
+    "h100": "64 gpu:h100:8\n64 gpu:h100:8\n",
+    "nvml names": "48 gpu:nvidia_a100-sxm4-80gb:8\n",
+    "no type": "32 gpu:4\n",
+    "mixed": "64 gpu:h100:8\n48 gpu:nvidia_a100-sxm4-80gb:8\n",
+    "no gpus": "2 (null)\n",
+}
+
+
+def test_the_gpu_kind_is_read_from_the_gres_type_and_never_guessed() -> None:
+    assert sinfo_gpu_kind(SINFO["h100"]) == "h100-80gb"
+    assert sinfo_gpu_kind(SINFO["nvml names"]) == "a100-80gb"
+    assert sinfo_gpu_kind("64 gpu:h100:8(S:0-1)\n48 gpu:h100:8(S:0-1),shard:16\n") == "h100-80gb"
+    for untold in ("no type", "mixed", "no gpus"):
+        assert sinfo_gpu_kind(SINFO[untold]) is None, untold
+    assert sinfo_gpu_kind("64 gpu:h100:8\n64 gpu:4\n") is None  # one node's GPUs have no type
+
+
+@pytest.mark.parametrize(
+    ("limit", "seconds"),
+    [("90", 5400), ("1:30", 90), ("01:00:00", 3600), ("2-0", 172800), ("2-3:04", 183840), ("2-3:04:05", 183845),
+     ("UNLIMITED", None), ("infinite", None)],
+)
+def test_time_limits_read_as_sbatch_reads_them(limit: str, seconds: int | None) -> None:
+    assert time_limit_s(limit) == seconds
+
+
+def test_a_time_limit_shorter_than_the_signal_lead_and_a_step_is_refused(tmp_path: Path) -> None:
+    """SIGUSR1 would come before the first step ended: the job would save, requeue and never train."""
+    config = tmp_path / "big.yaml"
+    config.write_text(LLAMA_70B)
+    cfg = load_config(str(config))
+    job = SlurmJob(config=str(config), overrides=(), nodes=4, gpus_per_node=8, gpu="h100-80gb")
+    _, lead = resolve(job, cfg)
+    assert lead.step_s is not None and lead.step_s > 1
+    short = f"{(lead.seconds + int(lead.step_s) // 2) // 60}:{(lead.seconds + int(lead.step_s) // 2) % 60:02d}"
+    with pytest.raises(OptionError) as err:
+        resolve(replace(job, time=short), cfg)
+    said = " ".join(err.value.render().split())
+    assert f"--time {short}" in said and f"the signal's lead {lead.seconds} s plus one step" in said
+    enough = lead.seconds + int(lead.step_s) + 2
+    resolve(replace(job, time=f"{enough // 60}:{enough % 60:02d}"), cfg)
+    result = run_cli("slurm", TINY, "--nodes", "1", "--gpus-per-node", "0", "--nproc-per-node", "2", "--time", "1:00",
+                     "--signal-lead", "200", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--time 1:00 (60 s) is shorter than the signal's lead 200 s" in " ".join(result.stderr.split())
+    bad = run_cli("slurm", TINY, "--nodes", "1", "--gpus-per-node", "0", "--time", "1h", cwd=tmp_path)
+    assert bad.returncode == 2 and "--time 1h is not a Slurm time limit" in bad.stderr

@@ -12,7 +12,7 @@ from matplotlib.image import imread
 
 from tests.conftest import run_cli
 from trainyard.errors import RunDirError
-from trainyard.runs.report import series, write_report
+from trainyard.runs.report import PLOTS, draw, load_run, series, write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 RUN_COLORS = {"baseline": (0x1F, 0x77, 0xB4), "high-lr": (0xFF, 0x7F, 0x0E)}  # matplotlib C0, C1
@@ -155,6 +155,25 @@ def test_report_plots_both_runs_and_summarises_them(two_runs: list[Path], tmp_pa
     assert "skipped_nonfinite_step" in report and "1 unreadable line(s)" in report
     assert "2 checkpoint(s), last at step 40" in report
     assert all(f"]({name})" in report for name in pngs)
+
+
+def test_a_memory_growth_alarm_is_marked_on_the_memory_plot_and_told_in_the_report(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "baseline"
+    write_run(run_dir, lr=0.003, finished=True)
+    memory_plot = next(plot for plot in PLOTS if plot.file == "peak_memory.png")
+    (tmp_path / "plain").mkdir()
+    plain = pixels_of(imread(draw([load_run(run_dir)], memory_plot, tmp_path / "plain")), RUN_COLORS["baseline"])
+    alarm = {"kind": "system", "time": START + 61, "step": 30, "event": "memory_growth", "ranks": [1],
+             "bytes_per_step": 33554432, "memory_bytes": 2**31, "available_bytes": 2**33, "runs_out_at_step": 286}
+    with (run_dir / "metrics.jsonl").open("a") as metrics:
+        metrics.write(json.dumps(alarm) + "\n")
+    out = tmp_path / "marked"
+    write_report([run_dir], out)
+    marked = pixels_of(imread(out / "peak_memory.png"), RUN_COLORS["baseline"])
+    assert marked > plain + 100  # the dotted line across the axes, in the run's colour
+    report = (out / "report.md").read_text()
+    assert ("memory grew steadily from step 30 on: 33,554,432 bytes per step on rank(s) [1] at step 30, "
+            "runs out near step 286") in report
 
 
 def test_a_resumed_run_keeps_the_last_value_of_each_step() -> None:
