@@ -41,7 +41,7 @@ def token_loss_sum(
     inputs = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
     targets = batch["labels"][:, 1:]
     is_target = targets != IGNORE_INDEX
-    if not _keeps_logits(model):
+    if not keeps_logits(model):
         logits = model(**inputs, use_cache=False).logits[:, :-1].float()
         loss = F.cross_entropy(
             logits.reshape(-1, logits.size(-1)),
@@ -73,7 +73,7 @@ def kept_positions_loss(
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), wanted, reduction="sum")
 
 
-def _keeps_logits(model: torch.nn.Module) -> bool:
+def keeps_logits(model: torch.nn.Module) -> bool:
     """Models whose forward takes `logits_to_keep`, in a transformers that accepts position tensors and
     boolean masks for it."""
     net = _base(model)

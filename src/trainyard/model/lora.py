@@ -13,6 +13,7 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer, ParamWrapper
+from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
 
 from trainyard.config import LoraConfig
@@ -196,3 +197,19 @@ def max_lora_rank(model: torch.nn.Module) -> int:
     if not isinstance(model, PeftModel):
         return 0
     return max(max([config.r, *config.rank_pattern.values()]) for config in model.peft_config.values())
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module) -> Iterator[None]:
+    """The base model for the forwards inside: every LoRA layer's adapters off, then back as they were. The layers'
+    own switch, not PeftModel.disable_adapter(): it reaches them through any DDP or FSDP2 wrapping, and leaves
+    requires_grad (which FSDP2's sharded parameters were built with) alone."""
+    layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
+    was = [layer._disable_adapters for layer in layers]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer, off in zip(layers, was, strict=True):
+            layer._disable_adapters = off

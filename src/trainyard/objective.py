@@ -1,0 +1,110 @@
+"""What a step minimises, chosen once per job (train.objective): the loss sum of a micro-batch and the count it is
+normalised by over the step's global batch (target tokens for SFT, pairs for DPO). The loop stays the same for
+both; DPO's figures (TRL's rewards/ and logps/) ride the log window's one all-gather and eval's one all-reduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trainyard.config import DpoConfig, JobConfig
+from trainyard.data import IGNORE_INDEX
+from trainyard.errors import DataError
+from trainyard.loss import token_loss_sum
+from trainyard.preference_loss import STATS, count_pairs, pair_loss_sum
+
+
+@dataclass
+class PairFigures:
+    """DPO's figures summed over pairs: the step being trained (`pending`), then the log window's (`window`). A step
+    skipped for a non-finite loss is dropped, as the window drops its loss."""
+
+    device: torch.device
+    pending: torch.Tensor = field(init=False)
+    window: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pending = torch.zeros(len(STATS) + 1, dtype=torch.float64, device=self.device)  # pairs, then STATS
+        self.window = torch.zeros_like(self.pending)
+
+    def add(self, pairs: int, stats: torch.Tensor) -> None:
+        self.pending[0] += pairs
+        self.pending[1:] += stats.detach().double()
+
+    def commit(self) -> None:
+        self.window += self.pending
+        self.pending.zero_()
+
+    def drop(self) -> None:
+        self.pending.zero_()
+
+    def reset(self) -> None:
+        self.window.zero_()
+
+    def row(self) -> torch.Tensor:
+        return self.window
+
+    @staticmethod
+    def figures(summed: torch.Tensor, prefix: str = "") -> dict[str, float]:
+        """Each figure averaged over the pairs `summed` (a row, or rows added up) counted."""
+        pairs = max(float(summed[0]), 1.0)
+        return {f"{prefix}{name}": float(value) / pairs for name, value in zip(STATS, summed[1:].tolist())}
+
+
+class Sft:
+    """Cross-entropy summed over target tokens, normalised by the target tokens."""
+
+    name = "sft"
+    figures: PairFigures | None = None
+
+    def __init__(self, chunk_tokens: int | None = None) -> None:
+        self.chunk_tokens = chunk_tokens
+
+    @staticmethod
+    def count(batch: dict[str, torch.Tensor]) -> int:
+        return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+    def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+        return token_loss_sum(model, batch, device, self.chunk_tokens)[0]
+
+
+class Dpo:
+    """A preference loss summed over pairs, normalised by the pairs: the mean over the global batch's pairs."""
+
+    name = "dpo"
+
+    def __init__(self, cfg: DpoConfig, device: torch.device) -> None:
+        self.cfg = cfg
+        self.figures: PairFigures | None = PairFigures(device)
+
+    @staticmethod
+    def count(batch: dict[str, torch.Tensor]) -> int:
+        return count_pairs(batch)
+
+    def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+        loss, stats = pair_loss_sum(model, batch, device, self.cfg)
+        if self.figures is not None:
+            self.figures.add(self.count(batch), stats)
+        return loss
+
+
+Objective = Sft | Dpo
+
+
+def build_objective(cfg: JobConfig, data: Any, device: torch.device) -> Objective:
+    """The job's objective, once its data is prepared: DPO needs pairs, SFT rows that are not pairs."""
+    pairs = data.train is not None and "seq_lens" in data.train.column_names and not cfg.data.packing
+    if cfg.train.objective == "dpo" and not pairs:
+        raise DataError(
+            f"train.objective is dpo but data.path {cfg.data.path} holds no preference pairs",
+            fix="give each row `chosen` and `rejected` (and `prompt`, or conversations that share their first turns)",
+        )
+    if cfg.train.objective == "sft" and pairs:
+        raise DataError(
+            f"data.path {cfg.data.path} holds preference pairs (chosen/rejected) but train.objective is sft",
+            fix="set train.objective: dpo, or train on rows with a single response",
+        )
+    return Dpo(cfg.dpo, device) if cfg.train.objective == "dpo" else Sft(cfg.train.loss_chunk_tokens)
