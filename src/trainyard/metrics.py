@@ -144,7 +144,7 @@ class LogWindow:
         achieved = flops / elapsed / len(ranks)
         return {
             "loss": loss_sum / max(targets, 1.0),
-            "target_tokens": int(targets),
+            ("target_tokens" if self.pair_figures is None else "pairs"): int(targets),  # what the loss averages
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_rank": tokens_per_s / len(ranks),
             "achieved_flops_per_rank": achieved,

@@ -316,6 +316,7 @@ def _evaluator(job: Job):
             autocast=job.autocast,
             padding_free=cfg.data.padding_free,
             samples_path=samples_file(cfg.run_dir, step) if cfg.eval.generate else None,
+            dpo=cfg.dpo if cfg.train.objective == "dpo" else None,
         )
         return {**figures, "eval_s": round(time.monotonic() - started, 3)}
 

@@ -1,0 +1,130 @@
+"""Preference tuning (train.objective dpo) of the tiny model with LoRA: the loss and gradient norm of every step equal
+TRL's DPOTrainer given the same weights, pairs and order (one process, fp32), and two ranks (DDP, FSDP2) equal one
+process, the reference being the model with its adapters off under either wrapper."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import TINY, events, train_in
+from tests.world import World
+from trainyard import dist, precision
+from trainyard.config_file import load_config
+from trainyard.model import source as source_room
+from trainyard.train.build import build_and_wrap
+
+pytestmark = pytest.mark.dist
+
+STEPS = 3
+COMMON = [
+    "train.objective=dpo", "lora.enabled=true", "train.precision=fp32", "train.schedule=constant",
+    "train.warmup_steps=0", "train.lr=1e-2", f"train.max_steps={STEPS}", "log.every_steps=1", "eval.every_steps=0",
+    "eval.at_end=false", "checkpoint.at_end=false", "log.tensorboard=false",
+]
+FIGURES = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Sums, each with its right answer chosen and a wrong one rejected: replies of different lengths."""
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    rows = []
+    for _ in range(32):
+        a, b = rng.randint(1, 500), rng.randint(1, 500)
+        rows.append({"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + rng.randint(1, 900))})
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def overrides(out: Path, pairs: Path, *more: str) -> list[str]:
+    return [f"output_dir={out}", f"data.path={pairs}", *COMMON, *more]
+
+
+def ours(world: World, out: Path, pairs: Path, *more: str) -> list[dict[str, Any]]:
+    train_in(world, TINY, *overrides(out, pairs, *more), env={"TRAINYARD_RECORD_SAMPLES": "1"})
+    return events(out / "tiny", "train")
+
+
+def trls(out: Path, pairs: Path, loss: str, micro_batch: int, *more: str) -> list[dict[str, Any]]:
+    """TRL's DPOTrainer on the model trainyard builds (same seed: same weights and LoRA init), taking the rows in
+    the order trainyard's run took them (its sample record), with the same AdamW, clipping and constant rate."""
+    trl = pytest.importorskip("trl")
+    import datasets
+    from torch.utils.data import SequentialSampler
+    from transformers import TrainerCallback
+
+    cfg = load_config(TINY, overrides(out, pairs, *more))
+    cpu = torch.device("cpu")
+    tokenizer = source_room.load_tokenizer(cfg.model, None)
+    model, _, _ = build_and_wrap(cfg, dist.DistInfo(0, 1, 0, 1, cpu, None), precision.resolve(cfg, cpu), None,
+                                 tokenizer)
+    record = (out / "tiny" / "samples" / "rank-0.jsonl").read_text().splitlines()
+    order = [index for line in record[1:] for _, _, index in json.loads(line)["rows"]]
+    rows = [json.loads(line) for line in pairs.read_text().splitlines()]
+
+    class InOrder(trl.DPOTrainer):
+        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> SequentialSampler:
+            return SequentialSampler(self.train_dataset)
+
+    logged: list[dict[str, Any]] = []
+
+    class Keep(TrainerCallback):
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
+            if logs and "loss" in logs:
+                logged.append({**logs, "step": state.global_step})
+
+    args = trl.DPOConfig(
+        output_dir=str(out / "trl"), per_device_train_batch_size=micro_batch, max_steps=STEPS,
+        learning_rate=cfg.train.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=cfg.train.weight_decay,
+        max_grad_norm=cfg.train.max_grad_norm, adam_beta1=cfg.train.betas[0], adam_beta2=cfg.train.betas[1],
+        beta=cfg.dpo.beta, loss_type=[loss], logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
+        max_length=None, bf16=False, fp16=False,
+    )
+    trainer = InOrder(model=model, args=args, train_dataset=datasets.Dataset.from_list([rows[i] for i in order]),
+                      processing_class=tokenizer, callbacks=[Keep()])
+    trainer.train()
+    return logged
+
+
+def assert_same_figures(got: list[dict[str, Any]], want: list[dict[str, Any]], tolerance: float) -> None:
+    assert [e["step"] for e in got] == [e["step"] for e in want] == list(range(1, STEPS + 1))
+    for name in FIGURES:
+        np.testing.assert_allclose([e[name] for e in got], [e[name] for e in want], rtol=tolerance, atol=tolerance,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
+def test_loss_and_gradient_norm_equal_trls_dpo_trainer(solo: World, tmp_path: Path, pairs: Path, loss: str) -> None:
+    more = (f"dpo.loss={loss}", "dist.strategy=none", "train.micro_batch_size=4", "train.global_batch_size=4")
+    got = ours(solo, tmp_path, pairs, *more)
+    want = trls(tmp_path, pairs, loss, 4, *more)
+    assert got[-1]["rewards/margins"] != 0.0  # the policy moved away from the reference
+    assert_same_figures(got, want, 1e-5)
+
+
+@pytest.fixture(scope="module")
+def one_process(solo: World, pairs: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("one")
+    return ours(solo, out, pairs, "dist.strategy=none", "train.micro_batch_size=8", "train.global_batch_size=8")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_equal_one_process(
+    world: World, tmp_path: Path, pairs: Path, one_process: list[dict[str, Any]], strategy: str
+) -> None:
+    """Each rank holds half the step's pairs: the loss is the mean over all 8, figures averaged over them. A
+    reference that kept the adapters on would equal the policy: no reward would ever leave 0."""
+    got = ours(world, tmp_path, pairs, f"dist.strategy={strategy}", "train.micro_batch_size=4",
+               "train.global_batch_size=8")
+    assert all(e["pairs"] == 8 for e in got)
+    assert all(e["rewards/chosen"] != 0.0 for e in got[1:])
+    assert_same_figures(got, one_process, 1e-5)
