@@ -12,7 +12,7 @@ import torch
 
 from trainyard.config import DpoConfig, JobConfig
 from trainyard.data import IGNORE_INDEX
-from trainyard.errors import DataError
+from trainyard.data.preference import check_objective_fits
 from trainyard.loss import token_loss_sum
 from trainyard.preference_loss import STATS, count_pairs, pair_loss_sum
 
@@ -97,14 +97,5 @@ Objective = Sft | Dpo
 def build_objective(cfg: JobConfig, data: Any, device: torch.device) -> Objective:
     """The job's objective, once its data is prepared: DPO needs pairs, SFT rows that are not pairs."""
     pairs = data.train is not None and "seq_lens" in data.train.column_names and not cfg.data.packing
-    if cfg.train.objective == "dpo" and not pairs:
-        raise DataError(
-            f"train.objective is dpo but data.path {cfg.data.path} holds no preference pairs",
-            fix="give each row `chosen` and `rejected` (and `prompt`, or conversations that share their first turns)",
-        )
-    if cfg.train.objective == "sft" and pairs:
-        raise DataError(
-            f"data.path {cfg.data.path} holds preference pairs (chosen/rejected) but train.objective is sft",
-            fix="set train.objective: dpo, or train on rows with a single response",
-        )
+    check_objective_fits(cfg.train.objective, pairs, cfg.data.path)
     return Dpo(cfg.dpo, device) if cfg.train.objective == "dpo" else Sft(cfg.train.loss_chunk_tokens)

@@ -14,12 +14,27 @@ from __future__ import annotations
 from typing import Any
 
 from trainyard.data.chat import IGNORE_INDEX, BadRow, ChatTemplate, encode_chat, renderer
+from trainyard.errors import DataError
 
 PAIR_KEYS = ("chosen", "rejected")
 
 
 def is_preference(row: dict[str, Any]) -> bool:
     return all(key in row for key in PAIR_KEYS)
+
+
+def check_objective_fits(objective: str, pairs: bool, path: str) -> None:
+    """train.objective dpo reads pairs, sft anything but pairs: the other way round is a DataError before training."""
+    if objective == "dpo" and not pairs:
+        raise DataError(
+            f"train.objective is dpo but data.path {path} holds no preference pairs",
+            fix="give each row `chosen` and `rejected` (and `prompt`, or conversations that share their first turns)",
+        )
+    if objective == "sft" and pairs:
+        raise DataError(
+            f"data.path {path} holds preference pairs (chosen/rejected) but train.objective is sft",
+            fix="set train.objective: dpo, or train on rows with a single response",
+        )
 
 
 def split_pair(row: dict[str, Any]) -> tuple[Any, Any, Any]:
