@@ -32,7 +32,7 @@ from trainyard.config import DpoConfig
 from trainyard.data import collate
 from trainyard.dist import DistInfo, all_reduce_sum
 from trainyard.loss import token_loss_sum
-from trainyard.preference_loss import STATS, count_pairs, pair_loss_sum
+from trainyard.preference.loss import STATS, count_pairs, pair_loss_sum
 from trainyard.parallel.parallelize import unwrap
 from trainyard.redaction import redact
 from trainyard.runs import layout as run_layout
@@ -174,7 +174,8 @@ def evaluate(
         for batch_indices in _rank_batches(indices, info, batch_size):
             padding_only = not batch_indices
             rows = [eval_data[i] for i in (batch_indices or indices[:1])]
-            columns = ("input_ids", "labels", "seq_lens") if dpo is not None else ("input_ids", "labels")
+            columns = [name for name in ("input_ids", "labels", "seq_lens", "ref_logps")
+                       if name in eval_data.column_names and (dpo is not None or name in ("input_ids", "labels"))]
             batch = collate([{k: r[k] for k in columns} for r in rows], tokenizer.pad_token_id, padding_free)
             if dpo is not None:
                 loss, stats = pair_loss_sum(net, batch, info.device, dpo)

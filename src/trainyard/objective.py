@@ -6,15 +6,18 @@ both; DPO's figures (TRL's rewards/ and logps/) ride the log window's one all-ga
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from trainyard.config import DpoConfig, JobConfig
+from trainyard.config import DpoConfig
+from trainyard.config.preference import REFERENCE_FREE
 from trainyard.data import IGNORE_INDEX
 from trainyard.data.preference import check_objective_fits
 from trainyard.loss import token_loss_sum
-from trainyard.preference_loss import STATS, count_pairs, pair_loss_sum
+from trainyard.preference.loss import STATS, count_pairs, pair_loss_sum
+from trainyard.preference.reference import attach_reference
 
 
 @dataclass
@@ -94,8 +97,15 @@ class Dpo:
 Objective = Sft | Dpo
 
 
-def build_objective(cfg: JobConfig, data: Any, device: torch.device) -> Objective:
-    """The job's objective, once its data is prepared: DPO needs pairs, SFT rows that are not pairs."""
+def build_objective(job: Any, log: Callable[[str], None]) -> Objective:
+    """The job's objective, once its data is prepared and its model built with its initial weights (before a
+    resume loads its own): DPO needs pairs, SFT rows that are not pairs. Full fine-tuning's DPO against a reference
+    reads the initial model's log-probabilities of every pair (computed now, or kept from an earlier job)."""
+    cfg, data = job.cfg, job.data
     pairs = data.train is not None and "seq_lens" in data.train.column_names and not cfg.data.packing
     check_objective_fits(cfg.train.objective, pairs, cfg.data.path)
-    return Dpo(cfg.dpo, device) if cfg.train.objective == "dpo" else Sft(cfg.train.loss_chunk_tokens)
+    if cfg.train.objective == "sft":
+        return Sft(cfg.train.loss_chunk_tokens)
+    if not cfg.lora.enabled and cfg.dpo.loss not in REFERENCE_FREE:
+        attach_reference(cfg, data, job.model, job.info, job.precision, job.autocast, log)
+    return Dpo(cfg.dpo, job.info.device)

@@ -1,9 +1,11 @@
-"""Preference tuning (train.objective dpo) of the tiny model with LoRA: the loss and gradient norm of every step equal
-TRL's DPOTrainer given the same weights, pairs and order (one process, fp32), and two ranks (DDP, FSDP2) equal one
-process, the reference being the model with its adapters off under either wrapper."""
+"""Preference tuning (train.objective dpo) of the tiny model, LoRA and full: the loss and gradient norm of every step
+equal TRL's DPOTrainer given the same weights, pairs and order (one process, fp32), and two ranks (DDP, FSDP2) equal
+one process. The reference: with LoRA the model with its adapters off under either wrapper; full, the initial
+model's log-probabilities computed in one pass before training."""
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from pathlib import Path
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.dist
 
 STEPS = 3
 COMMON = [
-    "train.objective=dpo", "lora.enabled=true", "train.precision=fp32", "train.schedule=constant",
+    "train.objective=dpo", "train.precision=fp32", "train.schedule=constant",
     "train.warmup_steps=0", "train.lr=1e-2", f"train.max_steps={STEPS}", "log.every_steps=1", "eval.every_steps=0",
     "eval.at_end=false", "checkpoint.at_end=false", "log.tensorboard=false",
 ]
@@ -89,8 +91,9 @@ def trls(out: Path, pairs: Path, loss: str, micro_batch: int, *more: str) -> lis
         beta=cfg.dpo.beta, loss_type=[loss], logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
         max_length=None, bf16=False, fp16=False,
     )
-    trainer = InOrder(model=model, args=args, train_dataset=datasets.Dataset.from_list([rows[i] for i in order]),
-                      processing_class=tokenizer, callbacks=[Keep()])
+    reference = None if cfg.lora.enabled else copy.deepcopy(model).eval()  # TRL's frozen copy of full fine-tuning
+    trainer = InOrder(model=model, ref_model=reference, args=args, processing_class=tokenizer, callbacks=[Keep()],
+                      train_dataset=datasets.Dataset.from_list([rows[i] for i in order]))
     trainer.train()
     return logged
 
@@ -102,9 +105,14 @@ def assert_same_figures(got: list[dict[str, Any]], want: list[dict[str, Any]], t
                                    err_msg=name)
 
 
+@pytest.mark.parametrize("lora", ["true", "false"], ids=["lora", "full"])
 @pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
-def test_loss_and_gradient_norm_equal_trls_dpo_trainer(solo: World, tmp_path: Path, pairs: Path, loss: str) -> None:
-    more = (f"dpo.loss={loss}", "dist.strategy=none", "train.micro_batch_size=4", "train.global_batch_size=4")
+def test_loss_and_gradient_norm_equal_trls_dpo_trainer(
+    solo: World, tmp_path: Path, pairs: Path, loss: str, lora: str
+) -> None:
+    """TRL keeps a frozen copy of the model as the reference of full fine-tuning; trainyard its log-probabilities."""
+    more = (f"dpo.loss={loss}", f"lora.enabled={lora}", "dist.strategy=none", "train.micro_batch_size=4",
+            "train.global_batch_size=4")
     got = ours(solo, tmp_path, pairs, *more)
     want = trls(tmp_path, pairs, loss, 4, *more)
     assert got[-1]["rewards/margins"] != 0.0  # the policy moved away from the reference
@@ -112,19 +120,22 @@ def test_loss_and_gradient_norm_equal_trls_dpo_trainer(solo: World, tmp_path: Pa
 
 
 @pytest.fixture(scope="module")
-def one_process(solo: World, pairs: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def one_process(solo: World, pairs: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("one")
-    return ours(solo, out, pairs, "dist.strategy=none", "train.micro_batch_size=8", "train.global_batch_size=8")
+    return {lora: ours(solo, out / lora, pairs, f"lora.enabled={lora}", "dist.strategy=none",
+                       "train.micro_batch_size=8", "train.global_batch_size=8") for lora in ("true", "false")}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize(("strategy", "lora"), [("ddp", "true"), ("fsdp", "true"), ("fsdp", "false")],
+                         ids=["ddp-lora", "fsdp-lora", "fsdp-full"])
 def test_two_ranks_equal_one_process(
-    world: World, tmp_path: Path, pairs: Path, one_process: list[dict[str, Any]], strategy: str
+    world: World, tmp_path: Path, pairs: Path, one_process: dict[str, list[dict[str, Any]]], strategy: str, lora: str
 ) -> None:
     """Each rank holds half the step's pairs: the loss is the mean over all 8, figures averaged over them. A
-    reference that kept the adapters on would equal the policy: no reward would ever leave 0."""
-    got = ours(world, tmp_path, pairs, f"dist.strategy={strategy}", "train.micro_batch_size=4",
-               "train.global_batch_size=8")
+    reference that kept the adapters on would equal the policy: no reward would ever leave 0. Full fine-tuning
+    under FSDP2 computes its reference in lockstep, each rank its share of the rows."""
+    got = ours(world, tmp_path, pairs, f"lora.enabled={lora}", f"dist.strategy={strategy}",
+               "train.micro_batch_size=4", "train.global_batch_size=8")
     assert all(e["pairs"] == 8 for e in got)
     assert all(e["rewards/chosen"] != 0.0 for e in got[1:])
-    assert_same_figures(got, one_process, 1e-5)
+    assert_same_figures(got, one_process[lora], 1e-5)

@@ -15,7 +15,7 @@ from trainyard.config import DpoConfig
 from trainyard.data import IGNORE_INDEX, collate
 from trainyard.model.attention import VARLEN
 from trainyard.model.lora import adapters_off
-from trainyard.preference_loss import STATS, count_pairs, pair_loss_sum
+from trainyard.preference.loss import STATS, count_pairs, pair_loss_sum
 
 VOCAB = 96
 

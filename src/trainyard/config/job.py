@@ -60,7 +60,7 @@ class JobConfig(Section):
 
     @model_validator(mode="after")
     def _objective_settings_fit(self, info: ValidationInfo) -> "JobConfig":
-        problems = objective_problems(self.train.objective, self.dpo, self.lora.enabled, self.data)
+        problems = objective_problems(self.train.objective, self.dpo, self.data)
         if problems:
             raise ValueError("; ".join(f"{field_and_where(info, field)} {why}" for field, why in problems))
         return self

@@ -17,7 +17,8 @@ class DpoConfig(Section):
     """How far the policy may move from the reference (DPO's beta, IPO's tau as 1/beta, SimPO's reward scale); for
     orpo it is the odds-ratio weight lambda, as TRL's ORPOConfig names it `beta`."""
     loss: Literal["sigmoid", "ipo", "hinge", "simpo", "orpo"] = "sigmoid"
-    """sigmoid (DPO), ipo and hinge compare with the reference (the model with its LoRA adapters off); simpo
+    """sigmoid (DPO), ipo and hinge compare with the reference: with LoRA the model with its adapters off, with full
+    fine-tuning the initial model's log-probabilities, computed once before training (reference.py); simpo
     (length-normalised, with a margin) and orpo (odds ratio plus the chosen reply's cross-entropy) need none."""
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
     """sigmoid only: the share of pairs assumed flipped (conservative DPO)."""
@@ -25,7 +26,7 @@ class DpoConfig(Section):
     """simpo only: the target reward margin gamma, as TRL's CPOConfig names it."""
 
 
-def objective_problems(objective: str, dpo: DpoConfig, lora_enabled: bool, data: object) -> list[tuple[str, str]]:
+def objective_problems(objective: str, dpo: DpoConfig, data: object) -> list[tuple[str, str]]:
     """(field, why) for each setting that does not fit train.objective; JobConfig raises them with where they were
     set. A setting counts where it differs from its default: a run's written config.yaml holds them all."""
     changed = {name for name, spec in DpoConfig.model_fields.items() if getattr(dpo, name) != spec.default}
@@ -37,10 +38,6 @@ def objective_problems(objective: str, dpo: DpoConfig, lora_enabled: bool, data:
         problems.append(("dpo.label_smoothing", f"applies to dpo.loss sigmoid only, not {dpo.loss}: remove it"))
     if "simpo_gamma" in changed and dpo.loss != "simpo":
         problems.append(("dpo.simpo_gamma", f"applies to dpo.loss simpo only, not {dpo.loss}: remove it"))
-    if not lora_enabled and dpo.loss not in REFERENCE_FREE:
-        problems.append(("dpo.loss", f"{dpo.loss} compares with a reference model, which trainyard takes as the model "
-                         "with its LoRA adapters off: set lora.enabled: true, or use a reference-free loss "
-                         "(simpo, orpo) for full fine-tuning"))
     if getattr(data, "mixture", None):
         problems.append(("data.mixture", "is a pretraining stream; train.objective dpo reads prompt/chosen/rejected "
                          "pairs from data.path"))

@@ -393,8 +393,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         },
         saves=checkpoint.Checkpointer(cfg.checkpoint, cfg.run_dir / run_layout.CHECKPOINTS, info, sink.emit),
         precision=precision,
-        objective=build_objective(cfg, data, info.device),
     )
+    job.objective = build_objective(job, logger.info)  # before resume: full fine-tuning's reference reads the start
     job.comm_timer = comm.attach_comm_timer(model)
     if strategy == "diloco":
         assert mesh is not None

@@ -109,11 +109,15 @@ def dpo_loss(cfg: DpoConfig, policy: PairLogps, reference: PairLogps | None) -> 
 def pair_loss_sum(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device, cfg: DpoConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The summed loss of the batch's pairs and its STATS summed over them; `batch` on the host. The reference
-    forward runs without gradients, through the same (wrapped) model with its adapters off."""
+    """The summed loss of the batch's pairs and its STATS summed over them; `batch` on the host. The reference is
+    the batch's `ref_logps` (full fine-tuning: computed before training, reference.py), or a forward without
+    gradients through the same (wrapped) model with its adapters off."""
     documents = target_documents(batch)
     reference = None
-    if cfg.loss not in REFERENCE_FREE:
+    if cfg.loss not in REFERENCE_FREE and "ref_logps" in batch:
+        stored = batch["ref_logps"].to(device=device, dtype=torch.float32)
+        reference = PairLogps(stored[:, 0], stored[:, 1], stored.new_zeros(0), stored.new_zeros(0))
+    elif cfg.loss not in REFERENCE_FREE:
         with torch.no_grad(), adapters_off(model):
             reference = pair_logps(target_logps(model, batch, device), documents)
     policy = pair_logps(target_logps(model, batch, device), documents)
