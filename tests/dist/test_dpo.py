@@ -139,3 +139,17 @@ def test_two_ranks_equal_one_process(
     assert all(e["pairs"] == 8 for e in got)
     assert all(e["rewards/chosen"] != 0.0 for e in got[1:])
     assert_same_figures(got, one_process[lora], 1e-5)
+
+
+def test_full_fine_tunings_reference_is_computed_once_and_reused(solo: World, tmp_path: Path, pairs: Path) -> None:
+    """A second job on the same model and data (a resume, a rerun) reads the kept log-probabilities: same steps."""
+    more = ("lora.enabled=false", "dist.strategy=none", "train.micro_batch_size=4", "train.global_batch_size=4",
+            f"data.cache_dir={tmp_path / 'cache'}")
+    first = ours(solo, tmp_path / "first", pairs, *more)
+    kept = list((tmp_path / "cache").glob("*/reference-*.json"))
+    assert len(kept) == 1
+    stamp = kept[0].stat().st_mtime_ns
+    again = ours(solo, tmp_path / "again", pairs, *more)
+    assert "reusing reference log-probabilities" in (tmp_path / "again" / "tiny" / "logs" / "rank-0.log").read_text()
+    assert kept[0].stat().st_mtime_ns == stamp
+    assert_same_figures(again, first, 0.0)

@@ -43,11 +43,9 @@ def pairs_file(tmp_path: Path) -> Path:
          "dpo.label_smoothing ({file}:8) applies to dpo.loss sigmoid only, not ipo"),
         ("train:\n  objective: dpo\nlora:\n  enabled: true\ndpo:\n  simpo_gamma: 1.0\n",
          "dpo.simpo_gamma ({file}:7) applies to dpo.loss simpo only"),
-        ("train:\n  objective: dpo\nlora:\n  enabled: false\n",
-         "sigmoid compares with a reference model, which trainyard takes as the model with its LoRA adapters off"),
         ("train:\n  objective: dpo\nlora:\n  enabled: true\ndata:\n  packing: true\n", "data.packing ({file}:7) is on"),
     ],
-    ids=["dpo-with-sft", "smoothing-with-ipo", "gamma-without-simpo", "full-with-a-reference", "packing"],
+    ids=["dpo-with-sft", "smoothing-with-ipo", "gamma-without-simpo", "packing"],
 )
 def test_settings_that_do_not_fit_the_objective_exit_2_naming_the_field(tmp_path: Path, body: str, named: str) -> None:
     path = job_file(tmp_path, body)
