@@ -153,3 +153,20 @@ def test_full_fine_tunings_reference_is_computed_once_and_reused(solo: World, tm
     assert "reusing reference log-probabilities" in (tmp_path / "again" / "tiny" / "logs" / "rank-0.log").read_text()
     assert kept[0].stat().st_mtime_ns == stamp
     assert_same_figures(again, first, 0.0)
+
+
+def test_dpo_from_an_sft_adapter_takes_it_as_policy_and_reference(world: World, tmp_path: Path, pairs: Path) -> None:
+    """SFT, then DPO from its adapter (lora.init_from) under FSDP2: the first step's policy is the SFT adapter and
+    so is the reference (rewards exactly 0, loss log 2), not the base (a start from the base has other log-probs);
+    then the policy moves while the frozen copy stays."""
+    sft = tmp_path / "sft"
+    train_in(world, TINY, f"output_dir={sft}", "lora.enabled=true", "train.max_steps=4", "train.lr=1e-2",
+             "eval.every_steps=0", "eval.at_end=false", "log.tensorboard=false", "dist.strategy=fsdp")
+    adapter = sft / "tiny" / "checkpoints" / "step-00000004" / "adapter"
+    more = ("lora.enabled=true", "dist.strategy=fsdp", "train.micro_batch_size=4", "train.global_batch_size=8")
+    got = ours(world, tmp_path / "dpo", pairs, *more, f"lora.init_from={adapter}")
+    from_base = ours(world, tmp_path / "base", pairs, *more)
+    assert got[0]["rewards/chosen"] == got[0]["rewards/rejected"] == 0.0
+    assert got[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)
+    assert abs(got[0]["logps/chosen"] - from_base[0]["logps/chosen"]) > 1e-3
+    assert all(e["rewards/margins"] != 0.0 for e in got[1:])
