@@ -44,8 +44,10 @@ def pairs_file(tmp_path: Path) -> Path:
         ("train:\n  objective: dpo\nlora:\n  enabled: true\ndpo:\n  simpo_gamma: 1.0\n",
          "dpo.simpo_gamma ({file}:7) applies to dpo.loss simpo only"),
         ("train:\n  objective: dpo\nlora:\n  enabled: true\ndata:\n  packing: true\n", "data.packing ({file}:7) is on"),
+        ("lora:\n  enabled: false\n  init_from: sft/adapter\n",
+         "lora.init_from sft/adapter is an adapter to start from, but lora.enabled is false"),
     ],
-    ids=["dpo-with-sft", "smoothing-with-ipo", "gamma-without-simpo", "packing"],
+    ids=["dpo-with-sft", "smoothing-with-ipo", "gamma-without-simpo", "packing", "init-from-without-lora"],
 )
 def test_settings_that_do_not_fit_the_objective_exit_2_naming_the_field(tmp_path: Path, body: str, named: str) -> None:
     path = job_file(tmp_path, body)
