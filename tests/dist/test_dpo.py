@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import TINY, events, train_in
+from tests.conftest import TINY, assert_ok, events, train_in, trainyard
 from tests.world import World
 from trainyard import dist, precision
 from trainyard.config_file import load_config
@@ -170,3 +170,19 @@ def test_dpo_from_an_sft_adapter_takes_it_as_policy_and_reference(world: World, 
     assert got[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)
     assert abs(got[0]["logps/chosen"] - from_base[0]["logps/chosen"]) > 1e-3
     assert all(e["rewards/margins"] != 0.0 for e in got[1:])
+
+
+def test_eval_of_a_dpo_checkpoint_matches_the_runs_own(solo: World, tmp_path: Path, pairs: Path) -> None:
+    """`trainyard eval` of full fine-tuning's DPO: the reference is the initial model's (kept, or computed before
+    the checkpoint's weights are loaded), so its figures are the run's final eval's."""
+    more = ["lora.enabled=false", "dist.strategy=none", "train.micro_batch_size=4", "train.global_batch_size=4",
+            "data.eval_fraction=0.25", "eval.at_end=true", "checkpoint.at_end=true"]
+    train_in(solo, TINY, *overrides(tmp_path, pairs, *more))
+    result = trainyard("eval", TINY, *overrides(tmp_path, pairs, *more), "--checkpoint", str(tmp_path / "tiny"))
+    assert_ok(result)
+    got = dict(line.split(" ", 1) for line in result.stdout.strip().splitlines())
+    want = events(tmp_path / "tiny", "eval")[-1]
+    assert int(got["eval_pairs"]) == want["eval_pairs"] == 8
+    for name in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen"):
+        assert float(got[name]) == pytest.approx(want[name], rel=1e-6, abs=1e-7), name
+    assert want["eval_rewards/margins"] != 0.0
