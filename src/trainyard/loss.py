@@ -64,9 +64,9 @@ def kept_positions_loss(
 ) -> torch.Tensor:
     """The summed loss of the `keep` positions (transformers' logits_to_keep) against `wanted`, chunked where the
     family allows. The estimate's trace runs this too, with fake tensors."""
-    head = _chunkable_head(model, chunk_tokens)
+    head = chunkable_head(model, chunk_tokens)
     if head is not None:
-        with _loss_in_head(head, wanted, chunk_tokens, _final_softcap(model)) as result:
+        with _loss_in_head(head, wanted, chunk_tokens, final_softcap(model)) as result:
             model(**inputs, use_cache=False, logits_to_keep=keep)
         return result["loss"]
     logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits.float()
@@ -85,7 +85,7 @@ def _base(model: torch.nn.Module) -> torch.nn.Module:
     return net.get_base_model() if hasattr(net, "get_base_model") else net  # PEFT's wrapper passes it on
 
 
-def _chunkable_head(model: torch.nn.Module, chunk_tokens: int | None) -> torch.nn.Linear | None:
+def chunkable_head(model: torch.nn.Module, chunk_tokens: int | None) -> torch.nn.Linear | None:
     """The plain linear head of a family the chunked loss computes exactly; None keeps full logits (chunking off,
     another family, or a head PEFT wraps with its own adapter)."""
     net = _base(model)
@@ -96,7 +96,7 @@ def _chunkable_head(model: torch.nn.Module, chunk_tokens: int | None) -> torch.n
     return head
 
 
-def _final_softcap(model: torch.nn.Module) -> float | None:
+def final_softcap(model: torch.nn.Module) -> float | None:
     return getattr(_base(model).config, "final_logit_softcapping", None)
 
 

@@ -79,8 +79,9 @@ class Dpo:
 
     name = "dpo"
 
-    def __init__(self, cfg: DpoConfig, device: torch.device) -> None:
+    def __init__(self, cfg: DpoConfig, device: torch.device, chunk_tokens: int | None = None) -> None:
         self.cfg = cfg
+        self.chunk_tokens = chunk_tokens
         self.figures: PairFigures | None = PairFigures(device)
 
     @staticmethod
@@ -88,7 +89,7 @@ class Dpo:
         return count_pairs(batch)
 
     def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-        loss, stats = pair_loss_sum(model, batch, device, self.cfg)
+        loss, stats = pair_loss_sum(model, batch, device, self.cfg, self.chunk_tokens)
         if self.figures is not None:
             self.figures.add(self.count(batch), stats)
         return loss
@@ -108,4 +109,4 @@ def build_objective(job: Any, log: Callable[[str], None]) -> Objective:
         return Sft(cfg.train.loss_chunk_tokens)
     if not cfg.lora.enabled and cfg.dpo.loss not in REFERENCE_FREE:
         attach_reference(cfg, data, job.model, job.info, job.precision, job.autocast, log)
-    return Dpo(cfg.dpo, job.info.device)
+    return Dpo(cfg.dpo, job.info.device, cfg.train.loss_chunk_tokens)

@@ -97,19 +97,21 @@ def gradients(model: torch.nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("settings", "padding_free"),
-    [({"loss": "sigmoid"}, True), ({"loss": "sigmoid", "label_smoothing": 0.2}, False),
-     ({"loss": "hinge", "beta": 2.0}, True), ({"loss": "ipo", "beta": 0.5}, True),
-     ({"loss": "simpo", "beta": 2.0, "simpo_gamma": 0.3}, True), ({"loss": "orpo"}, True)],
-    ids=["sigmoid", "sigmoid-smoothed-padded", "hinge", "ipo", "simpo", "orpo"],
+    ("settings", "padding_free", "chunk_tokens"),
+    [({"loss": "sigmoid"}, True, 3), ({"loss": "sigmoid", "label_smoothing": 0.2}, False, 0),
+     ({"loss": "hinge", "beta": 2.0}, True, None), ({"loss": "ipo", "beta": 0.5}, True, 5),
+     ({"loss": "simpo", "beta": 2.0, "simpo_gamma": 0.3}, True, None), ({"loss": "orpo"}, True, None)],
+    ids=["sigmoid-chunks-of-3", "sigmoid-smoothed-padded-full-logits", "hinge", "ipo-chunks-of-5", "simpo", "orpo"],
 )
-def test_packed_pairs_equal_each_document_alone(settings: dict, padding_free: bool) -> None:
+def test_packed_pairs_equal_each_document_alone(settings: dict, padding_free: bool, chunk_tokens: int | None) -> None:
+    """train.loss_chunk_tokens: the head's logits a few tokens at a time (forward, and again in the backward), or
+    all at once (0): the same loss, figures and gradients."""
     cfg = DpoConfig(**settings)
     model = lora_llama()
     rows = pair_rows()
     batch = collate(rows, 0, padding_free)
+    loss_sum, stats = pair_loss_sum(model, batch, torch.device("cpu"), cfg, chunk_tokens)
     assert count_pairs(batch) == 3
-    loss_sum, stats = pair_loss_sum(model, batch, torch.device("cpu"), cfg)
     want_loss, want_figures = plain_loss(model, rows, cfg)
     torch.testing.assert_close(loss_sum / 3, want_loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close((stats / 3).tolist(), want_figures, rtol=1e-4, atol=1e-5)  # fp32 sums of ~20

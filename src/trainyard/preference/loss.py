@@ -8,7 +8,10 @@ and no pair is padded to its partner.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +19,7 @@ import torch.nn.functional as F
 from trainyard.config import DpoConfig
 from trainyard.config.preference import REFERENCE_FREE
 from trainyard.data import IGNORE_INDEX
-from trainyard.loss import keeps_logits
+from trainyard.loss import LOSS_CHUNK_BYTES, chunkable_head, final_softcap, keeps_logits
 from trainyard.model.lora import adapters_off
 
 STATS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -40,19 +43,108 @@ def count_pairs(batch: dict[str, torch.Tensor]) -> int:
     return (int(documents[-1]) + 1) // 2 if documents.numel() else 0
 
 
-def target_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-    """log p(label) of every target token, row-major, fp32; logits only where a label follows."""
+def target_logps(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device, chunk_tokens: int | None = None
+) -> torch.Tensor:
+    """log p(label) of every target token, row-major, fp32; logits only where a label follows, and (as the SFT
+    loss, train.loss_chunk_tokens) never more than one chunk of them at a time, forward or backward."""
     inputs = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
     targets = batch["labels"][:, 1:]
     is_target = targets != IGNORE_INDEX
     wanted = targets[is_target].to(device)
     if keeps_logits(model):
         keep = is_target[0].nonzero().squeeze(1) if is_target.size(0) == 1 else F.pad(is_target, (0, 1), value=False)
+        head = chunkable_head(model, chunk_tokens)
+        if head is not None:
+            with _logps_in_head(head, wanted, chunk_tokens, final_softcap(model)) as result:
+                model(**inputs, use_cache=False, logits_to_keep=keep.to(device))
+            return result["logps"]
         logits = model(**inputs, use_cache=False, logits_to_keep=keep.to(device)).logits
         logits = logits.reshape(-1, logits.size(-1)).float()
     else:
         logits = model(**inputs, use_cache=False).logits[:, :-1][is_target.to(device)].float()
     return torch.log_softmax(logits, dim=-1).gather(1, wanted.unsqueeze(1)).squeeze(1)
+
+
+@contextlib.contextmanager
+def _logps_in_head(
+    head: torch.nn.Linear, targets: torch.Tensor, chunk_tokens: int | None, softcap: float | None
+) -> Iterator[dict[str, torch.Tensor]]:
+    """For one forward, the head returns a placeholder and computes the targets' log-probabilities of the hidden
+    states it is given, chunk by chunk (loss.py's _loss_in_head does the same for the SFT loss)."""
+    result: dict[str, torch.Tensor] = {}
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        chunk = chunk_tokens or max(1, LOSS_CHUNK_BYTES // (4 * head.out_features))
+        flat = hidden.reshape(-1, hidden.size(-1))
+        result["logps"] = _ChunkedTargetLogps.apply(flat, head.weight, head.bias, targets, chunk, softcap)
+        return hidden.new_zeros((*hidden.shape[:-1], 1))
+
+    head.forward = forward  # type: ignore[method-assign]  # an instance attribute: FSDP/DDP hooks stay as they are
+    try:
+        yield result
+    finally:
+        del head.forward
+
+
+def _chunk_logits(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 logits of a chunk (soft-capped where the family caps them), and tanh of the cap for its derivative."""
+    logits = F.linear(rows, weight, bias).float()
+    if not softcap:
+        return logits, None
+    capped = torch.tanh(logits / softcap)
+    return capped * softcap, capped
+
+
+class _ChunkedTargetLogps(torch.autograd.Function):
+    """log softmax(hidden @ weight.T + bias)[target] per row, one chunk of rows at a time. The backward computes
+    each chunk's logits again rather than keep them: DPO's gradient per token depends on every token of its pair,
+    so it cannot be taken during the forward as the SFT loss's is."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+        chunk: int, softcap: float | None,
+    ) -> torch.Tensor:
+        logps = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
+        norms = torch.empty_like(logps)
+        for start in range(0, hidden.size(0), chunk):
+            logits, _ = _chunk_logits(hidden[start : start + chunk], weight, bias, softcap)
+            norms[start : start + chunk] = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, targets[start : start + chunk].unsqueeze(1)).squeeze(1)
+            logps[start : start + chunk] = picked - norms[start : start + chunk]
+        ctx.save_for_backward(hidden, weight, bias, targets, norms)
+        ctx.chunk, ctx.softcap = chunk, softcap
+        return logps
+
+    @staticmethod
+    def backward(ctx: Any, grad_logps: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        hidden, weight, bias, targets, norms = ctx.saved_tensors
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if needs_bias and bias is not None else None
+        for start in range(0, hidden.size(0), ctx.chunk):
+            rows, scale = hidden[start : start + ctx.chunk], grad_logps[start : start + ctx.chunk].float().unsqueeze(1)
+            logits, capped = _chunk_logits(rows, weight, bias, ctx.softcap)
+            grad = logits.sub_(norms[start : start + ctx.chunk].unsqueeze(1)).exp_().mul_(-scale)  # -p * upstream
+            grad.scatter_add_(1, targets[start : start + ctx.chunk].unsqueeze(1), scale)  # + one-hot * upstream
+            if capped is not None:
+                grad *= 1 - capped.square()
+            grad = grad.to(rows.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start : start + ctx.chunk] = grad @ weight.to(rows.dtype)
+            if grad_weight is not None:
+                grad_weight += (grad.T @ rows).float()
+            if grad_bias is not None:
+                grad_bias += grad.float().sum(dim=0)
+        return (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            None, None, None,
+        )
 
 
 @dataclass
@@ -107,7 +199,8 @@ def dpo_loss(cfg: DpoConfig, policy: PairLogps, reference: PairLogps | None) -> 
 
 
 def pair_loss_sum(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device, cfg: DpoConfig
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device, cfg: DpoConfig,
+    chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed loss of the batch's pairs and its STATS summed over them; `batch` on the host. The reference is
     the batch's `ref_logps` (full fine-tuning: computed before training, reference.py), or a forward without
@@ -119,7 +212,7 @@ def pair_loss_sum(
         reference = PairLogps(stored[:, 0], stored[:, 1], stored.new_zeros(0), stored.new_zeros(0))
     elif cfg.loss not in REFERENCE_FREE:
         with torch.no_grad(), adapters_off(model):
-            reference = pair_logps(target_logps(model, batch, device), documents)
-    policy = pair_logps(target_logps(model, batch, device), documents)
+            reference = pair_logps(target_logps(model, batch, device, chunk_tokens), documents)
+    policy = pair_logps(target_logps(model, batch, device, chunk_tokens), documents)
     losses, stats = dpo_loss(cfg, policy, reference)
     return losses.sum(), stats.sum(dim=0)
