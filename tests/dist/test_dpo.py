@@ -47,6 +47,19 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def conversations(pairs: Path) -> Path:
+    """The same pairs as conversations: a user turn, then the assistant's reply."""
+    path = pairs.with_name("conversations.jsonl")
+    rows = [json.loads(line) for line in pairs.read_text().splitlines()]
+    path.write_text("".join(json.dumps({
+        "prompt": [{"role": "user", "content": row["prompt"]}],
+        "chosen": [{"role": "assistant", "content": row["chosen"]}],
+        "rejected": [{"role": "assistant", "content": row["rejected"]}],
+    }) + "\n" for row in rows))
+    return path
+
+
 def overrides(out: Path, pairs: Path, *more: str) -> list[str]:
     return [f"output_dir={out}", f"data.path={pairs}", *COMMON, *more]
 
@@ -187,3 +200,11 @@ def test_eval_of_a_dpo_checkpoint_matches_the_runs_own(solo: World, tmp_path: Pa
     for name in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen"):
         assert float(got[name]) == pytest.approx(want[name], rel=1e-6, abs=1e-7), name
     assert want["eval_rewards/margins"] != 0.0
+
+
+def test_conversational_pairs_equal_trls_dpo_trainer(solo: World, tmp_path: Path, conversations: Path) -> None:
+    """Chat pairs: trainyard's SFT masks of the reply (through the template's end of turn) are the tokens TRL
+    trains after the rendered prompt, under the byte tokenizer's template."""
+    more = ("lora.enabled=true", "dist.strategy=none", "train.micro_batch_size=4", "train.global_batch_size=4")
+    assert_same_figures(ours(solo, tmp_path, conversations, *more), trls(tmp_path, conversations, "sigmoid", 4, *more),
+                        1e-5)
