@@ -28,9 +28,11 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from trainyard.atomic import write_atomically
+from trainyard.config import DpoConfig
 from trainyard.data import collate
 from trainyard.dist import DistInfo, all_reduce_sum
 from trainyard.loss import token_loss_sum
+from trainyard.preference.loss import STATS, count_pairs, pair_loss_sum
 from trainyard.parallel.parallelize import unwrap
 from trainyard.redaction import redact
 from trainyard.runs import layout as run_layout
@@ -147,10 +149,13 @@ def evaluate(
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     padding_free: bool = True,
     samples_path: Path | None = None,
+    dpo: DpoConfig | None = None,
 ) -> dict[str, float]:
     """Loss, perplexity and (optionally) exact-match accuracy, reduced once over ranks.
     `autocast` computes in the training's precision (bf16 products over fp32 weights).
-    `samples_path` (with `generate`): rank 0 writes every generation there (see `samples_file`)."""
+    `samples_path` (with `generate`): rank 0 writes every generation there (see `samples_file`).
+    `dpo` (train.objective dpo): the eval rows are pairs; the loss is per pair, with TRL's eval_rewards/ and
+    eval_logps/ figures riding the same all-reduce."""
     sharded = isinstance(model, FSDPModule)
     net = model if sharded else unwrap(model)
     was_training = net.training
@@ -159,19 +164,29 @@ def evaluate(
     can_generate = generate and "answer" in eval_data.column_names and "prompt_ids" in eval_data.column_names
     keep = can_generate and samples_path is not None
     # loss, tokens, correct, asked, then (keeping generations) each rank's bytes of them
-    totals = torch.zeros(4 + (info.world_size if keep else 0), dtype=torch.float64, device=info.device)
+    pair_sums = torch.zeros(len(STATS) if dpo is not None else 0, dtype=torch.float64, device=info.device)
+    totals = torch.zeros(4 + len(pair_sums) + (info.world_size if keep else 0), dtype=torch.float64,
+                         device=info.device)
+    own = 4 + len(pair_sums)  # where each rank's generation bytes start
     position = {index: order for order, index in enumerate(indices)}
     kept: list[dict[str, Any]] = []
     with torch.no_grad(), autocast():
         for batch_indices in _rank_batches(indices, info, batch_size):
             padding_only = not batch_indices
             rows = [eval_data[i] for i in (batch_indices or indices[:1])]
-            examples = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows]
-            batch = collate(examples, tokenizer.pad_token_id, padding_free)
-            loss, count = token_loss_sum(net, batch, info.device)
+            columns = [name for name in ("input_ids", "labels", "seq_lens", "ref_logps")
+                       if name in eval_data.column_names and (dpo is not None or name in ("input_ids", "labels"))]
+            batch = collate([{k: r[k] for k in columns} for r in rows], tokenizer.pad_token_id, padding_free)
+            if dpo is not None:
+                loss, stats = pair_loss_sum(net, batch, info.device, dpo)
+                count = count_pairs(batch)
+            else:
+                loss, count = token_loss_sum(net, batch, info.device)
             if not padding_only:
                 totals[0] += loss.double()
                 totals[1] += count
+                if dpo is not None:
+                    totals[4:own] += stats.double()
             if can_generate:
                 generations = _generations(net, rows, tokenizer, max_new_tokens, sharded, info.device)
                 if not padding_only:
@@ -180,16 +195,21 @@ def evaluate(
                     kept += [{"index": position[i], **g} for i, g in zip(batch_indices, generations)]
     payload = json.dumps(kept).encode() if keep else b""
     if keep:
-        totals[4 + info.rank] = len(payload)
+        totals[own + info.rank] = len(payload)
     all_reduce_sum(totals)
     if keep:
-        gathered = _gather_to_first(payload, [int(size) for size in totals[4:].tolist()], info)
+        gathered = _gather_to_first(payload, [int(size) for size in totals[own:].tolist()], info)
         if info.is_main:
             assert samples_path is not None
             write_samples(samples_path, gathered)
     net.train(was_training)
     loss = (totals[0] / totals[1].clamp(min=1)).item()
-    result = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(totals[1].item())}
+    if dpo is not None:
+        pairs = max(totals[1].item(), 1.0)
+        result = {"eval_loss": loss, "eval_pairs": int(totals[1].item()),
+                  **{f"eval_{name}": value / pairs for name, value in zip(STATS, totals[4:own].tolist())}}
+    else:
+        result = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(totals[1].item())}
     if can_generate:
         result["eval_accuracy"] = (totals[2] / totals[3].clamp(min=1)).item()
         result["eval_examples"] = int(totals[3].item())

@@ -41,7 +41,7 @@ def token_loss_sum(
     inputs = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
     targets = batch["labels"][:, 1:]
     is_target = targets != IGNORE_INDEX
-    if not _keeps_logits(model):
+    if not keeps_logits(model):
         logits = model(**inputs, use_cache=False).logits[:, :-1].float()
         loss = F.cross_entropy(
             logits.reshape(-1, logits.size(-1)),
@@ -64,16 +64,16 @@ def kept_positions_loss(
 ) -> torch.Tensor:
     """The summed loss of the `keep` positions (transformers' logits_to_keep) against `wanted`, chunked where the
     family allows. The estimate's trace runs this too, with fake tensors."""
-    head = _chunkable_head(model, chunk_tokens)
+    head = chunkable_head(model, chunk_tokens)
     if head is not None:
-        with _loss_in_head(head, wanted, chunk_tokens, _final_softcap(model)) as result:
+        with _loss_in_head(head, wanted, chunk_tokens, final_softcap(model)) as result:
             model(**inputs, use_cache=False, logits_to_keep=keep)
         return result["loss"]
     logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits.float()
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), wanted, reduction="sum")
 
 
-def _keeps_logits(model: torch.nn.Module) -> bool:
+def keeps_logits(model: torch.nn.Module) -> bool:
     """Models whose forward takes `logits_to_keep`, in a transformers that accepts position tensors and
     boolean masks for it."""
     net = _base(model)
@@ -85,7 +85,7 @@ def _base(model: torch.nn.Module) -> torch.nn.Module:
     return net.get_base_model() if hasattr(net, "get_base_model") else net  # PEFT's wrapper passes it on
 
 
-def _chunkable_head(model: torch.nn.Module, chunk_tokens: int | None) -> torch.nn.Linear | None:
+def chunkable_head(model: torch.nn.Module, chunk_tokens: int | None) -> torch.nn.Linear | None:
     """The plain linear head of a family the chunked loss computes exactly; None keeps full logits (chunking off,
     another family, or a head PEFT wraps with its own adapter)."""
     net = _base(model)
@@ -96,7 +96,7 @@ def _chunkable_head(model: torch.nn.Module, chunk_tokens: int | None) -> torch.n
     return head
 
 
-def _final_softcap(model: torch.nn.Module) -> float | None:
+def final_softcap(model: torch.nn.Module) -> float | None:
     return getattr(_base(model).config, "final_logit_softcapping", None)
 
 

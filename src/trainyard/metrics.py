@@ -155,13 +155,15 @@ class LogWindow:
 
     def __init__(
         self, device: torch.device, comm_timer: CommTimer | None = None, peak: float | None = None,
-        expert_load: Any = None,
+        expert_load: Any = None, pair_figures: Any = None,
     ) -> None:
         self.device = device
         self.comm_timer = comm_timer
         self.peak = peak
         self.expert_load = expert_load
         """model.routing.ExpertLoad for an MoE: its counts ride the window's one all-gather."""
+        self.pair_figures = pair_figures
+        """objective.PairFigures under DPO: its sums ride the same all-gather."""
         self.memory_trend = MemoryTrend()
         self._memory: tuple[dict[int, float], dict[int, float]] = ({}, {})
         """Each rank's memory and what it could still take at the last `figures`, by global rank."""
@@ -175,6 +177,8 @@ class LogWindow:
         self.steps = 0
         if self.expert_load is not None:
             self.expert_load.reset()
+        if self.pair_figures is not None:
+            self.pair_figures.reset()
 
     def add(
         self, loss_sum: torch.Tensor, targets: torch.Tensor, real_tokens: torch.Tensor, flops: float, seconds: float,
@@ -189,11 +193,15 @@ class LogWindow:
         self.seconds += seconds
         self.data_wait += data_wait
         self.steps += 1
+        if self.pair_figures is not None:
+            self.pair_figures.commit()
         if self.comm_timer is not None:
             self.comm_timer.end_step(keep=True)
 
     def skip(self) -> None:
-        """A step that did not train: only its collectives' timings need dropping."""
+        """A step that did not train: its collectives' timings (and DPO's figures) need dropping."""
+        if self.pair_figures is not None:
+            self.pair_figures.drop()
         if self.comm_timer is not None:
             self.comm_timer.end_step(keep=False)
 
@@ -208,7 +216,11 @@ class LogWindow:
         mine = torch.cat([self.sums, torch.tensor(own, dtype=torch.float64, device=self.device)])
         if self.expert_load is not None:
             mine = torch.cat([mine, self.expert_load.row()])
+        if self.pair_figures is not None:
+            mine = torch.cat([mine, self.pair_figures.row()])
         every = all_gather_rows(mine, group)
+        riders = every[:, 7:]  # the expert load's columns, then DPO's
+        experts = riders.size(1) - (self.pair_figures.row().numel() if self.pair_figures is not None else 0)
         loss_sum, targets, real_tokens, _, flops = every[:, :5].sum(dim=0).tolist()
         ranks = group_ranks(group)
         self._memory = (dict(zip(ranks, every[:, 5].tolist())), dict(zip(ranks, every[:, 6].tolist())))
@@ -219,7 +231,7 @@ class LogWindow:
         achieved = flops / elapsed / len(ranks)
         return {
             "loss": loss_sum / max(targets, 1.0),
-            "target_tokens": int(targets),
+            ("target_tokens" if self.pair_figures is None else "pairs"): int(targets),  # what the loss averages
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_rank": tokens_per_s / len(ranks),
             "achieved_flops_per_rank": achieved,
@@ -229,7 +241,8 @@ class LogWindow:
             "comm_share": self.comm_timer.take() / elapsed if self.comm_timer is not None else None,
             "stragglers": [r for r, t in zip(ranks, times.tolist(), strict=True) if median > 0 and t > 1.2 * median],
             "peak_memory_bytes": int(every[:, 5].max().item()),
-            **(self.expert_load.figures(every[:, 7:].sum(dim=0)) if self.expert_load is not None else {}),
+            **(self.expert_load.figures(riders[:, :experts].sum(dim=0)) if self.expert_load is not None else {}),
+            **(self.pair_figures.figures(riders[:, experts:].sum(dim=0)) if self.pair_figures is not None else {}),
         }
 
     def memory_growth(self, step: int) -> MemoryGrowth | None:

@@ -22,7 +22,9 @@ from trainyard.data import prepare_datasets
 from trainyard.errors import DataError
 from trainyard.evaluate import evaluate
 from trainyard.model import source as source_room
+from trainyard.config.preference import REFERENCE_FREE
 from trainyard.model import weights
+from trainyard.preference.reference import attach_reference
 from trainyard.train.build import build_and_wrap
 
 
@@ -48,6 +50,13 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path) -> dict[str, object]:
         )
     used = precision.resolve(cfg, info.device)
     model, _, _ = build_and_wrap(cfg, info, used, model_path, tokenizer, forward_only=True)
+
+    def autocast():  # type: ignore[no-untyped-def]
+        return precision.autocast(used, info.device, enabled=not isinstance(model, FSDPModule))
+
+    dpo = cfg.dpo if cfg.train.objective == "dpo" else None
+    if dpo is not None and not cfg.lora.enabled and dpo.loss not in REFERENCE_FREE:
+        attach_reference(cfg, data, model, info, used, autocast, log)  # the initial weights, before the checkpoint's
     if cfg.lora.enabled:
         weights.load_adapter(model, adapter_dir(step) / "adapter_model.safetensors")
     else:
@@ -63,8 +72,9 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path) -> dict[str, object]:
         tokenizer=tokenizer,
         generate=cfg.eval.generate,
         max_new_tokens=cfg.eval.max_new_tokens,
-        autocast=lambda: precision.autocast(used, info.device, enabled=not isinstance(model, FSDPModule)),
+        autocast=autocast,
         padding_free=cfg.data.padding_free,
+        dpo=dpo,
     )
     dist.teardown()
     return {"checkpoint": str(step), **figures}

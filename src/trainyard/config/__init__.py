@@ -10,12 +10,14 @@ from trainyard.config.dist import DilocoConfig, DistConfig
 from trainyard.config.job import JobConfig
 from trainyard.config.loop import CheckpointConfig, EvalConfig, LogConfig, TrainConfig
 from trainyard.config.model import LoraConfig, ModelConfig
+from trainyard.config.preference import DpoConfig
 
 __all__ = [
     "CheckpointConfig",
     "DataConfig",
     "DilocoConfig",
     "DistConfig",
+    "DpoConfig",
     "EvalConfig",
     "JobConfig",
     "LogConfig",

@@ -30,7 +30,8 @@ class DataConfig(Section):
     path: str = "builtin:dates"
     """JSONL/JSON/Parquet file, a `save_to_disk` folder, or a built-in task `builtin:NAME`."""
     eval_path: str | None = None
-    format: Literal["auto", "alpaca", "chat", "text"] = "auto"
+    format: Literal["auto", "alpaca", "chat", "text", "preference"] = "auto"
+    """auto: what the first row's keys announce. preference: prompt/chosen/rejected pairs (train.objective dpo)."""
     max_length: int = Field(512, ge=8)
     packing: bool = False
     padding_free: bool = True

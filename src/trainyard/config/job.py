@@ -12,6 +12,7 @@ from trainyard.config.data import DataConfig
 from trainyard.config.dist import DilocoConfig, DistConfig
 from trainyard.config.loop import CheckpointConfig, EvalConfig, LogConfig, TrainConfig
 from trainyard.config.model import LoraConfig, ModelConfig
+from trainyard.config.preference import DpoConfig, objective_problems
 from trainyard.config.section import Section, field_and_where
 
 
@@ -27,6 +28,7 @@ class JobConfig(Section):
     dist: DistConfig = DistConfig()
     diloco: DilocoConfig = DilocoConfig()
     log: LogConfig = LogConfig()
+    dpo: DpoConfig = DpoConfig()
     _where: dict[str, str] = PrivateAttr(default_factory=dict)
     """Where each field was set ("file:line" or "override 'k=v'"), for errors found after loading."""
     _notes: list[str] = PrivateAttr(default_factory=list)
@@ -54,6 +56,13 @@ class JobConfig(Section):
                 f"dist.shard_size is set but diloco.inner is {self.diloco.inner}: only hsdp within a site has shard "
                 "groups; set diloco.inner: hsdp, or remove dist.shard_size"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _objective_settings_fit(self, info: ValidationInfo) -> "JobConfig":
+        problems = objective_problems(self.train.objective, self.dpo, self.data)
+        if problems:
+            raise ValueError("; ".join(f"{field_and_where(info, field)} {why}" for field, why in problems))
         return self
 
     @model_validator(mode="after")

@@ -10,6 +10,9 @@ from trainyard.config.section import Section, field_and_where
 
 
 class TrainConfig(Section):
+    objective: Literal["sft", "dpo"] = "sft"
+    """sft: cross-entropy on the target tokens. dpo: preference tuning on prompt/chosen/rejected pairs, with the
+    loss the `dpo` section names."""
     max_steps: int = Field(100, ge=1)
     micro_batch_size: int = Field(4, ge=1)
     global_batch_size: int | None = Field(None, ge=1)

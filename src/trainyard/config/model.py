@@ -88,3 +88,14 @@ class LoraConfig(Section):
     to each, each expert's adapter applied to its own tokens as two rank-r products (no expert-stack-sized tensor).
     peft: PEFT's own forward, which folds W + B·A over every expert of the layer on every step (for comparison).
     Same parameters and adapter files either way."""
+    init_from: str | None = Field(None, min_length=1)
+    """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors: a checkpoint's adapter/, or an
+    export's) to start from, e.g. SFT's before DPO. Its own r, alpha and targets replace this section's. Under
+    train.objective dpo the same adapter, frozen, is the reference (the model the policy must not stray from)."""
+
+    @model_validator(mode="after")
+    def _init_from_is_an_adapters(self) -> "LoraConfig":
+        if self.init_from is not None and not self.enabled:
+            raise ValueError(f"lora.init_from {self.init_from} is an adapter to start from, but lora.enabled is false: "
+                             "set lora.enabled: true, or remove lora.init_from")
+        return self

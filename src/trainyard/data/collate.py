@@ -66,5 +66,9 @@ def padded_batch(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
 
 def collate(rows: list[Row], pad_id: int, padding_free: bool = True) -> dict[str, torch.Tensor]:
     """input_ids, labels, real_tokens (non-padding tokens, the figure tokens/s reports), and
-    position_ids or attention_mask as the layout needs."""
-    return padding_free_batch(rows) if padding_free else padded_batch(rows, pad_id)
+    position_ids or attention_mask as the layout needs; a preference pair's reference log-probabilities
+    (`ref_logps`, one [chosen, rejected] per row) when the rows have them."""
+    batch = padding_free_batch(rows) if padding_free else padded_batch(rows, pad_id)
+    if "ref_logps" in rows[0]:
+        batch["ref_logps"] = torch.tensor([row["ref_logps"] for row in rows], dtype=torch.float64)
+    return batch

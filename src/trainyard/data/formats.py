@@ -1,9 +1,9 @@
 """Rows of a data file -> token ids, with labels masked to the response.
 
-Three shapes are understood: chat (`messages`, or ShareGPT `conversations`, rendered by data.chat_template or
-the tokenizer's own chat template; see chat.py), alpaca (`instruction` + `output`, optional `input`) and plain
-`text`. Every row carries where it came from ("file:line" for JSONL, "file:row N" with N counted from 0
-otherwise), so an error points at the exact row to fix.
+Four shapes are understood: preference pairs (`chosen` + `rejected`, see preference.py), chat (`messages`, or
+ShareGPT `conversations`, rendered by data.chat_template or the tokenizer's own chat template; see chat.py), alpaca
+(`instruction` + `output`, optional `input`) and plain `text`. Every row carries where it came from ("file:line" for
+JSONL, "file:row N" with N counted from 0 otherwise), so an error points at the exact row to fix.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from typing import Any
 
 from trainyard.config import DataConfig
 from trainyard.data.chat import IGNORE_INDEX, BadRow, ChatTemplate, chat_template_for, check_chat_tokenizer, encode_chat
+from trainyard.data.preference import encode_pair, is_preference
 from trainyard.doctor.preflight import DATA_FIX, SNIFF_BYTES, check_text, parquet_file, parse_json
 from trainyard.errors import DataError
 
 __all__ = ["IGNORE_INDEX", "BadRow", "detect_format", "encode_row", "encode_rows", "read_rows"]
 
-FORMATS = ("chat", "alpaca", "text")
+FORMATS = ("preference", "chat", "alpaca", "text")
 SKIP_FIX = "fix or remove the row, or set data.on_bad_row: skip to skip bad rows (they are counted)"
 FORMAT_FIX = (
     "give each row `messages` or `conversations` (chat), `instruction` + `output` (alpaca) or `text`, "
@@ -142,6 +143,8 @@ def _read_saved_dataset(path: Path, field: str) -> Iterator[tuple[str, dict[str,
 
 def detect_format(row: dict[str, Any], where: str) -> str:
     """The format a row's keys announce; a shape we do not know is an error, not a guess."""
+    if is_preference(row):
+        return "preference"
     if "messages" in row or "conversations" in row:
         return "chat"
     if "instruction" in row and "output" in row:
@@ -244,6 +247,8 @@ def check_tokenizer_for(fmt: str, tokenizer: Any, template: ChatTemplate) -> Non
     """Fail once, before the first row, when the tokenizer cannot encode this format."""
     if fmt == "chat":
         check_chat_tokenizer(tokenizer, template)
+    if fmt == "preference":
+        _eos_id(tokenizer)  # standard completions end with it
 
 
 def encode_row(
@@ -310,6 +315,9 @@ def encode_rows(
             if fmt is None:
                 fmt = detect_format(row, where)
                 check_tokenizer_for(fmt, tokenizer, template)
+            if fmt == "preference":
+                yield encode_pair(row, tokenizer, template, cfg.max_length)
+                continue
             yield encode_row(
                 row,
                 fmt,

@@ -19,7 +19,7 @@ from trainyard.data.mixture import MixtureStream
 from trainyard.data.sampler import ResumableSampler
 from trainyard.runs import layout as run_layout
 
-COLUMNS = ("input_ids", "labels", "seq_lens")
+COLUMNS = ("input_ids", "labels", "seq_lens", "ref_logps")
 RECORD_ENV = "TRAINYARD_RECORD_SAMPLES"
 
 

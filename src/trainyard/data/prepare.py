@@ -9,6 +9,7 @@ tokenizes twice.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -186,7 +187,9 @@ def _encode(
     """Documents of one source; a source with no usable row is an error, not an empty run."""
     here: Counter[str] = Counter()
     encoded = encode_rows(_counted(rows, read), tokenizer, cfg, here, truncation=truncation)
-    docs = _dataset_from(encoded, DOCUMENT_FEATURES)
+    first = next(encoded, None)
+    features = PACKED_FEATURES if first is not None and "seq_lens" in first else DOCUMENT_FEATURES  # pairs: 2 docs
+    docs = _dataset_from(itertools.chain([first] if first is not None else [], encoded), features)
     skipped.update(here)
     if len(docs) == 0:
         raise DataError(
@@ -244,7 +247,7 @@ def _token_counts(ds: datasets.Dataset) -> tuple[int, int]:
 
 def _without_unusable_grading(eval_docs: datasets.Dataset) -> datasets.Dataset:
     """Grading columns stay only when every eval row defines an answer."""
-    if eval_docs.data.column("answer").null_count:
+    if "answer" in eval_docs.column_names and eval_docs.data.column("answer").null_count:
         return eval_docs.remove_columns(GRADING_COLUMNS)
     return eval_docs
 
@@ -281,7 +284,7 @@ def tokenize_into(folder: Path, cfg: DataConfig, tokenizer: Any, fingerprint: st
     elif cfg.eval_fraction > 0:
         train, eval_docs = hold_out(train, cfg.eval_fraction)
     documents = len(train)
-    train = train.remove_columns(GRADING_COLUMNS)
+    train = train.remove_columns([name for name in GRADING_COLUMNS if name in train.column_names])
     if cfg.packing:
         train = pack(train, cfg.max_length)
     stats = {**_stats(read, skipped, train, eval_docs, documents), "truncation": truncation.summary()}

@@ -16,6 +16,7 @@ from typing import Any
 
 from trainyard.config import JobConfig
 from trainyard.data.formats import IGNORE_INDEX, BadRow, Truncation, detect_format, encode_rows, truncation_warning
+from trainyard.data.preference import check_objective_fits
 from trainyard.data.prepare import sources
 from trainyard.errors import DataError
 
@@ -69,6 +70,7 @@ def survey(cfg: JobConfig, tokenizer: Any) -> Survey:
                           truncation=found.truncation)
     for example in encoded:
         _add(found, example, tokenizer, data.max_length)
+        check_objective_fits(cfg.train.objective, "seq_lens" in example, data.path)
     found.rows = found.encoded + sum(1 for _ in remaining)
     if not found.usable:
         reasons = ", ".join(f"{reason} ({count}, first at {found.first_dropped[reason]})"
@@ -95,7 +97,17 @@ def _add(found: Survey, example: dict[str, Any], tokenizer: Any, max_length: int
     found.targets += sum(label != IGNORE_INDEX for label in labels)
     found.truncated += len(ids) >= max_length
     if not found.example:
-        found.example, found.example_where = marked(tokenizer, ids, labels), found.last_where
+        found.example, found.example_where = marked_row(tokenizer, example), found.last_where
+
+
+def marked_row(tokenizer: Any, example: dict[str, Any]) -> str:
+    """A row's documents as text, trained spans marked; a preference pair's as `chosen:` then `rejected:`."""
+    ids, labels = example["input_ids"], example["labels"]
+    if "seq_lens" not in example:
+        return marked(tokenizer, ids, labels)
+    chosen = example["seq_lens"][0]
+    return (f"chosen:   {marked(tokenizer, ids[:chosen], labels[:chosen])}\n"
+            f"rejected: {marked(tokenizer, ids[chosen:], labels[chosen:])}")
 
 
 def marked(tokenizer: Any, ids: list[int], labels: list[int]) -> str:

@@ -8,12 +8,15 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
-from peft import PeftModel, get_peft_model
+from peft import PeftModel, get_peft_model, set_peft_model_state_dict
 from peft.tuners.lora import LoraLayer, ParamWrapper
+from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+from safetensors.torch import load_file
 
 from trainyard.config import LoraConfig
 from trainyard.errors import ModelError
@@ -21,20 +24,24 @@ from trainyard.model.lora_linear import use_fused_linear_adapters
 from trainyard.model.moe_lora import use_grouped_expert_adapters
 
 
-def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn.Module:
+def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int, reference: bool = False) -> torch.nn.Module:
     """Freeze the base and add adapters: the linear layers (all but the head by default) and the
     routed experts' fused 3-D parameters (by default, on MoE models), after checking that every
-    name given exists, since PEFT only warns about a name that matches nothing."""
-    target_parameters = resolve_target_parameters(model, cfg)
-    check_lora_targets(model, cfg.target_modules, target_parameters)
-    peft_config = PeftLoraConfig(
-        r=cfg.r,
-        lora_alpha=cfg.alpha,
-        lora_dropout=cfg.dropout,
-        target_modules=cfg.target_modules,
-        target_parameters=target_parameters or None,
-        task_type="CAUSAL_LM",
-    )
+    name given exists, since PEFT only warns about a name that matches nothing. lora.init_from: the adapters
+    start as that saved adapter, and with `reference` (DPO) a frozen copy of it is added as REFERENCE."""
+    if cfg.init_from is not None:
+        peft_config = saved_adapter_config(Path(cfg.init_from))
+    else:
+        target_parameters = resolve_target_parameters(model, cfg)
+        check_lora_targets(model, cfg.target_modules, target_parameters)
+        peft_config = PeftLoraConfig(
+            r=cfg.r,
+            lora_alpha=cfg.alpha,
+            lora_dropout=cfg.dropout,
+            target_modules=cfg.target_modules,
+            target_parameters=target_parameters or None,
+            task_type="CAUSAL_LM",
+        )
     torch.manual_seed(seed)
     try:
         with fused_expert_rank_warnings_ignored():
@@ -49,10 +56,47 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn.M
         raise ModelError(
             f"lora.target_modules: {err}", fix="use names of the model's linear layers, or all-linear"
         ) from None
+    if cfg.init_from is not None:
+        start_from_adapter(peft_model, Path(cfg.init_from), reference)
     if cfg.moe_adapter == "grouped":
         use_grouped_expert_adapters(peft_model)
     use_fused_linear_adapters(peft_model)
     return peft_model
+
+
+REFERENCE = "reference"
+"""The frozen adapter DPO's reference runs with (lora.init_from); the trained one is PEFT's "default"."""
+ADAPTER_FIX = "point lora.init_from at a PEFT adapter folder: a checkpoint's adapter/ or an export's adapter/"
+
+
+def saved_adapter_config(folder: Path) -> PeftLoraConfig:
+    try:
+        config = PeftLoraConfig.from_pretrained(str(folder))
+    except (OSError, ValueError, TypeError) as err:
+        raise ModelError(f"lora.init_from: cannot read a PEFT adapter config in {folder} ({err})",
+                         fix=ADAPTER_FIX) from None
+    if not (folder / "adapter_model.safetensors").is_file():
+        raise ModelError(f"lora.init_from: {folder} has no adapter_model.safetensors", fix=ADAPTER_FIX)
+    config.inference_mode = False
+    return config
+
+
+def start_from_adapter(model: PeftModel, folder: Path, reference: bool) -> None:
+    """The saved adapter's tensors into the trained adapter and, with `reference`, into a frozen second one."""
+    state = load_file(str(folder / "adapter_model.safetensors"))
+    names = ["default"]
+    if reference:
+        model.add_adapter(REFERENCE, model.peft_config["default"])
+        names.append(REFERENCE)
+    for name in names:
+        result = set_peft_model_state_dict(model, state, adapter_name=name)
+        if result.unexpected_keys:
+            raise ModelError(f"lora.init_from: {folder} holds tensors this model has no place for, e.g. "
+                             f"{result.unexpected_keys[0]}", fix="start from an adapter trained on this model")
+    model.base_model.set_adapter("default")  # the one trained and active; PEFT marks the others frozen too
+    for param_name, param in model.named_parameters():
+        if f".{REFERENCE}." in param_name:
+            param.requires_grad_(False)
 
 
 ROUTER = "gate"
@@ -196,3 +240,23 @@ def max_lora_rank(model: torch.nn.Module) -> int:
     if not isinstance(model, PeftModel):
         return 0
     return max(max([config.r, *config.rank_pattern.values()]) for config in model.peft_config.values())
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module) -> Iterator[None]:
+    """The reference model for the forwards inside: each LoRA layer runs its frozen REFERENCE adapter where it has
+    one (lora.init_from), or no adapter, then goes back as it was. The layers' own switches, not PEFT's
+    disable_adapter()/set_adapter(): they reach the layers through any DDP or FSDP2 wrapping, and leave
+    requires_grad (which FSDP2's sharded parameters were built with) alone."""
+    layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
+    was = [(layer._disable_adapters, layer._active_adapter) for layer in layers]
+    for layer in layers:
+        if REFERENCE in getattr(layer, "lora_A", {}) or REFERENCE in getattr(layer, "lora_A_params", {}):
+            layer._active_adapter = [REFERENCE]
+        else:
+            layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer, (off, active) in zip(layers, was, strict=True):
+            layer._disable_adapters, layer._active_adapter = off, active

@@ -281,6 +281,7 @@ def adapter_key(name: str) -> str:
 
 
 def load_adapter(model: torch.nn.Module, file: Path) -> int:
-    """Each rank's rows of a saved PEFT adapter, into the model's (possibly sharded) adapters."""
+    """Each rank's rows of a saved PEFT adapter, into the model's (possibly sharded) trained adapter ("default"; a
+    frozen DPO reference adapter keeps what lora.init_from gave it)."""
     source = SafetensorsFolder(file.parent, {key: file for key in _keys(file)})
-    return load(model, source, skip=lambda name: "lora_" not in name, key=adapter_key)
+    return load(model, source, skip=lambda name: "lora_" not in name or ".default." not in name, key=adapter_key)

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from trainyard import dist, plan
 from trainyard.config import JobConfig
+from trainyard.config.preference import REFERENCE_FREE
 from trainyard.diloco import outer as diloco
 from trainyard.model import attention
 from trainyard.model import build as model_room
@@ -43,7 +44,8 @@ def build_and_wrap(
                                         attention.packed_rows(cfg.data))
     if cfg.lora.enabled:
         with lora_room.real_stand_ins(model, trainable_dtype):
-            model = lora_room.apply_lora(model, cfg.lora, cfg.train.seed)
+            reference = cfg.train.objective == "dpo" and cfg.dpo.loss not in REFERENCE_FREE
+            model = lora_room.apply_lora(model, cfg.lora, cfg.train.seed, reference=reference)
         logging.getLogger("trainyard").info(
             "lora r=%d alpha=%g on %s", cfg.lora.r, cfg.lora.alpha, lora_room.describe_lora_reach(model)
         )

@@ -3,7 +3,7 @@ sink and the facts a checkpoint must match. The loop and its checkpoint state (s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from trainyard.diloco import ft as diloco_ft
 from trainyard.diloco import outer as diloco
 from trainyard.hardware import FlopShape
 from trainyard.metrics import MetricsSink
+from trainyard.objective import Objective, Sft
 from trainyard.parallel import comm
 from trainyard.runs import layout as run_layout
 
@@ -47,6 +48,8 @@ class Job:
     precision: precision_room.Precision
     strategy: str = "none"
     """The strategy the job was wrapped with (build.build_and_wrap): what an out-of-memory error is estimated for."""
+    objective: Objective = field(default_factory=Sft)
+    """train.objective: a micro-batch's loss sum and the count the step normalises it by."""
     comm_timer: comm.CommTimer | None = None
     outer: diloco.OuterSync | None = None
     """dist.strategy diloco: the round-start weights and outer momentum, synced every diloco.sync_every steps."""

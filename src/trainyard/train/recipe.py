@@ -38,7 +38,6 @@ from trainyard.errors import NonFiniteError
 from trainyard.evaluate import evaluate, samples_file
 from trainyard.hardware import device_peak_flops, flop_shape
 from trainyard.launch import allocator
-from trainyard.loss import token_loss_sum
 from trainyard.metrics import (
     LogWindow,
     MetricsSink,
@@ -50,6 +49,7 @@ from trainyard.model import attention
 from trainyard.model import build as model_room
 from trainyard.model import routing
 from trainyard.model import source as source_room
+from trainyard.objective import build_objective
 from trainyard.parallel import comm
 from trainyard.parallel import parallelize as parallel
 from trainyard.runs import layout as run_layout
@@ -66,7 +66,7 @@ def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
     cfg, info, model = job.cfg, job.info, job.model
     routers = routing.find_routers(model)
     interval = LogWindow(info.device, job.comm_timer, device_peak_flops(info.device, job.precision.compute_dtype),
-                         routing.ExpertLoad(routers, info.device) if routers else None)
+                         routing.ExpertLoad(routers, info.device) if routers else None, job.objective.figures)
     run_eval = _evaluator(job)
     if cfg.eval.baseline and run_eval and state.step == 0:
         state.baseline_eval = run_eval(0)
@@ -197,14 +197,14 @@ def _forward_backward(job: Job, window: list[dict[str, torch.Tensor]], targets: 
     Returns the summed (unscaled) loss of this rank's window."""
     info, model = job.info, job.model
     # DDP/FSDP average gradients over ranks; multiplying back by the ranks that counted `targets` (the world, or a
-    # DiLoCo site) makes the gradient that of the summed loss over every target token they hold.
+    # DiLoCo site) makes the gradient that of the summed loss over every target token (or pair) they hold.
     scale = len(dist.group_ranks(agreement.step_group(job))) / max(targets, 1.0)
     step_loss = torch.zeros((), dtype=torch.float64, device=info.device)
     for i, batch in enumerate(window):
         last = i == len(window) - 1
         with parallel.gradient_sync(model, last=last, defer=job.cfg.dist.defer_grad_sync):
             with job.autocast():
-                loss_sum, _ = token_loss_sum(model, batch, info.device, job.cfg.train.loss_chunk_tokens)
+                loss_sum = job.objective.loss_sum(model, batch, info.device)
             if health.injected("nan", info, step):
                 loss_sum = loss_sum * float("nan")
             if health.injected("oom", info, step):
@@ -274,6 +274,7 @@ def _evaluator(job: Job):
             autocast=job.autocast,
             padding_free=cfg.data.padding_free,
             samples_path=samples_file(cfg.run_dir, step) if cfg.eval.generate else None,
+            dpo=cfg.dpo if cfg.train.objective == "dpo" else None,
         )
         return {**figures, "eval_s": round(time.monotonic() - started, 3)}
 
@@ -357,6 +358,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         precision=precision,
         strategy=strategy,
     )
+    job.objective = build_objective(job, logger.info)  # before resume: full fine-tuning's reference reads the start
     job.comm_timer = comm.attach_comm_timer(model)
     if strategy == "diloco":
         assert mesh is not None

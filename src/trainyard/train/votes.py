@@ -21,7 +21,7 @@ class StepVotes:
     """What every rank puts into the step's one all-reduce outside DDP/FSDP, by name: token
     counts for the loss normalisation, and facts every rank must agree on before acting."""
 
-    targets: float = 0.0  # target tokens (labels not masked) in this rank's window
+    targets: float = 0.0  # what the loss is normalised by in this rank's window: target tokens (SFT) or pairs (DPO)
     real_tokens: float = 0.0  # tokens that are not padding, for tokens/s
     flops: float = 0.0  # model FLOPs of this rank's window (hardware.training_flops), for MFU
     save_written: float = 0.0  # this rank's part of the async save in flight is on disk
@@ -59,7 +59,7 @@ def step_group(job: Job) -> ProcessGroup | None:
 def own_votes(job: Job, window: list[dict[str, torch.Tensor]], last_full: float) -> StepVotes:
     """This rank's part of the step's votes."""
     return StepVotes(
-        targets=sum(int((b["labels"][:, 1:] != -100).sum()) for b in window),
+        targets=sum(job.objective.count(b) for b in window),
         real_tokens=sum(int(b.pop("real_tokens")) for b in window),
         flops=sum(training_flops(job.flops, document_lengths(b)) for b in window),
         save_written=float(job.saves.written_here()),

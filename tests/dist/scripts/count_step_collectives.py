@@ -1,5 +1,6 @@
 """Run under torchrun with 2 ranks: train the tiny job and count, per step, the collectives that
-trainyard's own code calls (DDP's comm hook and FSDP2 call theirs from torch's modules)."""
+trainyard's own code calls (DDP's comm hook and FSDP2 call theirs from torch's modules). Arguments after the
+first four are overrides of the job."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def main() -> None:
     cfg = load_config("tiny", [
         f"output_dir={out_dir}", f"dist.strategy={strategy}", "train.max_steps=8", f"log.every_steps={every}",
         "eval.every_steps=0", "eval.at_end=false", "checkpoint.at_end=false", "log.tensorboard=false",
-        "log.progress=false", "dist.desync_check_steps=0",
+        "log.progress=false", "dist.desync_check_steps=0", *sys.argv[5:],
     ])
     step = [0]  # the step whose control all-reduce was announced last (0: before the loop)
     calls: dict[int, list[str]] = defaultdict(list)

@@ -1,0 +1,218 @@
+"""Preference losses over pairs of documents: each completion's log-probability summed over its target tokens, the
+reference's (the same model, LoRA adapters off), and the pairwise loss TRL defines for dpo.loss.
+
+A micro-batch holds its pairs as documents back to back (position_ids restart at each; see data/preference.py):
+the documents that have target tokens, in order, are chosen, rejected, chosen, rejected... No padding is computed
+and no pair is padded to its partner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from trainyard.config import DpoConfig
+from trainyard.config.preference import REFERENCE_FREE
+from trainyard.data import IGNORE_INDEX
+from trainyard.loss import LOSS_CHUNK_BYTES, chunkable_head, final_softcap, keeps_logits
+from trainyard.model.lora import adapters_off
+
+STATS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+         "logps/rejected")
+"""TRL's figures, each averaged over the pairs (summed per pair here, divided by the pairs when reported)."""
+
+
+def target_documents(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """For each target token (labels[:, 1:] not ignored, row-major), the number of its document among the batch's
+    documents that have targets: 0, 0, ..., 1, ... A document starts where the position does not go up by one."""
+    positions = batch["position_ids"]
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    document = starts.flatten().cumsum(0).view_as(positions) - 1
+    owners = document[:, 1:][batch["labels"][:, 1:] != IGNORE_INDEX]
+    return torch.unique_consecutive(owners, return_inverse=True)[1]
+
+
+def count_pairs(batch: dict[str, torch.Tensor]) -> int:
+    documents = target_documents(batch)
+    return (int(documents[-1]) + 1) // 2 if documents.numel() else 0
+
+
+def target_logps(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device, chunk_tokens: int | None = None
+) -> torch.Tensor:
+    """log p(label) of every target token, row-major, fp32; logits only where a label follows, and (as the SFT
+    loss, train.loss_chunk_tokens) never more than one chunk of them at a time, forward or backward."""
+    inputs = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+    targets = batch["labels"][:, 1:]
+    is_target = targets != IGNORE_INDEX
+    wanted = targets[is_target].to(device)
+    if keeps_logits(model):
+        keep = is_target[0].nonzero().squeeze(1) if is_target.size(0) == 1 else F.pad(is_target, (0, 1), value=False)
+        head = chunkable_head(model, chunk_tokens)
+        if head is not None:
+            with _logps_in_head(head, wanted, chunk_tokens, final_softcap(model)) as result:
+                model(**inputs, use_cache=False, logits_to_keep=keep.to(device))
+            return result["logps"]
+        logits = model(**inputs, use_cache=False, logits_to_keep=keep.to(device)).logits
+        logits = logits.reshape(-1, logits.size(-1)).float()
+    else:
+        logits = model(**inputs, use_cache=False).logits[:, :-1][is_target.to(device)].float()
+    return torch.log_softmax(logits, dim=-1).gather(1, wanted.unsqueeze(1)).squeeze(1)
+
+
+@contextlib.contextmanager
+def _logps_in_head(
+    head: torch.nn.Linear, targets: torch.Tensor, chunk_tokens: int | None, softcap: float | None
+) -> Iterator[dict[str, torch.Tensor]]:
+    """For one forward, the head returns a placeholder and computes the targets' log-probabilities of the hidden
+    states it is given, chunk by chunk (loss.py's _loss_in_head does the same for the SFT loss)."""
+    result: dict[str, torch.Tensor] = {}
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        chunk = chunk_tokens or max(1, LOSS_CHUNK_BYTES // (4 * head.out_features))
+        flat = hidden.reshape(-1, hidden.size(-1))
+        result["logps"] = _ChunkedTargetLogps.apply(flat, head.weight, head.bias, targets, chunk, softcap)
+        return hidden.new_zeros((*hidden.shape[:-1], 1))
+
+    head.forward = forward  # type: ignore[method-assign]  # an instance attribute: FSDP/DDP hooks stay as they are
+    try:
+        yield result
+    finally:
+        del head.forward
+
+
+def _chunk_logits(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 logits of a chunk (soft-capped where the family caps them), and tanh of the cap for its derivative."""
+    logits = F.linear(rows, weight, bias).float()
+    if not softcap:
+        return logits, None
+    capped = torch.tanh(logits / softcap)
+    return capped * softcap, capped
+
+
+class _ChunkedTargetLogps(torch.autograd.Function):
+    """log softmax(hidden @ weight.T + bias)[target] per row, one chunk of rows at a time. The backward computes
+    each chunk's logits again rather than keep them: DPO's gradient per token depends on every token of its pair,
+    so it cannot be taken during the forward as the SFT loss's is."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+        chunk: int, softcap: float | None,
+    ) -> torch.Tensor:
+        logps = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
+        norms = torch.empty_like(logps)
+        for start in range(0, hidden.size(0), chunk):
+            logits, _ = _chunk_logits(hidden[start : start + chunk], weight, bias, softcap)
+            norms[start : start + chunk] = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, targets[start : start + chunk].unsqueeze(1)).squeeze(1)
+            logps[start : start + chunk] = picked - norms[start : start + chunk]
+        ctx.save_for_backward(hidden, weight, bias, targets, norms)
+        ctx.chunk, ctx.softcap = chunk, softcap
+        return logps
+
+    @staticmethod
+    def backward(ctx: Any, grad_logps: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        hidden, weight, bias, targets, norms = ctx.saved_tensors
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if needs_bias and bias is not None else None
+        for start in range(0, hidden.size(0), ctx.chunk):
+            rows, scale = hidden[start : start + ctx.chunk], grad_logps[start : start + ctx.chunk].float().unsqueeze(1)
+            logits, capped = _chunk_logits(rows, weight, bias, ctx.softcap)
+            grad = logits.sub_(norms[start : start + ctx.chunk].unsqueeze(1)).exp_().mul_(-scale)  # -p * upstream
+            grad.scatter_add_(1, targets[start : start + ctx.chunk].unsqueeze(1), scale)  # + one-hot * upstream
+            if capped is not None:
+                grad *= 1 - capped.square()
+            grad = grad.to(rows.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start : start + ctx.chunk] = grad @ weight.to(rows.dtype)
+            if grad_weight is not None:
+                grad_weight += (grad.T @ rows).float()
+            if grad_bias is not None:
+                grad_bias += grad.float().sum(dim=0)
+        return (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            None, None, None,
+        )
+
+
+@dataclass
+class PairLogps:
+    """Per pair: summed log-probabilities of the chosen and rejected completions, and their token counts."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    chosen_tokens: torch.Tensor
+    rejected_tokens: torch.Tensor
+
+
+def pair_logps(token_logps: torch.Tensor, documents: torch.Tensor) -> PairLogps:
+    pairs = (int(documents[-1]) + 1) // 2
+    index = documents.to(token_logps.device)
+    sums = token_logps.new_zeros(2 * pairs).index_add(0, index, token_logps)
+    counts = torch.bincount(index, minlength=2 * pairs).to(token_logps.dtype)
+    return PairLogps(sums[0::2], sums[1::2], counts[0::2], counts[1::2])
+
+
+def dpo_loss(cfg: DpoConfig, policy: PairLogps, reference: PairLogps | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-pair losses and the per-pair figures of STATS (a [pairs, 6] tensor), as TRL computes them: DPOTrainer
+    for sigmoid (label smoothing as conservative DPO), hinge and ipo (log-ratios per completion token), CPOTrainer
+    for simpo (without its NLL term) and ORPOTrainer for orpo (the chosen reply's cross-entropy per token here)."""
+    beta = cfg.beta
+    if cfg.loss in REFERENCE_FREE:
+        chosen, rejected = policy.chosen / policy.chosen_tokens, policy.rejected / policy.rejected_tokens
+        if cfg.loss == "simpo":
+            losses = -F.logsigmoid(beta * (chosen - rejected - cfg.simpo_gamma / beta))
+        else:
+            log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
+            losses = -chosen - beta * F.logsigmoid(log_odds)
+        chosen_rewards, rejected_rewards = beta * chosen.detach(), beta * rejected.detach()
+        logps = (chosen.detach(), rejected.detach())
+    else:
+        assert reference is not None
+        chosen_ratio, rejected_ratio = policy.chosen - reference.chosen, policy.rejected - reference.rejected
+        delta = chosen_ratio - rejected_ratio
+        if cfg.loss == "sigmoid":
+            smoothing = cfg.label_smoothing
+            losses = -(1 - smoothing) * F.logsigmoid(beta * delta) - smoothing * F.logsigmoid(-beta * delta)
+        elif cfg.loss == "hinge":
+            losses = torch.relu(1 - beta * delta)
+        else:  # ipo
+            per_token = chosen_ratio / policy.chosen_tokens - rejected_ratio / policy.rejected_tokens
+            losses = (per_token - 1 / (2 * beta)) ** 2
+        chosen_rewards, rejected_rewards = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+        logps = (policy.chosen.detach(), policy.rejected.detach())
+    stats = torch.stack([chosen_rewards, rejected_rewards, chosen_rewards - rejected_rewards,
+                         (chosen_rewards > rejected_rewards).to(chosen_rewards.dtype), *logps], dim=1)
+    return losses, stats
+
+
+def pair_loss_sum(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device, cfg: DpoConfig,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed loss of the batch's pairs and its STATS summed over them; `batch` on the host. The reference is
+    the batch's `ref_logps` (full fine-tuning: computed before training, reference.py), or a forward without
+    gradients through the same (wrapped) model with its adapters off."""
+    documents = target_documents(batch)
+    reference = None
+    if cfg.loss not in REFERENCE_FREE and "ref_logps" in batch:
+        stored = batch["ref_logps"].to(device=device, dtype=torch.float32)
+        reference = PairLogps(stored[:, 0], stored[:, 1], stored.new_zeros(0), stored.new_zeros(0))
+    elif cfg.loss not in REFERENCE_FREE:
+        with torch.no_grad(), adapters_off(model):
+            reference = pair_logps(target_logps(model, batch, device, chunk_tokens), documents)
+    policy = pair_logps(target_logps(model, batch, device, chunk_tokens), documents)
+    losses, stats = dpo_loss(cfg, policy, reference)
+    return losses.sum(), stats.sum(dim=0)

@@ -1,0 +1,136 @@
+"""The preference losses on packed pairs equal a plain computation on each document alone, for every dpo.loss; the
+reference is the model with its adapters off."""
+
+from __future__ import annotations
+
+import math
+
+import peft
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trainyard.config import DpoConfig
+from trainyard.data import IGNORE_INDEX, collate
+from trainyard.model.attention import VARLEN
+from trainyard.model.lora import adapters_off
+from trainyard.preference.loss import STATS, count_pairs, pair_loss_sum
+
+VOCAB = 96
+
+
+def lora_llama() -> torch.nn.Module:
+    """A tiny Llama with LoRA adapters that are not zero, so policy and reference differ."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(config)
+    model.set_attn_implementation(VARLEN)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    for name, param in lora.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.3)
+    return lora
+
+
+def document(prompt: int, completion: int, generator: torch.Generator) -> tuple[list[int], list[int]]:
+    ids = torch.randint(1, VOCAB, (prompt + completion,), generator=generator).tolist()
+    return ids, [IGNORE_INDEX] * prompt + ids[prompt:]
+
+
+def pair_rows() -> list[dict[str, list[int]]]:
+    """Three pairs whose completions differ in length, as data/preference.py stores them."""
+    generator = torch.Generator().manual_seed(5)
+    rows = []
+    for prompt, chosen, rejected in ((3, 4, 6), (5, 2, 2), (2, 7, 3)):
+        c_ids, c_labels = document(prompt, chosen, generator)
+        r_ids, r_labels = document(prompt, rejected, generator)
+        rows.append({"input_ids": c_ids + r_ids, "labels": c_labels + r_labels, "seq_lens": [len(c_ids), len(r_ids)]})
+    return rows
+
+
+def alone(model: torch.nn.Module, ids: list[int], labels: list[int]) -> tuple[torch.Tensor, int]:
+    """Summed log p of one document's completion, computed on it alone, and its token count."""
+    logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+    targets = torch.tensor(labels[1:])
+    picked = torch.log_softmax(logits, -1)[targets != IGNORE_INDEX].gather(1, targets[targets != IGNORE_INDEX, None])
+    return picked.sum(), int((targets != IGNORE_INDEX).sum())
+
+
+def plain_loss(model: torch.nn.Module, rows: list[dict], cfg: DpoConfig) -> tuple[torch.Tensor, list[float]]:
+    """The mean loss over the pairs and the mean of each figure, written out pair by pair."""
+    losses, figures = [], []
+    for row in rows:
+        cut = row["seq_lens"][0]
+        docs = [(row["input_ids"][:cut], row["labels"][:cut]), (row["input_ids"][cut:], row["labels"][cut:])]
+        (pc, nc), (pr, nr) = [alone(model, *doc) for doc in docs]
+        with torch.no_grad(), model.disable_adapter():
+            (rc, _), (rr, _) = [alone(model, *doc) for doc in docs]
+        b = cfg.beta
+        if cfg.loss == "sigmoid":
+            z = b * ((pc - rc) - (pr - rr))
+            loss = -(1 - cfg.label_smoothing) * F.logsigmoid(z) - cfg.label_smoothing * F.logsigmoid(-z)
+        elif cfg.loss == "hinge":
+            loss = torch.clamp(1 - b * ((pc - rc) - (pr - rr)), min=0)
+        elif cfg.loss == "ipo":
+            loss = ((pc - rc) / nc - (pr - rr) / nr - 1 / (2 * b)) ** 2
+        elif cfg.loss == "simpo":
+            loss = -F.logsigmoid(b * (pc / nc - pr / nr) - cfg.simpo_gamma)
+        else:  # orpo: odds(p) = p / (1 - p) of the mean token log-probability
+            odds = (pc / nc - torch.log(1 - torch.exp(pc / nc))) - (pr / nr - torch.log(1 - torch.exp(pr / nr)))
+            loss = -pc / nc - b * F.logsigmoid(odds)
+        if cfg.loss in ("simpo", "orpo"):
+            chosen, rejected, logps = b * pc / nc, b * pr / nr, (pc / nc, pr / nr)
+        else:
+            chosen, rejected, logps = b * (pc - rc), b * (pr - rr), (pc, pr)
+        losses.append(loss)
+        chosen, rejected, logps = chosen.detach(), rejected.detach(), [value.detach() for value in logps]
+        figures.append([float(chosen), float(rejected), float(chosen - rejected), float(chosen > rejected),
+                        *map(float, logps)])
+    return torch.stack(losses).mean(), [sum(column) / len(rows) for column in zip(*figures)]
+
+
+def gradients(model: torch.nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return list(torch.autograd.grad(loss, params))
+
+
+@pytest.mark.parametrize(
+    ("settings", "padding_free", "chunk_tokens"),
+    [({"loss": "sigmoid"}, True, 3), ({"loss": "sigmoid", "label_smoothing": 0.2}, False, 0),
+     ({"loss": "hinge", "beta": 2.0}, True, None), ({"loss": "ipo", "beta": 0.5}, True, 5),
+     ({"loss": "simpo", "beta": 2.0, "simpo_gamma": 0.3}, True, None), ({"loss": "orpo"}, True, None)],
+    ids=["sigmoid-chunks-of-3", "sigmoid-smoothed-padded-full-logits", "hinge", "ipo-chunks-of-5", "simpo", "orpo"],
+)
+def test_packed_pairs_equal_each_document_alone(settings: dict, padding_free: bool, chunk_tokens: int | None) -> None:
+    """train.loss_chunk_tokens: the head's logits a few tokens at a time (forward, and again in the backward), or
+    all at once (0): the same loss, figures and gradients."""
+    cfg = DpoConfig(**settings)
+    model = lora_llama()
+    rows = pair_rows()
+    batch = collate(rows, 0, padding_free)
+    loss_sum, stats = pair_loss_sum(model, batch, torch.device("cpu"), cfg, chunk_tokens)
+    assert count_pairs(batch) == 3
+    want_loss, want_figures = plain_loss(model, rows, cfg)
+    torch.testing.assert_close(loss_sum / 3, want_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close((stats / 3).tolist(), want_figures, rtol=1e-4, atol=1e-5)  # fp32 sums of ~20
+    assert len(STATS) == len(want_figures) and not math.isclose(want_figures[2], 0.0)
+    for got, want in zip(gradients(model, loss_sum / 3), gradients(model, want_loss), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_adapters_off_is_the_base_model_and_comes_back_on() -> None:
+    model = lora_llama()
+    ids = torch.tensor([[5, 9, 11, 3]])
+    with torch.no_grad():
+        on = model(input_ids=ids).logits
+        with adapters_off(model):
+            off = model(input_ids=ids).logits
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits
+        again = model(input_ids=ids).logits
+    torch.testing.assert_close(off, base, rtol=0, atol=0)
+    torch.testing.assert_close(again, on, rtol=0, atol=0)
+    assert not torch.allclose(on, off)
+    assert all(p.requires_grad for name, p in model.named_parameters() if "lora_" in name)
