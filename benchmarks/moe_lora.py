@@ -2,14 +2,17 @@
 
     python benchmarks/moe_lora.py                     # 2 rounds of 12 steps each way + the MoE layer profile
     python benchmarks/moe_lora.py --rounds 1 --steps 6 --no-profile
+    python benchmarks/moe_lora.py --expert-parallel --no-profile   # grouped under FSDP2 against EP=2
 
 The job: configs/tiny-moe.yaml (glm4_moe from a config, byte tokenizer, builtin:dates) at GLM-4.5-Air's shape /8:
 128 routed experts, 8 per token, hidden 512, moe_intermediate_size 176, a shared expert, a dense first layer
 (intermediate 1368), 4 layers; micro-batches of 3 rows of 96 tokens (288); FSDP2 + LoRA (r=16), 2 processes, fp32;
 no eval or checkpoint. Each round runs `lora.moe_adapter=peft` and `grouped` back to back (every second round in
-reverse order). Figures: real tokens/s (summary.json), the median step after the first, the highest VmHWM (peak
-RSS, loading included) of any rank and the highest RSS sampled while it trains, and the per-step losses of both
-(same seed and data: equal up to rounding).
+reverse order); with --expert-parallel, the grouped adapter under FSDP2 against the same with
+`dist.expert_parallel=2` (each rank holds 64 whole experts, tokens exchanged by all-to-all). Figures: real
+tokens/s (summary.json), the median step after the first, the highest VmHWM (peak RSS, loading included) of any
+rank and the highest RSS sampled while it trains, and the per-step losses of both (same seed and data: equal up to
+rounding).
 
 The profile: one MoE layer's experts module alone (300 tokens, random routing), forward + backward on one thread,
 both ways, under torch.profiler: wall time per call, the largest tensor the adapter path allocates, top ops; and the
@@ -48,6 +51,12 @@ SHAPE = {
     "model.config.num_key_value_heads": 2,
 }
 MODES = ("peft", "grouped")
+EP_MODES = ("grouped", "ep")
+MODE_OVERRIDES = {
+    "peft": ["lora.moe_adapter=peft"],
+    "grouped": ["lora.moe_adapter=grouped"],
+    "ep": ["lora.moe_adapter=grouped", "dist.expert_parallel=2"],
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,13 +64,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--expert-parallel", action="store_true", help="FSDP2 against EP=2, both grouped")
     return parser.parse_args()
 
 
 def train(mode: str, steps: int, out: Path) -> dict[str, Any]:
-    """One 2-process run of the job with `lora.moe_adapter=mode`: its figures."""
-    overrides = [f"{key}={value}" for key, value in SHAPE.items()] + [
-        f"lora.moe_adapter={mode}", "lora.r=16", "lora.alpha=32", "train.precision=fp32", f"train.max_steps={steps}",
+    """One 2-process run of the job in `mode` (MODE_OVERRIDES): its figures."""
+    overrides = [f"{key}={value}" for key, value in SHAPE.items()] + MODE_OVERRIDES[mode] + [
+        "lora.r=16", "lora.alpha=32", "train.precision=fp32", f"train.max_steps={steps}",
         "train.micro_batch_size=3", "eval.every_steps=0", "checkpoint.every_steps=0", "log.every_steps=1",
         f"output_dir={out}", f"run_name={mode}",
     ]
@@ -182,18 +192,19 @@ def main() -> None:
         for mode in (*MODES, *MODES):
             print(json.dumps(whole_step(mode)), flush=True)
     env_threads = os.environ.get("OMP_NUM_THREADS")
-    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    modes = EP_MODES if args.expert_parallel else MODES
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory(prefix="moe-lora-") as tmp:
         for round_ in range(args.rounds):
-            for mode in MODES if round_ % 2 == 0 else reversed(MODES):
+            for mode in modes if round_ % 2 == 0 else reversed(modes):
                 result = train(mode, args.steps, Path(tmp) / f"round-{round_}")
                 runs[mode].append(result)
                 print(json.dumps({**result, "round": round_, "load": loadavg()}), flush=True)
     fold, grouped = ({key: statistics.median(r[key] for r in runs[mode]) for key in
-                      ("tokens_per_s", "s_per_step", "peak_rss_gb", "training_peak_rss_gb")} for mode in MODES)
-    losses = zip(runs["peft"][0]["losses"], runs["grouped"][0]["losses"], strict=True)
+                      ("tokens_per_s", "s_per_step", "peak_rss_gb", "training_peak_rss_gb")} for mode in modes)
+    losses = zip(runs[modes[0]][0]["losses"], runs[modes[1]][0]["losses"], strict=True)
     print(json.dumps({
-        "fold": fold, "grouped": grouped, "speed_x": round(grouped["tokens_per_s"] / fold["tokens_per_s"], 2),
+        modes[0]: fold, modes[1]: grouped, "speed_x": round(grouped["tokens_per_s"] / fold["tokens_per_s"], 2),
         "peak_memory_x": round(grouped["peak_rss_gb"] / fold["peak_rss_gb"], 2),
         "training_peak_memory_x": round(grouped["training_peak_rss_gb"] / fold["training_peak_rss_gb"], 2),
         "max_relative_loss_difference": max(abs(a - b) / abs(a) for a, b in losses),
