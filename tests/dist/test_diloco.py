@@ -65,10 +65,12 @@ def test_one_inner_step_per_round_over_a_linear_update_is_ddp(
     worlds: Callable[[int], World], tmp_path: Path, inner: list[str], nproc: int
 ) -> None:
     """H = 1, outer_lr 1, no momentum, inner SGD: the average of the sites' SGD steps is the SGD step of the
-    average gradient (the inner loss is normalised by the world's tokens). Equal up to float rounding: DDP
-    averages gradients, DiLoCo averages the weights they produced."""
+    average gradient when every site holds as many target tokens (a site normalises its loss by its own, never
+    waiting for another: rows all cut to 96 tokens make them equal). Equal up to float rounding: DDP averages
+    gradients, DiLoCo averages the weights they produced."""
     # fp32 compute: under bf16 a rounding-level difference in the weights flips bf16 roundings of activations
-    linear = ["train.optimizer=sgd", "train.lr=0.5", "train.max_grad_norm=0", "train.max_steps=8", "train.precision=fp32"]
+    linear = ["train.optimizer=sgd", "train.lr=0.5", "train.max_grad_norm=0", "train.max_steps=8",
+              "train.precision=fp32", "data.max_length=96"]
     ddp = run(worlds(nproc), tmp_path / "ddp", *linear, "dist.strategy=ddp")
     outer = ["diloco.sync_every=1", "diloco.outer_lr=1", "diloco.outer_momentum=0", *inner]
     diloco = run(worlds(nproc), tmp_path / "diloco", *linear, *TWO_SITES, *outer)
