@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -66,9 +66,14 @@ def kept_positions_loss(
     family allows. The estimate's trace runs this too, with fake tensors."""
     head = chunkable_head(model, chunk_tokens)
     if head is not None:
-        with _loss_in_head(head, wanted, chunk_tokens, final_softcap(model)) as result:
+        softcap = final_softcap(model)
+
+        def loss(flat: torch.Tensor, chunk: int) -> torch.Tensor:
+            return chunked_cross_entropy(flat, head.weight, head.bias, wanted, chunk, softcap)
+
+        with head_computes(head, chunk_tokens, loss) as result:
             model(**inputs, use_cache=False, logits_to_keep=keep)
-        return result["loss"]
+        return result["value"]
     logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits.float()
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), wanted, reduction="sum")
 
@@ -101,17 +106,18 @@ def final_softcap(model: torch.nn.Module) -> float | None:
 
 
 @contextlib.contextmanager
-def _loss_in_head(
-    head: torch.nn.Linear, targets: torch.Tensor, chunk_tokens: int | None, softcap: float | None
-) -> Iterator[dict[str, Any]]:
-    """For one forward, the head returns a placeholder and computes the loss of the hidden states it is given.
-    Zeros as the placeholder: a family's final soft-capping leaves them zero, and nothing reads them."""
-    result: dict[str, Any] = {}
+def head_computes(
+    head: torch.nn.Linear, chunk_tokens: int | None,
+    compute: Callable[[torch.Tensor, int], torch.Tensor],
+) -> Iterator[dict[str, torch.Tensor]]:
+    """For one forward, the head returns a placeholder and `compute(hidden states, chunk)` of the hidden states it
+    is given goes to result["value"] (the SFT loss here, DPO's log-probabilities in preference/loss.py). Zeros as
+    the placeholder: a family's final soft-capping leaves them zero, and nothing reads them."""
+    result: dict[str, torch.Tensor] = {}
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        flat = hidden.reshape(-1, hidden.size(-1))
         chunk = chunk_tokens or max(1, LOSS_CHUNK_BYTES // (4 * head.out_features))
-        result["loss"] = chunked_cross_entropy(flat, head.weight, head.bias, targets, chunk, softcap)
+        result["value"] = compute(hidden.reshape(-1, hidden.size(-1)), chunk)
         return hidden.new_zeros((*hidden.shape[:-1], 1))
 
     head.forward = forward  # type: ignore[method-assign]  # an instance attribute: FSDP/DDP hooks stay as they are

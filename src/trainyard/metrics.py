@@ -98,9 +98,10 @@ class MemoryTrend:
 
     The rule: a rank's memory grew steadily when each of its last `windows` log windows held more than the one
     before (noise goes both ways, a leak only up) and they grew by at least `min_growth` of the first of them in
-    all (an allocator settling in, and a fresh process's first steps, rise by a few MB on hundreds). The rate is the least-squares slope of memory over step across
-    those windows, the run-out step where that line meets what the rank could still take. After an alarm the
-    rank's count starts again: a leak that goes on is reported every `windows` windows, not every window."""
+    all (an allocator settling in, and a fresh process's first steps, rise by a few MB on hundreds). The rate is
+    the least-squares slope of memory over step across those windows, the run-out step where that line meets what
+    the rank could still take. After an alarm the rank's count starts again: a leak that goes on is reported every
+    `windows` windows, not every window."""
 
     def __init__(self, windows: int = 5, min_growth: float = 0.05) -> None:
         self.windows = windows

@@ -8,8 +8,6 @@ and no pair is padded to its partner.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +17,7 @@ import torch.nn.functional as F
 from trainyard.config import DpoConfig
 from trainyard.config.preference import REFERENCE_FREE
 from trainyard.data import IGNORE_INDEX
-from trainyard.loss import LOSS_CHUNK_BYTES, chunkable_head, final_softcap, keeps_logits
+from trainyard.loss import chunkable_head, final_softcap, head_computes, keeps_logits
 from trainyard.model.lora import adapters_off
 
 STATS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -56,35 +54,19 @@ def target_logps(
         keep = is_target[0].nonzero().squeeze(1) if is_target.size(0) == 1 else F.pad(is_target, (0, 1), value=False)
         head = chunkable_head(model, chunk_tokens)
         if head is not None:
-            with _logps_in_head(head, wanted, chunk_tokens, final_softcap(model)) as result:
+            softcap = final_softcap(model)
+
+            def logps(flat: torch.Tensor, chunk: int) -> torch.Tensor:
+                return _ChunkedTargetLogps.apply(flat, head.weight, head.bias, wanted, chunk, softcap)
+
+            with head_computes(head, chunk_tokens, logps) as result:
                 model(**inputs, use_cache=False, logits_to_keep=keep.to(device))
-            return result["logps"]
+            return result["value"]
         logits = model(**inputs, use_cache=False, logits_to_keep=keep.to(device)).logits
         logits = logits.reshape(-1, logits.size(-1)).float()
     else:
         logits = model(**inputs, use_cache=False).logits[:, :-1][is_target.to(device)].float()
     return torch.log_softmax(logits, dim=-1).gather(1, wanted.unsqueeze(1)).squeeze(1)
-
-
-@contextlib.contextmanager
-def _logps_in_head(
-    head: torch.nn.Linear, targets: torch.Tensor, chunk_tokens: int | None, softcap: float | None
-) -> Iterator[dict[str, torch.Tensor]]:
-    """For one forward, the head returns a placeholder and computes the targets' log-probabilities of the hidden
-    states it is given, chunk by chunk (loss.py's _loss_in_head does the same for the SFT loss)."""
-    result: dict[str, torch.Tensor] = {}
-
-    def forward(hidden: torch.Tensor) -> torch.Tensor:
-        chunk = chunk_tokens or max(1, LOSS_CHUNK_BYTES // (4 * head.out_features))
-        flat = hidden.reshape(-1, hidden.size(-1))
-        result["logps"] = _ChunkedTargetLogps.apply(flat, head.weight, head.bias, targets, chunk, softcap)
-        return hidden.new_zeros((*hidden.shape[:-1], 1))
-
-    head.forward = forward  # type: ignore[method-assign]  # an instance attribute: FSDP/DDP hooks stay as they are
-    try:
-        yield result
-    finally:
-        del head.forward
 
 
 def _chunk_logits(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
