@@ -21,8 +21,12 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/trainyard train
 
+# Two pytest workers: the tests that start ranks run one at a time on one (tests/conftest.py), single-process
+# tests beside them on the other. TEST_WORKERS=0 runs everything in this process, in order.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q -rs --durations=40 tests
+	$(PY) -m pytest -q -rs --durations=40 -n $(TEST_WORKERS) --dist loadgroup tests
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
