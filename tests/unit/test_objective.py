@@ -40,7 +40,7 @@ def pairs_file(tmp_path: Path) -> Path:
     [
         ("dpo:\n  beta: 0.2\n", "dpo.beta ({file}:3) is set but train.objective is sft"),
         ("train:\n  objective: dpo\nlora:\n  enabled: true\ndpo:\n  loss: ipo\n  label_smoothing: 0.1\n",
-         "dpo.label_smoothing ({file}:8) applies to dpo.loss sigmoid only, not ipo"),
+         "dpo.label_smoothing ({file}:8) applies to dpo.loss sigmoid and robust only, not ipo"),
         ("train:\n  objective: dpo\nlora:\n  enabled: true\ndpo:\n  simpo_gamma: 1.0\n",
          "dpo.simpo_gamma ({file}:7) applies to dpo.loss simpo only"),
         ("train:\n  objective: dpo\nlora:\n  enabled: true\ndata:\n  packing: true\n", "data.packing ({file}:7) is on"),
