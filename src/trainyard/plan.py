@@ -23,7 +23,7 @@ from trainyard.doctor.preflight import check_source
 from trainyard.errors import ConfigError, ModelError, OptionError, TrainyardError
 from trainyard.estimate import arch as estimate_arch
 from trainyard.estimate import memory as estimate_memory
-from trainyard.estimate.timing import Lengths
+from trainyard.estimate.timing import Lengths, dpo_reference
 from trainyard.model import attention
 from trainyard.model import build as model_room
 from trainyard.model import lora as lora_room
@@ -225,9 +225,15 @@ def _data_lines(cfg: JobConfig, target: Target, problems: list[str]) -> tuple[li
     if cfg.train.epochs is not None:
         rows = max(round(found.usable_rows_estimate()), 1)
         cfg.train.epoch_rows, cfg.train.max_steps = rows, steps_for_epochs(cfg, rows, target.world)
+    return data_survey.describe(found, cfg, samples), _lengths_found(cfg, found)
+
+
+def _lengths_found(cfg: JobConfig, found: data_survey.Survey) -> Lengths:
+    """The estimate's token lengths from a survey: every document, and the rows (DPO: pairs) they make."""
     cuts = data_survey.percentiles(found.lengths)
-    source = f"the data's {found.usable:,} documents, p50 {cuts['p50']:,} tokens"
-    return data_survey.describe(found, cfg, samples), Lengths(tuple(found.lengths), source)
+    unit = "pairs" if cfg.train.objective == "dpo" else "documents"
+    source = f"the data's {found.usable:,} {unit}, p50 {cuts['p50']:,} tokens"
+    return Lengths(tuple(found.documents), source, found.usable_rows_estimate())
 
 
 def _problem(err: TrainyardError) -> str:
@@ -257,8 +263,7 @@ def data_lengths(cfg: JobConfig, world_size: int) -> Lengths:
     if cfg.train.epochs is not None:
         rows = max(round(found.usable_rows_estimate()), 1)
         cfg.train.epoch_rows, cfg.train.max_steps = rows, steps_for_epochs(cfg, rows, world_size)
-    cuts = data_survey.percentiles(found.lengths)
-    return Lengths(tuple(found.lengths), f"the data's {found.usable:,} documents, p50 {cuts['p50']:,} tokens")
+    return _lengths_found(cfg, found)
 
 
 def _resume_words(cfg: JobConfig, problems: list[str]) -> str:
@@ -294,6 +299,25 @@ def _precision_on(cfg: JobConfig, target: Target) -> precision.Precision:
     return estimate_memory.resolve_precision(cfg, hardware.gpu(target.gpu))
 
 
+def _global_batch_words(cfg: JobConfig, samples: int) -> str:
+    if cfg.train.objective == "dpo":  # each of a pair's two documents is cut at max_length
+        return f"{samples} pairs, up to {2 * samples * cfg.data.max_length:,} tokens per step"
+    return f"{samples} samples, up to {samples * cfg.data.max_length:,} tokens per step"
+
+
+def _objective_words(cfg: JobConfig) -> str:
+    if cfg.train.objective == "sft":
+        return "sft: cross-entropy on the target tokens"
+    dpo = cfg.dpo
+    settings = [f"beta {dpo.beta:g}"] + ([f"label_smoothing {dpo.label_smoothing:g}"] if dpo.label_smoothing else [])
+    if dpo.loss == "simpo":
+        settings.append(f"simpo_gamma {dpo.simpo_gamma:g}")
+    reference = {"adapters": "the model with its LoRA adapters off",
+                 "precomputed": "the initial model's log-probabilities, computed before the first step",
+                 None: "none (reference-free)"}[dpo_reference(cfg)]
+    return f"dpo, loss {dpo.loss} ({', '.join(settings)}); reference: {reference}"
+
+
 def describe_plan(
     cfg: JobConfig,
     world_size: int,
@@ -313,7 +337,8 @@ def describe_plan(
         f"run dir          {cfg.run_dir}",
         f"world size       {world_size}",
         f"micro batch      {cfg.train.micro_batch_size} samples x {accum} accumulation x {world_size} ranks",
-        f"global batch     {samples} samples, up to {samples * cfg.data.max_length:,} tokens per step",
+        f"global batch     {_global_batch_words(cfg, samples)}",
+        f"objective        {_objective_words(cfg)}",
         f"steps            {_steps_words(train)} (lr {train.lr:g}, {train.schedule}, warmup {train.warmup_steps})",
         f"precision        {precision.describe(_precision_on(cfg, target), cfg.lora.enabled)}",
         f"lora             {_lora_words(cfg, model)}",

@@ -40,7 +40,7 @@ def pairs_file(tmp_path: Path) -> Path:
     [
         ("dpo:\n  beta: 0.2\n", "dpo.beta ({file}:3) is set but train.objective is sft"),
         ("train:\n  objective: dpo\nlora:\n  enabled: true\ndpo:\n  loss: ipo\n  label_smoothing: 0.1\n",
-         "dpo.label_smoothing ({file}:8) applies to dpo.loss sigmoid only, not ipo"),
+         "dpo.label_smoothing ({file}:8) applies to dpo.loss sigmoid and robust only, not ipo"),
         ("train:\n  objective: dpo\nlora:\n  enabled: true\ndpo:\n  simpo_gamma: 1.0\n",
          "dpo.simpo_gamma ({file}:7) applies to dpo.loss simpo only"),
         ("train:\n  objective: dpo\nlora:\n  enabled: true\ndata:\n  packing: true\n", "data.packing ({file}:7) is on"),
@@ -65,13 +65,25 @@ def test_a_reference_free_loss_fine_tunes_fully_and_its_written_config_reloads(t
     assert load_config(str(written), ["train.objective=sft", "dpo.loss=sigmoid", "dpo.simpo_gamma=0.5"]).dpo.beta == 0.1
 
 
-def test_the_dry_run_shows_a_pair_with_its_trained_tokens(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("lora", "loss", "reference"), [
+    ("true", "ipo", "reference        DPO: the same weights with the LoRA adapters off, one forward without gradients"),
+    ("false", "sigmoid", "reference        DPO: the initial model's log-probabilities, one forward over the data"),
+    ("false", "orpo", None),
+], ids=["lora", "full", "reference-free"])
+def test_the_dry_run_shows_the_objective_a_pair_with_its_trained_tokens_and_the_reference_cost(
+    tmp_path: Path, lora: str, loss: str, reference: str | None
+) -> None:
     pairs = pairs_file(tmp_path)
-    result = run_cli("train", TINY, "--dry-run", f"data.path={pairs}", "train.objective=dpo", "lora.enabled=true",
-                     f"output_dir={tmp_path}", *QUIET)
+    result = run_cli("train", TINY, "--dry-run", f"data.path={pairs}", "train.objective=dpo", f"lora.enabled={lora}",
+                     f"dpo.loss={loss}", f"output_dir={tmp_path}", *QUIET)
     assert result.returncode == 0, result.stderr
-    assert f"example          {pairs}:1, trained tokens between «»:" in result.stdout
-    assert "chosen:   0+1=«1<|eos|>»" in result.stdout and "rejected: 0+1=«2<|eos|>»" in result.stdout
+    out = result.stdout
+    assert f"objective        dpo, loss {loss} (beta 0.1); reference: " in out
+    assert ("reference: none (reference-free)" in out) == (reference is None)
+    assert f"example          {pairs}:1, trained tokens between «»:" in out
+    assert "chosen:   0+1=«1<|eos|>»" in out and "rejected: 0+1=«2<|eos|>»" in out
+    assert "epochs of 8 pairs" in out and "(the data's 8 pairs, p50" in out
+    assert (reference in out) if reference else "reference        DPO" not in out
 
 
 @pytest.mark.parametrize(("objective", "data", "says"), [

@@ -20,18 +20,26 @@ from trainyard.preference.loss import STATS, count_pairs, pair_loss_sum
 VOCAB = 96
 
 
-def lora_llama() -> torch.nn.Module:
-    """A tiny Llama with LoRA adapters that are not zero, so policy and reference differ."""
+def tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = LlamaForCausalLM(config)
     model.set_attn_implementation(VARLEN)
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
-    for name, param in lora.named_parameters():
+    return model
+
+
+def shift_adapters(model: torch.nn.Module) -> torch.nn.Module:
+    """LoRA adapters that are not zero, so policy and reference differ."""
+    generator = torch.Generator().manual_seed(1)
+    for name, param in model.named_parameters():
         if "lora_B" in name:
-            param.data.normal_(0, 0.3)
-    return lora
+            param.data.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return model
+
+
+def lora_llama() -> torch.nn.Module:
+    return shift_adapters(peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules="all-linear")))
 
 
 def document(prompt: int, completion: int, generator: torch.Generator) -> tuple[list[int], list[int]]:
@@ -60,26 +68,31 @@ def alone(model: torch.nn.Module, ids: list[int], labels: list[int]) -> tuple[to
 
 def plain_loss(model: torch.nn.Module, rows: list[dict], cfg: DpoConfig) -> tuple[torch.Tensor, list[float]]:
     """The mean loss over the pairs and the mean of each figure, written out pair by pair."""
-    losses, figures = [], []
+    losses, figures, chosen_sequences = [], [], []
     for row in rows:
         cut = row["seq_lens"][0]
         docs = [(row["input_ids"][:cut], row["labels"][:cut]), (row["input_ids"][cut:], row["labels"][cut:])]
         (pc, nc), (pr, nr) = [alone(model, *doc) for doc in docs]
+        chosen_sequences.append(alone(model, docs[0][0], [IGNORE_INDEX] + docs[0][0][1:]))
         with torch.no_grad(), model.disable_adapter():
             (rc, _), (rr, _) = [alone(model, *doc) for doc in docs]
         b = cfg.beta
         if cfg.loss == "sigmoid":
             z = b * ((pc - rc) - (pr - rr))
             loss = -(1 - cfg.label_smoothing) * F.logsigmoid(z) - cfg.label_smoothing * F.logsigmoid(-z)
+        elif cfg.loss == "robust":
+            e = cfg.label_smoothing
+            z = b * ((pc - rc) - (pr - rr))
+            loss = (-(1 - e) * F.logsigmoid(z) + e * F.logsigmoid(-z)) / (1 - 2 * e)
         elif cfg.loss == "hinge":
             loss = torch.clamp(1 - b * ((pc - rc) - (pr - rr)), min=0)
         elif cfg.loss == "ipo":
             loss = ((pc - rc) / nc - (pr - rr) / nr - 1 / (2 * b)) ** 2
         elif cfg.loss == "simpo":
             loss = -F.logsigmoid(b * (pc / nc - pr / nr) - cfg.simpo_gamma)
-        else:  # orpo: odds(p) = p / (1 - p) of the mean token log-probability
+        else:  # orpo: odds(p) = p / (1 - p) of the mean token log-probability; the batch's NLL is added below
             odds = (pc / nc - torch.log(1 - torch.exp(pc / nc))) - (pr / nr - torch.log(1 - torch.exp(pr / nr)))
-            loss = -pc / nc - b * F.logsigmoid(odds)
+            loss = -b * F.logsigmoid(odds)
         if cfg.loss in ("simpo", "orpo"):
             chosen, rejected, logps = b * pc / nc, b * pr / nr, (pc / nc, pr / nr)
         else:
@@ -88,7 +101,10 @@ def plain_loss(model: torch.nn.Module, rows: list[dict], cfg: DpoConfig) -> tupl
         chosen, rejected, logps = chosen.detach(), rejected.detach(), [value.detach() for value in logps]
         figures.append([float(chosen), float(rejected), float(chosen - rejected), float(chosen > rejected),
                         *map(float, logps)])
-    return torch.stack(losses).mean(), [sum(column) / len(rows) for column in zip(*figures)]
+    loss = torch.stack(losses).mean()
+    if cfg.loss == "orpo":  # the chosen sequences' cross-entropy, prompts included, over all their tokens
+        loss = loss - sum(s for s, _ in chosen_sequences) / sum(n for _, n in chosen_sequences)
+    return loss, [sum(column) / len(rows) for column in zip(*figures)]
 
 
 def gradients(model: torch.nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
@@ -100,8 +116,11 @@ def gradients(model: torch.nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
     ("settings", "padding_free", "chunk_tokens"),
     [({"loss": "sigmoid"}, True, 3), ({"loss": "sigmoid", "label_smoothing": 0.2}, False, 0),
      ({"loss": "hinge", "beta": 2.0}, True, None), ({"loss": "ipo", "beta": 0.5}, True, 5),
-     ({"loss": "simpo", "beta": 2.0, "simpo_gamma": 0.3}, True, None), ({"loss": "orpo"}, True, None)],
-    ids=["sigmoid-chunks-of-3", "sigmoid-smoothed-padded-full-logits", "hinge", "ipo-chunks-of-5", "simpo", "orpo"],
+     ({"loss": "robust", "label_smoothing": 0.1}, True, None),
+     ({"loss": "simpo", "beta": 2.0, "simpo_gamma": 0.3}, True, None), ({"loss": "orpo"}, True, 4),
+     ({"loss": "orpo"}, False, None)],
+    ids=["sigmoid-chunks-of-3", "sigmoid-smoothed-padded-full-logits", "hinge", "ipo-chunks-of-5", "robust", "simpo",
+         "orpo-chunks-of-4", "orpo-padded"],
 )
 def test_packed_pairs_equal_each_document_alone(settings: dict, padding_free: bool, chunk_tokens: int | None) -> None:
     """train.loss_chunk_tokens: the head's logits a few tokens at a time (forward, and again in the backward), or

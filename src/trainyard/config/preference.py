@@ -16,12 +16,13 @@ class DpoConfig(Section):
     beta: float = Field(0.1, gt=0)
     """How far the policy may move from the reference (DPO's beta, IPO's tau as 1/beta, SimPO's reward scale); for
     orpo it is the odds-ratio weight lambda, as TRL's ORPOConfig names it `beta`."""
-    loss: Literal["sigmoid", "ipo", "hinge", "simpo", "orpo"] = "sigmoid"
-    """sigmoid (DPO), ipo and hinge compare with the reference: with LoRA the model with its adapters off, with full
-    fine-tuning the initial model's log-probabilities, computed once before training (reference.py); simpo
-    (length-normalised, with a margin) and orpo (odds ratio plus the chosen reply's cross-entropy) need none."""
+    loss: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"] = "sigmoid"
+    """sigmoid (DPO), ipo, hinge and robust (DPO unbiased under label_smoothing's share of flipped pairs) compare
+    with the reference: with LoRA the model with its adapters off, with full fine-tuning the initial model's
+    log-probabilities, computed once before training (reference.py); simpo (length-normalised, with a margin) and
+    orpo (odds ratio plus the chosen sequence's cross-entropy) need none."""
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
-    """sigmoid only: the share of pairs assumed flipped (conservative DPO)."""
+    """sigmoid (conservative DPO) and robust only: the share of pairs assumed flipped."""
     simpo_gamma: float = 0.5
     """simpo only: the target reward margin gamma, as TRL's CPOConfig names it."""
 
@@ -34,8 +35,9 @@ def objective_problems(objective: str, dpo: DpoConfig, data: object) -> list[tup
         return [(f"dpo.{name}", "is set but train.objective is sft: set train.objective: dpo, or remove the dpo "
                  "section") for name in sorted(changed)]
     problems = []
-    if dpo.label_smoothing and dpo.loss != "sigmoid":
-        problems.append(("dpo.label_smoothing", f"applies to dpo.loss sigmoid only, not {dpo.loss}: remove it"))
+    if dpo.label_smoothing and dpo.loss not in ("sigmoid", "robust"):
+        problems.append(("dpo.label_smoothing", f"applies to dpo.loss sigmoid and robust only, not {dpo.loss}: "
+                         "remove it"))
     if "simpo_gamma" in changed and dpo.loss != "simpo":
         problems.append(("dpo.simpo_gamma", f"applies to dpo.loss simpo only, not {dpo.loss}: remove it"))
     if getattr(data, "mixture", None):

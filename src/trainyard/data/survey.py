@@ -35,7 +35,9 @@ class Survey:
     encoded: int = 0
     """Rows read and encoded (at most SURVEY_ROWS)."""
     lengths: list[int] = field(default_factory=list)
-    """Tokens of each usable document (after truncation at data.max_length)."""
+    """Tokens of each usable row (after truncation at data.max_length): a document, or a preference pair's two."""
+    documents: list[int] = field(default_factory=list)
+    """Tokens of each document of the usable rows: a pair's chosen, then its rejected."""
     targets: int = 0
     truncated: int = 0
     truncation: Truncation = field(default_factory=Truncation)
@@ -94,6 +96,7 @@ def _counted(rows: Iterator[tuple[str, Any]], found: Survey) -> Iterator[tuple[s
 def _add(found: Survey, example: dict[str, Any], tokenizer: Any, max_length: int) -> None:
     ids, labels = example["input_ids"], example["labels"]
     found.lengths.append(len(ids))
+    found.documents += example.get("seq_lens") or [len(ids)]
     found.targets += sum(label != IGNORE_INDEX for label in labels)
     found.truncated += len(ids) >= max_length
     if not found.example:
@@ -165,8 +168,10 @@ def describe(found: Survey, cfg: JobConfig, samples_per_step: int) -> list[str]:
         lines.append(f"  dropped        {count:,} x {reason} (first at {found.first_dropped[reason]})")
     cuts = percentiles(found.lengths)
     tokens = sum(found.lengths)
+    pairs = cfg.train.objective == "dpo"
+    per = "pair (chosen and rejected, each with its prompt)" if pairs else "document"
     lines.append(
-        f"tokens           per document p50 {cuts['p50']:,}, p90 {cuts['p90']:,}, p99 {cuts['p99']:,}, max "
+        f"tokens           per {per} p50 {cuts['p50']:,}, p90 {cuts['p90']:,}, p99 {cuts['p99']:,}, max "
         f"{cuts['max']:,} (data.max_length {data.max_length:,}: {found.truncated:,} truncated); "
         f"{found.targets / max(tokens, 1):.0%} of the tokens trained"
     )
@@ -179,7 +184,7 @@ def describe(found: Survey, cfg: JobConfig, samples_per_step: int) -> list[str]:
         rows = tokens * (found.rows / max(found.encoded, 1)) / data.max_length
         unit = f"{rows:,.0f} packed rows of {data.max_length:,} tokens"
     else:
-        rows, unit = usable, f"{usable:,.0f} documents"
+        rows, unit = usable, f"{usable:,.0f} {'pairs' if pairs else 'documents'}"
     epochs = steps * samples_per_step / max(rows, 1)
     lines.append(f"epochs           {steps:,} steps x {samples_per_step:,} samples = {epochs:,.3g} epochs of {unit}")
     lines.append(f"example          {found.example_where}, trained tokens between {MARK_OPEN}{MARK_CLOSE}:")

@@ -272,7 +272,19 @@ def render(result: Estimate) -> str:
         f"expected lost work {timed.lost_work_s / 60:.3g} min",
         "cost             " + ", ".join(_cost_words(result.cost)),
     ]
+    if timed.reference:
+        lines.insert(-3, f"reference        {reference_words(timed)}")
     return "\n".join(lines)
+
+
+def reference_words(timed: estimate_time.Timing) -> str:
+    """What DPO's reference costs, in words: where it comes from and the time (and file) it takes."""
+    if timed.reference == "adapters":
+        return ("DPO: the same weights with the LoRA adapters off, one forward without gradients per micro-batch "
+                "(counted in the step); no extra weights")
+    return (f"DPO: the initial model's log-probabilities, one forward over the data before the first step, "
+            f"{timed.reference_s:.3g} s, kept in a {_size(timed.reference_bytes)} file beside the tokenized cache "
+            "(reused on resume)")
 
 
 def _process_peak_words(layout: mem.Layout) -> str:
@@ -301,12 +313,16 @@ def describe(cfg: JobConfig, hardware: Hardware,
             f" on {where}"
             f" ({verdict}); step {result.timing.step_s:.3g} s at MFU {estimate_time.DEFAULT_MFU:g}, "
             f"{result.timing.tokens_per_step:,} tokens ({result.lengths}); network {result.network}")
+    if result.timing.reference:
+        line += f"\nreference        {reference_words(result.timing)}"
     if result.fix:
         line += f"\ncheapest fix     {result.fix}"
     return line, result
 
 
 def _size(size: float) -> str:
+    if size < machines.MIB:
+        return f"{size / 1024:.1f} KiB"
     return f"{size / machines.GIB:.1f} GiB" if size >= machines.GIB else f"{size / machines.MIB:.1f} MiB"
 
 

@@ -21,6 +21,7 @@ import torch
 from trainyard import precision as precision_room
 from trainyard.batch import accumulation_steps
 from trainyard.config import JobConfig
+from trainyard.config.preference import REFERENCE_FREE
 from trainyard.estimate import arch as estimate_arch
 from trainyard.estimate.arch import Counts, Shape
 from trainyard.hardware import GIB, Gpu, device_bytes
@@ -190,8 +191,9 @@ def _replicated_state(cfg: JobConfig, model: Model) -> float:
 
 
 def tokens_per_micro_batch(cfg: JobConfig) -> int:
-    """An upper bound: a padding-free or packed micro-batch holds at most micro_batch_size x max_length tokens."""
-    return cfg.train.micro_batch_size * cfg.data.max_length
+    """An upper bound: a padding-free or packed micro-batch holds at most micro_batch_size x max_length tokens, a
+    DPO micro-batch twice that (a row is a pair: two documents, each cut at max_length)."""
+    return cfg.train.micro_batch_size * cfg.data.max_length * (2 if cfg.train.objective == "dpo" else 1)
 
 
 def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_room.Precision) -> Memory:
@@ -219,8 +221,20 @@ def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_ro
         head_gradient=counts.head_trainable * (size.compute if sharded and size.mixed else size.master),
     )
     _add_peak(parts, cfg, layout)
+    if cfg.train.objective == "dpo":
+        parts.notes.append(_dpo_words(cfg))
     return parts
 
+
+def _dpo_words(cfg: JobConfig) -> str:
+    """DPO's memory, beyond SFT's formulas over rows of two documents: no second model is held."""
+    if cfg.dpo.loss in REFERENCE_FREE:
+        return f"dpo ({cfg.dpo.loss}): a pair per row, chosen and rejected; no reference"
+    if cfg.lora.enabled:
+        return ("dpo: a pair per row, chosen and rejected; the reference is the same weights with the adapters off, "
+                "a forward without gradients before the policy's (its activations freed as it goes): no extra weights")
+    return ("dpo: a pair per row, chosen and rejected; the reference is the initial model's log-probabilities, "
+            "computed before the first step: no second model")
 
 def _autocast_copies(counts: Counts, size: Dtypes) -> float:
     """autocast casts each fp32 weight a matmul uses to bf16 once per forward and autograd saves the copy:

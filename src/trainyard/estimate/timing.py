@@ -15,12 +15,31 @@ from dataclasses import dataclass
 
 from trainyard import hardware
 from trainyard.config import JobConfig
+from trainyard.config.preference import REFERENCE_FREE
 from trainyard.estimate.memory import Dtypes, Layout, Model
 from trainyard.hardware import kind_peak_flops
 
 DEFAULT_MFU = 0.4
 # Sustained write bandwidth of the checkpoint store for the whole job (stated, not measured).
 DEFAULT_DISK_GBYTES_S = 2.0
+# A pair's entry in full fine-tuning's kept reference file (preference/reference.py): two float64 log-probabilities
+# as JSON writes them, e.g. "[-41.53203582763672, -157.90121841430664], " (stated: 42.6 bytes a pair measured on
+# random log-probabilities of -40 +- 20).
+REFERENCE_BYTES_PER_PAIR = 44
+
+
+def dpo_reference(cfg: JobConfig) -> str | None:
+    """What DPO's reference costs the job: "adapters" (LoRA: one more forward per micro-batch, without gradients,
+    with the adapters off; no weights held), "precomputed" (full fine-tuning: one forward over the data before the
+    first step, kept in a small file), or None (SFT, or a reference-free loss)."""
+    if cfg.train.objective != "dpo" or cfg.dpo.loss in REFERENCE_FREE:
+        return None
+    return "adapters" if cfg.lora.enabled else "precomputed"
+
+
+def documents_per_row(cfg: JobConfig) -> int:
+    """A DPO row is a pair: its chosen and rejected documents, each with the prompt, each cut at data.max_length."""
+    return 2 if cfg.train.objective == "dpo" else 1
 
 
 @dataclass(frozen=True)
@@ -29,20 +48,23 @@ class Lengths:
 
     documents: tuple[int, ...] = ()
     source: str = "data.max_length (the data was not read)"
+    rows: float = 0.0
+    """Usable rows of the whole data, where it was read."""
 
     def per_row(self, cfg: JobConfig) -> tuple[float, tuple[float, ...]]:
         """(tokens computed per micro-batch row, the documents whose tokens and attention the rows compute) as the
         job batches: packing fills rows of max_length with whole documents, each attending to itself;
         padding-free computes each document's own tokens; padding computes the longest of the micro-batch's
-        documents for each."""
-        data, length = cfg.data, cfg.data.max_length
+        rows for each. A DPO row holds a pair's two documents."""
+        data, length, per_row = cfg.data, cfg.data.max_length, documents_per_row(cfg)
         if not self.documents:
-            return length, (length,)
+            return per_row * length, (length,) * per_row
         if data.packing:
             return length, self.documents
         if data.padding_free:
-            return sum(self.documents) / len(self.documents), self.documents
-        padded = expected_max(sorted(self.documents), cfg.train.micro_batch_size)
+            return per_row * sum(self.documents) / len(self.documents), self.documents
+        rows = [sum(self.documents[i : i + per_row]) for i in range(0, len(self.documents), per_row)]
+        padded = expected_max(sorted(rows), cfg.train.micro_batch_size)
         return padded, (padded,)
 
 
@@ -71,6 +93,12 @@ class Timing:
     lost_work_s: float
     """Per failure half an interval is recomputed on average."""
     checkpoint_overhead_s: float
+    reference: str | None = None
+    """dpo_reference: what DPO's reference costs, in words (None: no reference)."""
+    reference_s: float = 0.0
+    """Full fine-tuning's DPO: the one forward over the data that computes the reference before the first step."""
+    reference_bytes: float = 0.0
+    """Full fine-tuning's DPO: the kept reference file."""
 
     @property
     def step_s(self) -> float:
@@ -78,7 +106,7 @@ class Timing:
 
     @property
     def total_s(self) -> float:
-        return self.train_s + self.lost_work_s + self.checkpoint_overhead_s
+        return self.train_s + self.lost_work_s + self.checkpoint_overhead_s + self.reference_s
 
 
 def flops_per_token(cfg: JobConfig, model: Model, documents: tuple[float, ...]) -> float:
@@ -141,11 +169,21 @@ def young_daly_interval_s(save_s: float, mtbf_s: float) -> float:
 
 def timing(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: int, mfu: float,
            network_gbps: float, diloco_h: int, disk_gbytes_s: float, lengths: Lengths = Lengths()) -> Timing:
-    """Step time, the job's time, and what failures cost it with checkpoints every Young/Daly interval."""
+    """Step time, the job's time, and what failures cost it with checkpoints every Young/Daly interval; DPO's
+    reference: LoRA's forward with the adapters off in every step, or full fine-tuning's pass before the first."""
     per_row, documents = lengths.per_row(cfg)
-    tokens = round(cfg.train.micro_batch_size * per_row * accum * layout.world)
+    rows_per_step = cfg.train.micro_batch_size * accum * layout.world
+    tokens = round(rows_per_step * per_row)
     per_token = flops_per_token(cfg, model, documents)
-    compute = per_token * tokens / (layout.world * kind_peak_flops(layout.gpu, size.compute_dtype) * mfu)
+    forward = hardware.forward_flops(model.counts.flops, documents) / sum(documents)
+    reference = dpo_reference(cfg)
+    if reference == "adapters":
+        per_token += forward
+    flops_per_s = layout.world * kind_peak_flops(layout.gpu, size.compute_dtype) * mfu
+    compute = per_token * tokens / flops_per_s
+    # Every row once (train and eval split alike); unread data: the rows the steps take.
+    rows = lengths.rows or cfg.train.max_steps * rows_per_step
+    reference_s = forward * rows * per_row / flops_per_s if reference == "precomputed" else 0.0
     comm = comm_s(cfg, model, layout, size, accum, network_gbps, diloco_h)
     ckpt = checkpoint_bytes(cfg, model, size)
     save = ckpt / (disk_gbytes_s * 1e9)
@@ -167,6 +205,9 @@ def timing(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: in
         expected_failures=failures,
         lost_work_s=failures * min(interval, train) / 2,
         checkpoint_overhead_s=(train / interval) * save if interval > 0 else 0.0,
+        reference=reference,
+        reference_s=reference_s,
+        reference_bytes=rows * REFERENCE_BYTES_PER_PAIR if reference == "precomputed" else 0.0,
     )
 
 

@@ -8,6 +8,7 @@ and no pair is padded to its partner.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,27 +148,34 @@ def pair_logps(token_logps: torch.Tensor, documents: torch.Tensor) -> PairLogps:
     return PairLogps(sums[0::2], sums[1::2], counts[0::2], counts[1::2])
 
 
-def dpo_loss(cfg: DpoConfig, policy: PairLogps, reference: PairLogps | None) -> tuple[torch.Tensor, torch.Tensor]:
+def dpo_loss(
+    cfg: DpoConfig, policy: PairLogps, reference: PairLogps | None, chosen_nll: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-pair losses and the per-pair figures of STATS (a [pairs, 6] tensor), as TRL computes them: DPOTrainer
-    for sigmoid (label smoothing as conservative DPO), hinge and ipo (log-ratios per completion token), CPOTrainer
-    for simpo (without its NLL term) and ORPOTrainer for orpo (the chosen reply's cross-entropy per token here)."""
+    for sigmoid, hinge, ipo (log-ratios per completion token) and robust; label smoothing of sigmoid as conservative
+    DPO (TRL's CPOTrainer's, as its DPOTrainer had it); CPOTrainer for simpo (cpo_alpha 0: without its NLL term) and
+    ORPOTrainer for orpo, whose `chosen_nll` is the micro-batch's mean cross-entropy of the chosen sequences."""
     beta = cfg.beta
     if cfg.loss in REFERENCE_FREE:
         chosen, rejected = policy.chosen / policy.chosen_tokens, policy.rejected / policy.rejected_tokens
         if cfg.loss == "simpo":
             losses = -F.logsigmoid(beta * (chosen - rejected - cfg.simpo_gamma / beta))
         else:
-            log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
-            losses = -chosen - beta * F.logsigmoid(log_odds)
+            assert chosen_nll is not None
+            log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+            losses = chosen_nll - beta * F.logsigmoid(log_odds)
         chosen_rewards, rejected_rewards = beta * chosen.detach(), beta * rejected.detach()
         logps = (chosen.detach(), rejected.detach())
     else:
         assert reference is not None
         chosen_ratio, rejected_ratio = policy.chosen - reference.chosen, policy.rejected - reference.rejected
         delta = chosen_ratio - rejected_ratio
+        smoothing = cfg.label_smoothing
         if cfg.loss == "sigmoid":
-            smoothing = cfg.label_smoothing
             losses = -(1 - smoothing) * F.logsigmoid(beta * delta) - smoothing * F.logsigmoid(-beta * delta)
+        elif cfg.loss == "robust":
+            losses = (-(1 - smoothing) * F.logsigmoid(beta * delta) + smoothing * F.logsigmoid(-beta * delta)) / (
+                1 - 2 * smoothing)
         elif cfg.loss == "hinge":
             losses = torch.relu(1 - beta * delta)
         else:  # ipo
@@ -180,13 +188,48 @@ def dpo_loss(cfg: DpoConfig, policy: PairLogps, reference: PairLogps | None) -> 
     return losses, stats
 
 
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, without cancellation near 0 (as TRL's ORPOTrainer computes it)."""
+    return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def with_chosen_prompts(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """ORPO's targets: the labels with every token of each chosen document (its prompt too, all but its first)
+    trained, as TRL's ORPOTrainer takes the chosen sequence's cross-entropy; and where those chosen documents lie."""
+    positions, labels = batch["position_ids"], batch["labels"]
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    document = starts.flatten().cumsum(0).view_as(positions) - 1
+    chosen = torch.unique(document[labels != IGNORE_INDEX])[0::2]  # documents with targets: chosen, rejected, ...
+    in_chosen = torch.isin(document, chosen) & ~starts
+    return torch.where(in_chosen, batch["input_ids"], labels), in_chosen
+
+
+def _orpo_logps(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device, chunk_tokens: int | None
+) -> tuple[PairLogps, torch.Tensor]:
+    """The pairs' log-probabilities of their replies and the mean cross-entropy of the chosen sequences, from one
+    forward."""
+    labels, in_chosen = with_chosen_prompts(batch)
+    token_logps = target_logps(model, {**batch, "labels": labels}, device, chunk_tokens)
+    targets = labels[:, 1:] != IGNORE_INDEX
+    reply = (batch["labels"][:, 1:] != IGNORE_INDEX)[targets].to(device)
+    chosen_nll = -token_logps[in_chosen[:, 1:][targets].to(device)].mean()
+    return pair_logps(token_logps[reply], target_documents(batch)), chosen_nll
+
+
 def pair_loss_sum(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device, cfg: DpoConfig,
     chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed loss of the batch's pairs and its STATS summed over them; `batch` on the host. The reference is
     the batch's `ref_logps` (full fine-tuning: computed before training, reference.py), or a forward without
-    gradients through the same (wrapped) model with its adapters off."""
+    gradients through the same (wrapped) model with its adapters off. ORPO's cross-entropy term counts once per
+    pair: summed over the micro-batch and divided by the step's pairs, it is TRL's mean over equal micro-batches."""
+    if cfg.loss == "orpo":
+        policy, chosen_nll = _orpo_logps(model, batch, device, chunk_tokens)
+        losses, stats = dpo_loss(cfg, policy, None, chosen_nll)
+        return losses.sum(), stats.sum(dim=0)
     documents = target_documents(batch)
     reference = None
     if cfg.loss not in REFERENCE_FREE and "ref_logps" in batch:

@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from tests.conftest import REPO, TINY, run_cli
 from tests.unit.model.families import settings
@@ -221,3 +222,48 @@ def test_unknown_hub_model_is_a_model_error_naming_the_known_ones() -> None:
     assert result is None
     assert line.startswith("estimate         unknown") and "mistralai/Mistral-7B-v0.1" in line
     assert hardware.GPUS["h200"].memory_bytes > hardware.GPUS["h100-80gb"].memory_bytes
+
+
+def test_dpo_counts_a_pair_per_row_and_what_its_reference_costs() -> None:
+    """Unread data: each of a pair's documents fills max_length. LoRA's reference is one more forward per step and
+    no weights; full fine-tuning's is one forward over the data before the first step, and its file."""
+    sft = run(["lora.enabled=true"])
+    simpo, lora, full = (run(["train.objective=dpo", *more]) for more in (
+        ["lora.enabled=true", "dpo.loss=simpo"], ["lora.enabled=true"], ["lora.enabled=false"]))
+    cfg = load_config(TINY, ["train.objective=dpo", "lora.enabled=false"])
+    batch = cfg.train.micro_batch_size  # one rank, no accumulation
+    length, rows = cfg.data.max_length, cfg.train.max_steps * batch
+    assert lora.timing.tokens_per_step == 2 * sft.timing.tokens_per_step == 2 * length * batch
+    full_sft, full_orpo = run(["lora.enabled=false"]), run(["train.objective=dpo", "lora.enabled=false",
+                                                             "dpo.loss=orpo"])
+    assert full_orpo.memory.activations == pytest.approx(2 * full_sft.memory.activations)
+    adapted = estimate.mem.model_of(load_config(TINY, ["train.objective=dpo", "lora.enabled=true"]))
+    lora_forward = hardware.forward_flops(adapted.counts.flops, (length, length)) / (2 * length)
+    assert lora.timing.flops_per_token == pytest.approx(simpo.timing.flops_per_token + lora_forward)
+    forward = hardware.forward_flops(estimate.mem.model_of(cfg).counts.flops, (length, length)) / (2 * length)
+    assert (lora.memory.weights, lora.memory.lora_adapters, lora.memory.peak) == (
+        simpo.memory.weights, simpo.memory.lora_adapters, simpo.memory.peak)
+    assert lora.timing.reference_s == simpo.timing.reference_s == 0.0 and simpo.timing.reference is None
+    peak = hardware.kind_peak_flops(full.layout.gpu, torch.bfloat16) * estimate_time.DEFAULT_MFU
+    assert full.timing.reference == "precomputed"
+    assert full.timing.reference_s == pytest.approx(forward * rows * 2 * length / peak)
+    assert full.timing.reference_bytes == rows * estimate_time.REFERENCE_BYTES_PER_PAIR
+    assert full.timing.total_s == pytest.approx(full.timing.train_s + full.timing.lost_work_s
+                                                + full.timing.checkpoint_overhead_s + full.timing.reference_s)
+    assert "initial model's log-probabilities, one forward over the data" in estimate.render(full)
+    assert any("adapters off" in note for note in lora.memory.notes)
+
+
+def test_dpo_lengths_read_from_the_data_are_each_pairs_documents(tmp_path) -> None:
+    from trainyard import plan
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}*{i}=", "chosen": str(i * i), "rejected": "no" * (i + 1)})
+                            + "\n" for i in range(20)))
+    cfg = load_config(TINY, ["train.objective=dpo", "lora.enabled=false", f"data.path={path}"])
+    lengths = plan.data_lengths(cfg, 1)
+    assert len(lengths.documents) == 2 * 20 and lengths.rows == 20 and "20 pairs" in lengths.source
+    result = estimate.estimate(cfg, estimate.Hardware("cpu"), lengths=lengths)
+    pair = sum(lengths.documents) / 20
+    assert result.timing.tokens_per_step == round(cfg.train.micro_batch_size * pair)
+    assert result.timing.reference_bytes == 20 * estimate_time.REFERENCE_BYTES_PER_PAIR
