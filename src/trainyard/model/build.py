@@ -26,6 +26,7 @@ from trainyard.atomic import exclusive_lock
 from trainyard.config import ModelConfig
 from trainyard.errors import ModelError
 from trainyard.model import attention
+from trainyard.model import flex  # noqa: F401  registers attention.FLEX with transformers
 from trainyard.model.source import architecture, first_sentence
 
 

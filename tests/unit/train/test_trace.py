@@ -147,14 +147,15 @@ def test_fp32_experts_are_traced_and_their_peak_is_the_formula_s() -> None:
 
 
 def test_the_trace_runs_the_attention_the_job_chooses(tmp_path) -> None:
-    """gpt-oss (attention sinks): the job's auto runs trainyard's varlen, which the trace runs too; an implementation
-    the job refuses is refused by the trace with the job's message, exit 2."""
+    """gpt-oss (attention sinks): the job's auto runs flex_attention on its GPUs, which the trace runs as the fused
+    kernel it is; an implementation the job refuses is refused by the trace with the job's message, exit 2."""
     job = tmp_path / "gpt-oss.yaml"
     config = "\n".join(f"    {key}: {value}" for key, value in settings("gpt_oss").items() if key != "vocab_size")
     job.write_text(f"model:\n  config:\n{config}\n  tokenizer: builtin:bytes\ndata:\n  max_length: 64\n")
     result = run_cli("estimate", str(job), "--trace")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "the job's auto, traced as trainyard_varlen" in result.stdout and "peak of live tensors" in result.stdout
+    assert "the job's auto, traced as trainyard_trace_fused" in result.stdout
+    assert "peak of live tensors" in result.stdout
     refused = run_cli("estimate", str(job), "--trace", "model.attn_implementation=sdpa")
     assert refused.returncode == 2 and "sdpa drops the attention sinks" in refused.stderr
 
