@@ -65,3 +65,20 @@ def test_auto_runs_soft_capping_and_sinks_through_flex_on_cuda_only() -> None:
         assert attention.choose("auto", model, torch.device("cpu")) == attention.VARLEN
     assert attention.choose("auto", build("gemma2", "eager", attention_dropout=0.1), CUDA) == attention.VARLEN
     assert attention.choose("auto", build("mistral", "eager"), CUDA) == attention.VARLEN
+
+
+def test_generation_under_flex_is_the_family_s_eager_generation() -> None:
+    """Eval's greedy answers (gpt-oss): left-padded prompts prefilled through flex's block mask of the padding, then
+    decoded a token at a time (varlen: the family's eager attention over the cache)."""
+    first, second = documents()[:2]
+    ids = torch.stack([first[:9], torch.cat([torch.zeros(3, dtype=torch.long), second[:6]])])
+    runs = {}
+    for implementation in ("eager", attention.FLEX):
+        model = build("gpt_oss", implementation)
+        runs[implementation] = model.generate(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=6,
+                                              do_sample=False, pad_token_id=0, output_logits=True,
+                                              return_dict_in_generate=True)
+    eager, flexed = runs["eager"], runs[attention.FLEX]
+    assert torch.equal(eager.sequences, flexed.sequences)
+    for want, got in zip(eager.logits, flexed.logits):  # the first: the prefill's last position
+        torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=TOLERANCE)
