@@ -98,7 +98,7 @@ def features(model: torch.nn.Module, packed: bool = True) -> list[str]:
 
 def choose(
     requested: str, model: torch.nn.Module, device: torch.device, training: bool = True, where: str | None = None,
-    packed: bool = True,
+    packed: bool = True, checkpointing: bool | str = False,
 ) -> str:
     """The transformers implementation for model.attn_implementation, refusing one that would drop a feature on
     the job's rows (`packed`: see packed_rows).
@@ -108,7 +108,7 @@ def choose(
     [heads, L, L] scores per layer); else `varlen`."""
     if requested == "auto":
         return auto_choice(features(model, packed), device.type, device.type == "cuda" and _has_flash_attn(),
-                           getattr(model.config, "attention_dropout", 0.0) or 0.0)
+                           getattr(model.config, "attention_dropout", 0.0) or 0.0, checkpointing)
     refuse_dropped(requested, model, where, packed)
     if requested in FLASH and not (device.type == "cuda" and _has_flash_attn()):
         raise ModelError(
@@ -126,12 +126,18 @@ def choose(
     return {"varlen": VARLEN, "flex_attention": FLEX}.get(requested, requested)
 
 
-def auto_choice(found: list[str], device_type: str, flash: bool, dropout: float = 0.0) -> str:
+def auto_choice(
+    found: list[str], device_type: str, flash: bool, dropout: float = 0.0, checkpointing: bool | str = False
+) -> str:
     """auto's implementation for a family's `features` on a device (`flash`: flash_attn imports there): the one
-    rule for the job, the estimate and its trace. flex has no attention dropout."""
+    rule for the job, the estimate and its trace. flex has no attention dropout. Soft-capping under activation
+    checkpointing stays on the family's eager attention: torch 2.13's flex gave wrong gradients for a score_mod
+    recomputed by checkpointing (dense CPU path; not yet checked on a GPU), and a wrong gradient costs more than
+    the [heads, L, L] scores."""
     if flash and all("flash_attention_2" in SUPPORTED_BY[feature] for feature in found):
         return "flash_attention_2"
-    if device_type == "cuda" and (SOFTCAP in found or SINKS in found) and not dropout:
+    flex_keeps_it = (SOFTCAP in found or SINKS in found) and not (SOFTCAP in found and checkpointing)
+    if device_type == "cuda" and flex_keeps_it and not dropout:
         return FLEX
     return VARLEN
 

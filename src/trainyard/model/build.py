@@ -64,7 +64,7 @@ def build_meta_model(  # type: ignore[no-untyped-def]
     for name, param in model.named_parameters():
         param.data = param.data.to(torch.float32 if kept(name) else dtype)  # from_config keeps norms in fp32 too
     model.config._attn_implementation = attention.choose(
-        cfg.attn_implementation, model, device, training, where, packed
+        cfg.attn_implementation, model, device, training, where, packed, cfg.gradient_checkpointing
     )
     return model
 

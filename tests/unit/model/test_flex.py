@@ -64,6 +64,9 @@ def test_auto_runs_soft_capping_and_sinks_through_flex_on_cuda_only() -> None:
         assert attention.choose("flex_attention", model, CUDA) == attention.FLEX
         assert attention.choose("auto", model, torch.device("cpu")) == attention.VARLEN
     assert attention.choose("auto", build("gemma2", "eager", attention_dropout=0.1), CUDA) == attention.VARLEN
+    # soft-capping recomputed under activation checkpointing stays on the family's eager attention; sinks do not
+    assert attention.choose("auto", build("gemma2", "eager"), CUDA, checkpointing="selective") == attention.VARLEN
+    assert attention.choose("auto", build("gpt_oss", "eager"), CUDA, checkpointing=True) == attention.FLEX
     assert attention.choose("auto", build("mistral", "eager"), CUDA) == attention.VARLEN
 
 
