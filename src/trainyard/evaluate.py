@@ -153,6 +153,7 @@ def evaluate(
 ) -> dict[str, float]:
     """Loss, perplexity and (optionally) exact-match accuracy, reduced once over ranks.
     `autocast` computes in the training's precision (bf16 products over fp32 weights).
+    `padding_free`: each batch collated as one padding-free row, as training collates its own (attention.one_row).
     `samples_path` (with `generate`): rank 0 writes every generation there (see `samples_file`).
     `dpo` (train.objective dpo): the eval rows are pairs; the loss is per pair, with TRL's eval_rewards/ and
     eval_logps/ figures riding the same all-reduce."""
@@ -174,8 +175,9 @@ def evaluate(
         for batch_indices in _rank_batches(indices, info, batch_size):
             padding_only = not batch_indices
             rows = [eval_data[i] for i in (batch_indices or indices[:1])]
+            # seq_lens: a packed row's documents each attend to themselves, as in training
             columns = [name for name in ("input_ids", "labels", "seq_lens", "ref_logps")
-                       if name in eval_data.column_names and (dpo is not None or name in ("input_ids", "labels"))]
+                       if name in eval_data.column_names and (dpo is not None or name != "ref_logps")]
             batch = collate([{k: r[k] for k in columns} for r in rows], tokenizer.pad_token_id, padding_free)
             if dpo is not None:
                 loss, stats = pair_loss_sum(net, batch, info.device, dpo)

@@ -21,9 +21,11 @@ from trainyard.config import JobConfig
 from trainyard.data import prepare_datasets
 from trainyard.errors import DataError
 from trainyard.evaluate import evaluate
+from trainyard.model import attention
 from trainyard.model import source as source_room
 from trainyard.config.preference import REFERENCE_FREE
 from trainyard.model import weights
+from trainyard.parallel.parallelize import unwrap
 from trainyard.preference.reference import attach_reference
 from trainyard.train.build import build_and_wrap
 
@@ -73,7 +75,7 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path) -> dict[str, object]:
         generate=cfg.eval.generate,
         max_new_tokens=cfg.eval.max_new_tokens,
         autocast=autocast,
-        padding_free=cfg.data.padding_free,
+        padding_free=attention.one_row(unwrap(model).config._attn_implementation, cfg.data),
         dpo=dpo,
     )
     dist.teardown()

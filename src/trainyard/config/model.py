@@ -24,10 +24,11 @@ class ModelConfig(Section):
     attn_implementation: Literal[
         "auto", "varlen", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"
     ] = "auto"
-    """auto: flash_attention_2 on a GPU with flash-attn installed where it keeps every feature of the family, else
-    varlen (each document of a padding-free row on its own, no mask, with the family's windows, soft-capping and
-    sinks). sdpa/eager isolate documents with a dense mask; flex_attention with a block mask. A choice that would
-    drop a feature of the family is refused."""
+    """auto: flash_attention_2 on a GPU with flash-attn installed where it keeps every feature of the family; else on
+    a GPU flex_attention for soft-capping or sinks (Gemma 2, gpt-oss); else varlen (each document of a padding-free
+    row on its own, no mask, with the family's windows, soft-capping and sinks). sdpa/eager isolate documents with
+    a dense mask; flex_attention with a block mask per document read from the positions. A choice that would drop a
+    feature of the family is refused."""
     trust_remote_code: bool = False
     cache_dir: str | None = None
     """Where GGUF files are converted to safetensors once, and a model.config job's random init is drawn once per

@@ -87,9 +87,12 @@ class Counts:
     routed (token, expert) pair saves its x·Aᵀ of that width for the B product."""
     lora_expert_copies_per_block: int = 0
     """Elements of those projections' B factors, copied once per forward into grouped_mm's layout and saved."""
-    sinks: bool = False
-    """The family's attention has sinks, which flash kernels drop: auto, varlen and eager run its eager attention on
-    each document, whose softmax backward keeps (attention.py), on a GPU too."""
+    attention_features: tuple[str, ...] = ()
+    """What the family's attention adds to causal attention (attention.features, on packed rows): with soft-capping
+    or sinks trainyard's varlen runs the family's eager attention on each document, whose softmax backward keeps;
+    auto on a GPU runs flash-attention or flex_attention instead (attention.auto_choice)."""
+    attention_dropout: float = 0.0
+    """The family's attention dropout, which flex_attention does not apply (auto then keeps to varlen)."""
     head_trainable: int = 0
     """Trainable elements of the output head (full fine-tuning): its gradient is made while every activation lives."""
 
@@ -179,7 +182,8 @@ def count(model: torch.nn.Module, shape: Shape) -> Counts:
         lora_largest_parameter=max(folded, default=0),
         lora_expert_ranks_per_block=sum(sum(m.r.values()) for m in grouped_wrappers),
         lora_expert_copies_per_block=sum(sum(b.weight.numel() for b in m.lora_B.values()) for m in grouped_wrappers),
-        sinks=attention.SINKS in attention.features(model),
+        attention_features=tuple(attention.features(model)),
+        attention_dropout=getattr(model.config, "attention_dropout", 0.0) or 0.0,
         head_trainable=sum(p.numel() for p in output.parameters() if p.requires_grad) if output is not None else 0,
     )
 

@@ -25,6 +25,7 @@ from trainyard.config.preference import REFERENCE_FREE
 from trainyard.estimate import arch as estimate_arch
 from trainyard.estimate.arch import Counts, Shape
 from trainyard.hardware import GIB, Gpu, device_bytes
+from trainyard.model import attention as attention_room
 
 # The CUDA caching allocator's fragmentation and rounding, as a share of live tensor bytes (stated, not measured).
 ALLOCATOR_SLACK = 0.10
@@ -353,7 +354,7 @@ def layer_bytes_per_token(cfg: JobConfig, shape: Shape, counts: Counts, size: Dt
     full = not cfg.lora.enabled
     norms = 2 * _norm_bytes(h, size, trainable=full)
     inputs = (3 + 2) * h * a if casts else 2 * h * size.residual
-    eager = counts.sinks and cfg.model.attn_implementation in ("auto", "varlen", "eager")
+    eager = holds_scores(cfg.model.attn_implementation, counts, kind)
     attention = _attention_bytes(shape, size, kind, cfg.data.max_length, eager) + q * a  # + o_proj's input
     total = norms + inputs + attention + (q + 2 * kv) * a + _mlp_bytes(shape, size)
     if cfg.lora.enabled:
@@ -378,9 +379,23 @@ def _norm_bytes(hidden: int, size: Dtypes, trainable: bool) -> float:
     return hidden * (4 + (size.residual if trainable else 0))
 
 
+def holds_scores(requested: str, counts: Counts, kind: Gpu) -> bool:
+    """Whether the attention the job chooses on `kind` keeps each document's [heads, L, L] softmax for backward in
+    every layer: eager itself, and trainyard's varlen where it runs the family's eager attention (soft-capping,
+    sinks); not flash-attention or flex_attention, auto's GPU choices for those (attention.auto_choice, flash_attn
+    assumed installed). On a CPU always: varlen's short-document matmuls keep it too, and flex cannot train there."""
+    if kind.device_name is None:
+        return True
+    found = list(counts.attention_features)
+    if requested == "auto":
+        requested = attention_room.auto_choice(found, "cuda", True, counts.attention_dropout)
+    eager_documents = attention_room.SOFTCAP in found or attention_room.SINKS in found
+    return requested == "eager" or (requested in ("varlen", attention_room.VARLEN) and eager_documents)
+
+
 def _attention_bytes(shape: Shape, size: Dtypes, kind: Gpu, document: int, eager: bool = False) -> float:
-    """Per token. On a GPU flash/sdpa saves its output and log-sum-exp, no scores; a family's eager attention
-    (`eager`: sinks) its softmax in the compute dtype (heads x document length per token) and k/v repeated to all
+    """Per token. On a GPU flash/sdpa/flex saves its output and log-sum-exp, no scores; eager attention (`eager`:
+    see holds_scores) its softmax in the compute dtype (heads x document length per token) and k/v repeated to all
     heads. On CPU trainyard's short-document path saves the fp32 softmax, its cast, and the repeated k/v."""
     a, q = size.compute, shape.heads * shape.head_dim
     if kind.device_name is not None and not eager:

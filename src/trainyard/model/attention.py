@@ -13,7 +13,8 @@ mask is built and no cross-document score is computed. Whatever a family adds is
 arguments its attention layer passes: `sliding_window` (per layer), `scaling`, `softcap` (Gemma 2's
 attention-logit soft-capping) and `s_aux` (gpt-oss's attention sinks). Documents of a family with
 soft-capping or sinks run through that family's own eager attention (transformers' code), given a
-causal (and windowed) mask of the document alone. Measured on SmolLM2-135M + LoRA (4 documents of
+causal (and windowed) mask of the document alone; on CUDA, auto runs those families through flex_attention
+instead (flex.py), which holds no [heads, L, L] scores. Measured on SmolLM2-135M + LoRA (4 documents of
 60-420 tokens, bf16 on one CPU core) a step took 2.2 s, against 2.7 s with sdpa's dense mask and
 6.2 s padded (benchmarks/RESULTS.md). Batches with an attention_mask (padded rows, generation) go
 to transformers' sdpa, or the family's eager attention where sdpa cannot honour the family.
@@ -37,6 +38,9 @@ from trainyard.config.data import DataConfig
 from trainyard.errors import ModelError
 
 VARLEN = "trainyard_varlen"
+FLEX = "trainyard_flex"
+"""flex_attention with a block mask per document (flex.py): what model.attn_implementation flex_attention runs, and
+auto's choice on CUDA for soft-capping or sinks where flash-attention cannot keep them."""
 FLASH = ("flash_attention_2", "flash_attention_3")
 IMPLEMENTATIONS = ("varlen", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
@@ -48,11 +52,12 @@ SUPPORTED_BY = {
     WINDOW: ("varlen", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"),
     SOFTCAP: ("varlen", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"),
     SINKS: ("varlen", "eager", "flex_attention"),
-    MASK_WITHOUT_POSITIONS: ("varlen", "flash_attention_2", "flash_attention_3"),
+    MASK_WITHOUT_POSITIONS: ("varlen", "flex_attention", "flash_attention_2", "flash_attention_3"),
 }
 """Which implementations compute each feature exactly on padding-free rows (tests/unit/model/test_families.py).
 sdpa has no soft-capping (transformers refuses it); the flash_attn package's kernels have no sinks; a family
-whose mask ignores position_ids (gpt-oss) lets packed documents see each other under sdpa, eager and flex."""
+whose mask ignores position_ids (gpt-oss) lets packed documents see each other under sdpa and eager (trainyard's
+flex reads the documents from position_ids)."""
 CPU_TRAINING = ("varlen", "sdpa", "eager")
 """flex_attention has no backward on CPU (torch 2.13); flash-attention needs CUDA."""
 _MASK_WITHOUT_POSITIONS = frozenset({"gpt_oss"})
@@ -93,19 +98,17 @@ def features(model: torch.nn.Module, packed: bool = True) -> list[str]:
 
 def choose(
     requested: str, model: torch.nn.Module, device: torch.device, training: bool = True, where: str | None = None,
-    packed: bool = True,
+    packed: bool = True, checkpointing: bool | str = False,
 ) -> str:
     """The transformers implementation for model.attn_implementation, refusing one that would drop a feature on
     the job's rows (`packed`: see packed_rows).
 
     auto: flash-attention varlen on a GPU with the flash_attn package where its kernels keep every feature of
-    the family, else `varlen`."""
+    the family; else on CUDA, flex_attention for soft-capping or sinks (the family's eager attention would hold
+    [heads, L, L] scores per layer); else `varlen`."""
     if requested == "auto":
-        found = features(model, packed)
-        flash = device.type == "cuda" and _has_flash_attn()
-        if flash and all("flash_attention_2" in SUPPORTED_BY[feature] for feature in found):
-            return "flash_attention_2"
-        return VARLEN
+        return auto_choice(features(model, packed), device.type, device.type == "cuda" and _has_flash_attn(),
+                           getattr(model.config, "attention_dropout", 0.0) or 0.0, checkpointing)
     refuse_dropped(requested, model, where, packed)
     if requested in FLASH and not (device.type == "cuda" and _has_flash_attn()):
         raise ModelError(
@@ -120,7 +123,23 @@ def choose(
             where=where,
             fix=f"use one of {', '.join(CPU_TRAINING)}, or auto",
         )
-    return VARLEN if requested == "varlen" else requested
+    return {"varlen": VARLEN, "flex_attention": FLEX}.get(requested, requested)
+
+
+def auto_choice(
+    found: list[str], device_type: str, flash: bool, dropout: float = 0.0, checkpointing: bool | str = False
+) -> str:
+    """auto's implementation for a family's `features` on a device (`flash`: flash_attn imports there): the one
+    rule for the job, the estimate and its trace. flex has no attention dropout. Soft-capping under activation
+    checkpointing stays on the family's eager attention: torch 2.13's flex gave wrong gradients for a score_mod
+    recomputed by checkpointing (dense CPU path; not yet checked on a GPU), and a wrong gradient costs more than
+    the [heads, L, L] scores."""
+    if flash and all("flash_attention_2" in SUPPORTED_BY[feature] for feature in found):
+        return "flash_attention_2"
+    flex_keeps_it = (SOFTCAP in found or SINKS in found) and not (SOFTCAP in found and checkpointing)
+    if device_type == "cuda" and flex_keeps_it and not dropout:
+        return FLEX
+    return VARLEN
 
 
 def refuse_dropped(requested: str, model: torch.nn.Module, where: str | None = None, packed: bool = True) -> None:
@@ -191,7 +210,7 @@ def varlen_attention(
     """Each document of each row on its own; [B, H, T, D] in, [B, T, H, D] out like transformers' sdpa."""
     position_ids = kwargs.pop("position_ids", None)
     kwargs.pop("is_causal", None)
-    _refuse_unknown(module, kwargs)
+    refuse_unknown(module, kwargs)
     if attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2]:
         return _masked_attention(module, query, key, value, attention_mask, kwargs), None
     rows = []
@@ -216,7 +235,7 @@ KNOWN_ARGUMENTS = frozenset({
 })
 
 
-def _refuse_unknown(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+def refuse_unknown(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
     """A family that passes its attention something this file does not know would lose it silently: stop."""
     unknown = [name for name, value in kwargs.items() if name not in KNOWN_ARGUMENTS and value not in (None, False)]
     if unknown:

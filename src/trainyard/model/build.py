@@ -26,6 +26,7 @@ from trainyard.atomic import exclusive_lock
 from trainyard.config import ModelConfig
 from trainyard.errors import ModelError
 from trainyard.model import attention
+from trainyard.model import flex  # noqa: F401  registers attention.FLEX with transformers
 from trainyard.model.source import architecture, first_sentence
 
 
@@ -63,7 +64,7 @@ def build_meta_model(  # type: ignore[no-untyped-def]
     for name, param in model.named_parameters():
         param.data = param.data.to(torch.float32 if kept(name) else dtype)  # from_config keeps norms in fp32 too
     model.config._attn_implementation = attention.choose(
-        cfg.attn_implementation, model, device, training, where, packed
+        cfg.attn_implementation, model, device, training, where, packed, cfg.gradient_checkpointing
     )
     return model
 

@@ -272,7 +272,7 @@ def _evaluator(job: Job):
             generate=cfg.eval.generate,
             max_new_tokens=cfg.eval.max_new_tokens,
             autocast=job.autocast,
-            padding_free=cfg.data.padding_free,
+            padding_free=attention.one_row(parallel.unwrap(job.model).config._attn_implementation, cfg.data),
             samples_path=samples_file(cfg.run_dir, step) if cfg.eval.generate else None,
             dpo=cfg.dpo if cfg.train.objective == "dpo" else None,
         )

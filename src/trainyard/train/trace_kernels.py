@@ -35,12 +35,13 @@ AttentionMaskInterface.register(FUSED, sdpa_mask)
 
 def traced_attention(requested: str, model: torch.nn.Module, packed: bool, where: str | None) -> str:
     """The implementation the job chooses on its GPUs (refusing what the job refuses), as it runs here: varlen,
-    sdpa and eager themselves; flash-attention (auto's choice where its kernels keep every feature of the family)
-    and flex_attention as FUSED."""
+    sdpa and eager themselves; flash-attention and flex_attention (auto's choices where flash keeps every feature of
+    the family, or for soft-capping and sinks) as FUSED."""
     attention.refuse_dropped(requested, model, where, packed)
     if requested == "auto":
-        flash = all("flash_attention_2" in attention.SUPPORTED_BY[one] for one in attention.features(model, packed))
-        return FUSED if flash else attention.VARLEN
+        dropout = getattr(model.config, "attention_dropout", 0.0) or 0.0
+        chosen = attention.auto_choice(attention.features(model, packed), "cuda", True, dropout)
+        return attention.VARLEN if chosen == attention.VARLEN else FUSED
     if requested in (*attention.FLASH, "flex_attention"):
         return FUSED
     return attention.VARLEN if requested == "varlen" else requested

@@ -115,22 +115,40 @@ def test_activation_checkpointing_keeps_only_block_inputs_and_one_block() -> Non
     )
 
 
-def test_a_family_with_sinks_keeps_each_document_s_scores_on_a_gpu(tmp_path) -> None:
-    """gpt-oss: flash kernels drop sinks, so auto runs its eager attention on each document on a GPU too, whose
-    softmax (bf16, heads x document length per token) and k/v repeated to every head stay for backward in each
-    layer; flex_attention keeps its output and log-sum-exp. (A gpt-oss-20b-shaped job, 4,096-token documents,
-    2 layers, FSDP2 on 8 GPUs: traced 15.2 GiB, formula 8.0 GiB before, 12.0 GiB now.)"""
-    job = tmp_path / "gpt-oss.yaml"
-    config = "\n".join(f"    {key}: {value}" for key, value in settings("gpt_oss").items() if key != "vocab_size")
-    job.write_text(f"model:\n  config:\n{config}\n  tokenizer: builtin:bytes\ndata:\n  max_length: 512\n")
-    h100 = estimate.Hardware("h100-80gb", 1, 1)
-    cfg = load_config(str(job))
-    eager = estimate.estimate(cfg, h100).memory
-    padded_flex = ["model.attn_implementation=flex_attention", "data.padding_free=false"]
-    flex = estimate.estimate(load_config(str(job), padded_flex), h100).memory
-    tokens, layers, heads, q = cfg.train.micro_batch_size * 512, 2, 4, 4 * 16
-    fused = q * 2 + heads * 4  # flex's output and log-sum-exp
-    assert eager.activations - flex.activations == layers * tokens * (heads * 512 * 2 + 2 * q * 2 - fused)
+def _family_job(tmp_path, family: str) -> str:
+    job = tmp_path / f"{family}.yaml"
+    config = "\n".join(f"    {key}: {value}" for key, value in settings(family).items() if key != "vocab_size")
+    job.write_text(f"model:\n  config:\n{config}\n  tokenizer: builtin:bytes\ndata:\n  max_length: 512\n"
+                   "train:\n  precision: fp32\n")
+    return str(job)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_on_a_gpu_only_eager_documents_keep_their_scores(tmp_path, family: str) -> None:
+    """Soft-capping (Gemma 2) and sinks (gpt-oss) on a GPU: auto runs flash-attention or flex_attention, which keep
+    the output and its log-sum-exp; varlen runs the family's eager attention on each document, whose softmax (heads x
+    document length per token: H·L² per document per layer) and k/v repeated to every head stay for backward."""
+    job, h100 = _family_job(tmp_path, family), estimate.Hardware("h100-80gb", 1, 1)
+    auto = estimate.estimate(load_config(job), h100).memory
+    flex = estimate.estimate(load_config(job, ["model.attn_implementation=flex_attention"]), h100).memory
+    eager = estimate.estimate(load_config(job, ["model.attn_implementation=varlen"]), h100).memory
+    cfg = load_config(job)
+    tokens, length, layers, heads, q = cfg.train.micro_batch_size * 512, 512, 2, 4, 4 * 16
+    fused = q * 4 + heads * 4  # fp32: the kernel's output and log-sum-exp
+    assert auto.activations == flex.activations
+    assert eager.activations - auto.activations == layers * tokens * (heads * length * 4 + 2 * q * 4 - fused)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_on_a_cpu_every_document_keeps_its_scores(tmp_path, family: str) -> None:
+    """On a CPU flex cannot train: auto runs varlen, whose documents keep their fp32 scores (H·L² per document per
+    layer) where the same job on a GPU keeps none."""
+    job = _family_job(tmp_path, family)
+    cpu = estimate.estimate(load_config(job), estimate.Hardware("cpu", 1, 1)).memory
+    gpu = estimate.estimate(load_config(job), estimate.Hardware("h100-80gb", 1, 1)).memory
+    cfg = load_config(job)
+    tokens, length, layers, heads, q = cfg.train.micro_batch_size * 512, 512, 2, 4, 4 * 16
+    assert cpu.activations - gpu.activations == layers * tokens * (heads * length * 4 + 2 * q * 4 - q * 4 - heads * 4)
 
 
 def test_ring_collectives_and_young_daly() -> None:

@@ -110,7 +110,7 @@ def test_refusals_name_the_feature_and_the_implementations_that_can() -> None:
                                          r"keep them: varlen, eager, flex_attention, flash_attention_2"):
         attention.choose("sdpa", build("gemma2", "eager"), CPU, where="job.yaml:7")
     with pytest.raises(ModelError, match=r"eager drops the document isolation \(its mask ignores position_ids\) "
-                                         r"of gpt_oss.*keep them: varlen\nFix"):
+                                         r"of gpt_oss.*keep them: varlen, flex_attention\nFix"):
         attention.refuse_dropped("eager", build("gpt_oss", "eager"))
     with pytest.raises(ModelError, match="sdpa drops the attention sinks and document isolation"):
         attention.refuse_dropped("sdpa", build("gpt_oss", "eager"))

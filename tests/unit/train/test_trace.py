@@ -147,14 +147,15 @@ def test_fp32_experts_are_traced_and_their_peak_is_the_formula_s() -> None:
 
 
 def test_the_trace_runs_the_attention_the_job_chooses(tmp_path) -> None:
-    """gpt-oss (attention sinks): the job's auto runs trainyard's varlen, which the trace runs too; an implementation
-    the job refuses is refused by the trace with the job's message, exit 2."""
+    """gpt-oss (attention sinks): the job's auto runs flex_attention on its GPUs, which the trace runs as the fused
+    kernel it is; an implementation the job refuses is refused by the trace with the job's message, exit 2."""
     job = tmp_path / "gpt-oss.yaml"
     config = "\n".join(f"    {key}: {value}" for key, value in settings("gpt_oss").items() if key != "vocab_size")
     job.write_text(f"model:\n  config:\n{config}\n  tokenizer: builtin:bytes\ndata:\n  max_length: 64\n")
     result = run_cli("estimate", str(job), "--trace")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "the job's auto, traced as trainyard_varlen" in result.stdout and "peak of live tensors" in result.stdout
+    assert "the job's auto, traced as trainyard_trace_fused" in result.stdout
+    assert "peak of live tensors" in result.stdout
     refused = run_cli("estimate", str(job), "--trace", "model.attn_implementation=sdpa")
     assert refused.returncode == 2 and "sdpa drops the attention sinks" in refused.stderr
 
@@ -169,3 +170,16 @@ def test_a_full_fine_tune_s_head_gradient_is_counted_as_the_loss_holds_it() -> N
     result = trace.trace(load_config(SCRATCH, llama_8b), estimate.Hardware("h100-80gb", 8, 1), LAYERS)
     assert result.formula.head_gradient == 128256 * 4096 * 2
     assert 0.9 < result.peak_bytes / result.formula.peak_tensor_bytes < 1.1
+
+
+@pytest.mark.parametrize("family", ["gemma2", "deepseek_v3"])
+def test_a_family_traces_with_the_kernel_its_job_chooses_on_a_gpu(tmp_path, family: str) -> None:
+    """On a GPU auto runs flash-attention, or flex_attention for soft-capping and sinks (Gemma 2; gpt-oss above),
+    whose saved tensors the trace's fused kernel holds. (Every family of tests/unit/model/families.py traces so;
+    these two, soft-capping and MLA's head sizes, stand for the rest here.)"""
+    job = tmp_path / f"{family}.yaml"
+    config = "\n".join(f"    {key}: {value}" for key, value in settings(family).items() if key != "vocab_size")
+    job.write_text(f"model:\n  config:\n{config}\n  tokenizer: builtin:bytes\ndata:\n  max_length: 64\n")
+    result = trace.trace(load_config(str(job)), estimate.Hardware("h100-80gb", 1, 1))
+    assert result.peak_bytes > result.static_bytes
+    assert "the job's auto, traced as trainyard_trace_fused" in result.notes[0], result.notes
