@@ -21,12 +21,10 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/trainyard train
 
-# Two pytest workers: the tests that start ranks run one at a time on one (tests/conftest.py), single-process
-# tests beside them on the other. TEST_WORKERS=0 runs everything in this process, in order.
-TEST_WORKERS ?= 2
-
+# Two pytest processes side by side: the tests that start ranks one at a time in one, the single-process tests
+# in the other; then the 40 slowest of both (tests/suite.py).
 test: $(STAMP)
-	$(PY) -m pytest -q -rs --durations=40 -n $(TEST_WORKERS) --dist loadgroup tests
+	$(PY) tests/suite.py
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit

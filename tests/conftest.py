@@ -25,22 +25,19 @@ TINY_MOE = str(REPO / "configs" / "tiny-moe.yaml")
 SEED = int(os.environ.get("TRAINYARD_TEST_SEED") or random.SystemRandom().randrange(10**6))
 
 
-RANKS_AND_PORTS = "ranks-and-ports"
-"""`make test` runs two pytest workers (pytest-xdist, `--dist loadgroup`): every test that starts ranks, shares a
-world, or binds a fixed port is in this one group, so they run one at a time on one worker, in file order, while
-the single-process tests fill the other core (a launch spends a third of its time waiting on start-up, timeouts
-and rendezvous)."""
 SHARED_FIXTURES = {"world", "solo", "worlds", "hosts"}
 SERIAL_FILES = {"test_node_range.py", "test_diloco_ft.py", "test_bad_inputs.py"}
 """Single-process test files that bind fixed ports or launch ranks."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`ranks`: the tests that start ranks, share a world or bind a fixed port. `make test` (tests/suite.py) runs
+    them one at a time in one process and the others beside them in another."""
     for item in items:
         folder = item.path.relative_to(REPO / "tests").parts[0]
         if folder in ("dist", "e2e", "gpu") or item.path.name in SERIAL_FILES or \
                 SHARED_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group(RANKS_AND_PORTS))
+            item.add_marker(pytest.mark.ranks)
 
 
 def trainyard(

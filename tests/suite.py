@@ -1,0 +1,58 @@
+"""`make test`: the whole suite as two pytest processes side by side, then one report.
+
+Every test that starts ranks, shares a world or binds a fixed port is marked `ranks` (tests/conftest.py); those run
+one at a time, in file order, in one process. The single-process tests run in the other, on the core a launch
+leaves idle while it waits on start-up, rendezvous and timeouts. (pytest-xdist's `loadgroup` would do this, but
+its groups are lost under pytest 9.2: it renames items through an attribute pytest no longer reads.)
+
+Usage: python tests/suite.py [pytest arguments, e.g. -x or tests/unit]"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+SLOWEST = 40
+
+
+def pytest(marker: str, work: Path, extra: list[str], output: Path | None) -> subprocess.Popen[bytes]:
+    """One pytest process over the tests with (`ranks`) or without (`not ranks`) the marker."""
+    name = marker.replace(" ", "-")
+    command = [
+        sys.executable, "-m", "pytest", "-q", "-rs", "-m", marker, f"--junitxml={work / name}.xml",
+        f"--basetemp={work / name}", *(["-p", "no:cacheprovider"] if output else []), *extra,
+    ]
+    stdout = open(output, "wb") if output else None  # noqa: SIM115 (closed when the process has ended)
+    return subprocess.Popen(command, stdout=stdout, stderr=subprocess.STDOUT if output else None)
+
+
+def durations(report: Path) -> list[tuple[float, str]]:
+    if not report.is_file():
+        return []
+    cases = ElementTree.parse(report).getroot().iter("testcase")
+    return [(float(case.get("time", 0)), f"{case.get('classname', '')}::{case.get('name', '')}") for case in cases]
+
+
+def main(extra: list[str]) -> int:
+    with tempfile.TemporaryDirectory(prefix="trainyard-suite-") as tmp:
+        work = Path(tmp)
+        single_log = work / "single.log"
+        single = pytest("not ranks", work, extra or ["tests"], single_log)
+        ranks = pytest("ranks", work, extra or ["tests"], None)
+        codes = {"ranks": ranks.wait(), "single-process": single.wait()}
+        print(f"\n===== the single-process tests (run beside the ones above) =====\n{single_log.read_text()}")
+        slowest = sorted(durations(work / "ranks.xml") + durations(work / "not-ranks.xml"), reverse=True)
+        print(f"===== the {SLOWEST} slowest tests of both (setup + call + teardown) =====")
+        for seconds, test in slowest[:SLOWEST]:
+            print(f"{seconds:8.2f}s {test}")
+    # pytest's 5: no test selected (a marker or path that leaves one side empty) is not a failure here
+    failed = {side: code for side, code in codes.items() if code not in (0, 5)}
+    print(f"exit codes: {codes}" + ("" if not failed else f"; failed: {', '.join(failed)}"))
+    return max(failed.values(), default=0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
