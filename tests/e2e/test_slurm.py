@@ -310,7 +310,7 @@ def _lighthouses(port: int) -> list[int]:
             argv = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
         except OSError:
             continue
-        if argv and argv[0].endswith(b"torchft_lighthouse") and f"[::]:{port}".encode() in argv:
+        if any(arg.endswith(b"torchft_lighthouse") for arg in argv[:2]) and f"[::]:{port}".encode() in argv:
             pids.append(int(proc.name))
     return pids
 
@@ -333,7 +333,7 @@ def test_the_lighthouse_job_restarts_a_lighthouse_that_died_and_requeues_itself(
     job_id = submitted.stdout.strip().split(";")[0]
     log = tmp_path / "runs" / "tiny" / "logs" / f"lighthouse-{job_id}.out"
     try:
-        _wait(lambda: len(_lighthouses(port)) == 1, 120, "the lighthouse to start")
+        _wait(lambda: len(_lighthouses(port)) == 1, 40, "the lighthouse to start")
         first = _lighthouses(port)[0]
         os.kill(first, signal.SIGKILL)
         _wait(lambda: _lighthouses(port) not in ([], [first]), 120, "the lighthouse to be restarted")
@@ -341,5 +341,9 @@ def test_the_lighthouse_job_restarts_a_lighthouse_that_died_and_requeues_itself(
         subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, env=env)
         _wait(lambda: job_field(job_id, "Restarts", slurm) == "1", 60, "the job to requeue itself")
         assert "requeueing the lighthouse" in log.read_text()
+    except BaseException:
+        state = f"job {job_id} is {job_field(job_id, 'JobState', slurm)} ({job_field(job_id, 'Reason', slurm)})"
+        print(state + _story(log, tmp_path / "runs" / "tiny", slurm))  # shown with the failure
+        raise
     finally:
         subprocess.run(["scancel", job_id], capture_output=True, check=False, env=env)
