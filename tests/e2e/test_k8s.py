@@ -136,3 +136,25 @@ def test_strict_schema_catches_a_misplaced_field(pytorchjob: tuple[str, dict[str
     job["spec"]["pytorchReplicaSpecs"]["Master"]["restartPolicyy"] = "ExitCode"
     with pytest.raises(jsonschema.ValidationError, match="restartPolicyy"):
         jsonschema.validate(job, crd_schema("kubeflow.org_pytorchjobs.yaml"))
+
+
+def test_fault_tolerant_sites_and_their_lighthouse_validate() -> None:
+    """A fault-tolerant DiLoCo job: a PyTorchJob per site, the lighthouse's Deployment and Service, all accepted.
+    Rendered in this process: the CLI's path to it is the one the tests above take."""
+    from trainyard.launch.ft_cluster import load_job, render_manifests
+    from trainyard.launch.k8s import K8sJob
+
+    ft = ["dist.strategy=diloco", "diloco.fault_tolerant=true", "diloco.sites=2", "diloco.lighthouse=lh:29600",
+          f"model.config.api_key={PLANTED_CONFIG_KEY}", *NETWORK]
+    job = K8sJob(nodes=2, gpus_per_node=8, image="registry.example.com/ml/trainyard:0.1", namespace="ml",
+                 secrets=("team-tokens",))
+    text = render_manifests(load_job(TINY, ft), job)
+    docs = list(yaml.safe_load_all(text))
+    kinds = [doc["kind"] for doc in docs]
+    assert kinds == ["ConfigMap", "PersistentVolumeClaim", "Service", "Deployment", "PyTorchJob", "PyTorchJob"]
+    for doc in docs:
+        if doc["kind"] == "PyTorchJob":
+            jsonschema.validate(doc, crd_schema("kubeflow.org_pytorchjobs.yaml"))
+        else:
+            validate_core(doc)
+    assert_no_secret(text)

@@ -13,6 +13,7 @@ import os
 import pwd
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -299,3 +300,50 @@ def test_the_gpu_kind_comes_from_the_partitions_gres_type(slurm: dict[str, str],
     said = " ".join(untyped.stderr.split())
     assert untyped.returncode == 0, said
     assert "GRES type" not in said and "estimated by trainyard for 1 x 2 h100-80gb (assumed: pass --gpu KIND)" in said
+
+
+def _lighthouses(port: int) -> list[int]:
+    """The pids of the torchft lighthouse this test's job runs, found by its own port."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
+        except OSError:
+            continue
+        if any(arg.endswith(b"torchft_lighthouse") for arg in argv[:2]) and f"[::]:{port}".encode() in argv:
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_the_lighthouse_job_restarts_a_lighthouse_that_died_and_requeues_itself(
+    slurm: dict[str, str], tmp_path: Path
+) -> None:
+    """The script `trainyard slurm` writes for a fault-tolerant job's lighthouse: killed, it is restarted within the
+    same job; the time limit's USR1 (to the batch shell, as --signal=B:USR1 sends it) requeues the job."""
+    port = _free_port()
+    job = [TINY, "dist.strategy=diloco", "diloco.fault_tolerant=true", "diloco.sites=2",
+           f"diloco.lighthouse={socket.gethostname()}:{port}"]
+    written = run_cli("slurm", *job, "--nodes", "1", "--gpus-per-node", "0", "--out", str(tmp_path / "job.sbatch"),
+                      cwd=tmp_path, env=slurm)
+    assert written.returncode == 0, written.stderr
+    env = {**os.environ, **slurm}
+    submitted = subprocess.run(["sbatch", "--parsable", str(tmp_path / "job-lighthouse.sbatch")], capture_output=True,
+                               text=True, env=env, check=False)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    log = tmp_path / "runs" / "tiny" / "logs" / f"lighthouse-{job_id}.out"
+    try:
+        _wait(lambda: len(_lighthouses(port)) == 1, 40, "the lighthouse to start")
+        first = _lighthouses(port)[0]
+        os.kill(first, signal.SIGKILL)
+        _wait(lambda: _lighthouses(port) not in ([], [first]), 120, "the lighthouse to be restarted")
+        assert "; restarting it in" in log.read_text()  # said by the loop that restarted it
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, env=env)
+        _wait(lambda: job_field(job_id, "Restarts", slurm) == "1", 60, "the job to requeue itself")
+        assert "requeueing the lighthouse" in log.read_text()
+    except BaseException:
+        state = f"job {job_id} is {job_field(job_id, 'JobState', slurm)} ({job_field(job_id, 'Reason', slurm)})"
+        print(state + _story(log, tmp_path / "runs" / "tiny", slurm))  # shown with the failure
+        raise
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, check=False, env=env)

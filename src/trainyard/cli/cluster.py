@@ -21,6 +21,7 @@ from trainyard.redaction import redact_text
 
 if TYPE_CHECKING:
     from trainyard.config import JobConfig
+    from trainyard.launch.ft_cluster import Script
     from trainyard.plan import Target
 
 # Options that `slurm` and `k8s` share, declared once so both keep the same flag and help.
@@ -139,25 +140,48 @@ def lighthouse_command(args: ConfigArgs) -> None:
     Kubernetes Deployment that restarts it)."""
     import os
 
-    from trainyard import config_file as config_room
+    from trainyard.launch.ft_cluster import load_job
     from trainyard.launch.lighthouse import command
 
     config_path, overrides = _config_and_overrides(args)
-    argv = command(config_room.load_config(config_path, overrides))
+    argv = command(load_job(config_path, overrides))  # no diloco.site: the lighthouse serves every site
     err_console.print(f"running: {' '.join(argv)}", highlight=False, markup=False, soft_wrap=True)
     os.execve(argv[0], argv, {"RUST_LOG": "warn", **os.environ})
 
 
-def _load_job_and_check_out(args: list[str], out: Path | None, force: bool) -> tuple[str, list[str], "JobConfig"]:
-    """CONFIG and its overrides read into the job, then --out checked: a file that would be refused fails before
-    any script is built."""
-    from trainyard import config_file as config_room
+def _load_job_and_check_out(
+    args: list[str], out: Path | None, force: bool, files_per_site: bool = False
+) -> tuple[str, list[str], "JobConfig"]:
+    """CONFIG and its overrides read into the job (a fault-tolerant one as site 0's), then --out checked: a file
+    that would be refused fails before any script is built. `files_per_site`: a fault-tolerant job's --out names
+    the files written beside it (checked when they are known)."""
+    from trainyard.launch.ft_cluster import load_job
 
     config_path, overrides = _config_and_overrides(args)
-    cfg = config_room.load_config(config_path, overrides)
-    if out is not None:
+    cfg = load_job(config_path, overrides)
+    if out is not None and not (files_per_site and cfg.diloco.fault_tolerant):
         _check_out(out, force, config_path)
     return config_path, overrides, cfg
+
+
+def _write_site_scripts(
+    scripts: list[Script], out: Path | None, force: bool, submit: bool, config_path: str, cfg: "JobConfig"
+) -> None:
+    """A fault-tolerant DiLoCo job's scripts (the lighthouse's, then one per site) beside --out (default: in the
+    run dir), each checked as --out is; with --submit, sbatch on each, in that order."""
+    from trainyard.launch import ft_cluster
+    from trainyard.launch.slurm import submit as sbatch
+
+    base = out or ft_cluster.job_root(cfg) / f"{cfg.run_name}.sbatch"
+    paths = [ft_cluster.script_path(base, script.role) for script in scripts]
+    for path in paths:
+        _check_out(path, force, config_path)
+    for script, path in zip(scripts, paths):
+        _write_out(path, script.text)
+        script.log_dir.mkdir(parents=True, exist_ok=True)  # sbatch would not create it, and would log nothing
+    err_console.print(ft_cluster.submit_order(cfg, paths), highlight=False, markup=False, soft_wrap=True)
+    for script, path in zip(scripts, paths):
+        print(f"{script.role} {sbatch(path)}" if submit else path)
 
 
 def _check_before_writing(
@@ -235,10 +259,12 @@ def slurm(
     submit: Annotated[bool, typer.Option("--submit", help="run sbatch on the script and print the job id")] = False,
     skip_data_check: SkipDataCheckOption = False,
 ) -> None:
-    """Write an sbatch script: one `trainyard launch` per node, requeued when preempted."""
+    """Write an sbatch script: one `trainyard launch` per node, requeued when preempted. A fault-tolerant DiLoCo
+    job: one script per site and one for its lighthouse."""
+    from trainyard.launch import ft_cluster
     from trainyard.launch import slurm as slurm_room
 
-    config_path, overrides, cfg = _load_job_and_check_out(args, out, force)
+    config_path, overrides, cfg = _load_job_and_check_out(args, out, force, files_per_site=True)
     job = slurm_room.SlurmJob(
         config=config_path,
         overrides=tuple(overrides),
@@ -263,6 +289,9 @@ def slurm(
     notes = [job.node_source] if job.node_source else []
     notes.append(f"SIGUSR1 {lead.seconds} s before the time limit: {lead.reason}")
     err_console.print("\n".join(notes), highlight=False, markup=False, soft_wrap=True)
+    if cfg.diloco.fault_tolerant:
+        _write_site_scripts(ft_cluster.slurm_scripts(job, cfg, lead), out, force, submit, config_path, cfg)
+        return
     if out is None and not submit:
         print(text, end="")
         return
@@ -324,10 +353,12 @@ def k8s(
     ] = None,
     skip_data_check: SkipDataCheckOption = False,
 ) -> None:
-    """Write Kubernetes manifests: the job, its ConfigMap, a shared volume, secret references."""
+    """Write Kubernetes manifests: the job, its ConfigMap, a shared volume, secret references. A fault-tolerant
+    DiLoCo job: one job per site, and a Deployment and Service for its lighthouse."""
     import dataclasses
 
     from trainyard.estimate import Hardware, host_memory
+    from trainyard.launch import ft_cluster
     from trainyard.launch import k8s as k8s_room
 
     _, _, cfg = _load_job_and_check_out(args, out, force)
@@ -345,13 +376,19 @@ def k8s(
         grace_s=grace if grace is not None else k8s_room.K8sJob.grace_s,  # until the estimate below
         runtime=runtime,
     )
-    k8s_room.render_manifests(cfg, job)  # checks the options before the job is planned
+    render = ft_cluster.render_manifests if cfg.diloco.fault_tolerant else k8s_room.render_manifests
+    render(cfg, job)  # checks the options before the job is planned
     target = _check_before_writing(cfg, gpu, gpus_per_node, k8s_room.nproc_per_node(job), nodes, skip_data_check)
     host = host_memory(cfg, Hardware(target.gpu, target.gpus_per_node, target.nodes))
     if grace is None:
         job = k8s_room.with_estimated_grace(job, cfg, target.gpu)
-    text = k8s_room.render_manifests(cfg, dataclasses.replace(job, memory_gib=host.request_gib))
+    text = render(cfg, dataclasses.replace(job, memory_gib=host.request_gib))
     notes = [f"terminationGracePeriodSeconds {job.grace_s}: {job.grace_reason}"]
+    if cfg.diloco.fault_tolerant:
+        name = k8s_room.k8s_name(cfg.run_name)
+        address = ft_cluster.service_address(name, namespace, ft_cluster.k8s_port(cfg))
+        notes.append(f"{ft_cluster.sites(cfg)} site(s), {name}-site-0 ...; their lighthouse: Deployment and Service "
+                     f"{name}-lighthouse, reached at {address}")
     moves = [f"  {move.describe()}" for move in k8s_room.volume_moves(cfg)]
     if moves:
         notes += [f"paths moved onto the shared volume at {k8s_room.DATA_MOUNT}:", *moves]

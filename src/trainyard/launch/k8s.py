@@ -65,6 +65,8 @@ class K8sJob:
     """TrainJob only: an existing ClusterTrainingRuntime instead of the generated runtime."""
     memory_gib: int | None = None
     """Host memory a pod requests: `trainyard estimate`'s peak for one node (estimate/host.py)."""
+    overrides: tuple[str, ...] = ()
+    """key=value after the job file on every pod's command line: a fault-tolerant DiLoCo site's diloco.site."""
 
 
 def k8s_name(run_name: str) -> str:
@@ -73,7 +75,7 @@ def k8s_name(run_name: str) -> str:
     return name or "trainyard"
 
 
-def _check(job: K8sJob) -> None:
+def check_options(job: K8sJob) -> None:
     if job.kind not in KINDS:
         raise OptionError(
             f"--kind '{job.kind}' is not one of {', '.join(KINDS)}", fix="use --kind pytorchjob or --kind trainjob"
@@ -245,7 +247,7 @@ def _resources(job: K8sJob) -> dict[str, Any]:
     return {"requests": {"cpu": nproc_per_node(job), **memory}}
 
 
-def _labels(name: str) -> dict[str, str]:
+def labels(name: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": "trainyard", "app.kubernetes.io/instance": name}
 
 
@@ -253,7 +255,7 @@ def config_map(name: str, namespace: str, cfg: JobConfig) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {"name": f"{name}-config", "namespace": namespace, "labels": _labels(name)},
+        "metadata": {"name": f"{name}-config", "namespace": namespace, "labels": labels(name)},
         "data": {"job.yaml": dump_config(cfg)},
     }
 
@@ -265,7 +267,7 @@ def volume_claim(name: str, job: K8sJob) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": {"name": f"{name}-data", "namespace": job.namespace, "labels": _labels(name)},
+        "metadata": {"name": f"{name}-data", "namespace": job.namespace, "labels": labels(name)},
         "spec": spec,
     }
 
@@ -273,22 +275,12 @@ def volume_claim(name: str, job: K8sJob) -> dict[str, Any]:
 def _pytorchjob_pod(name: str, cfg: JobConfig, job: K8sJob) -> dict[str, Any]:
     volumes, mounts = _volumes(name, job)
     command = [
-        "trainyard",
-        "launch",
-        CONFIG_FILE,
-        "--nnodes",
-        str(job.nodes),
-        "--nproc",
+        "trainyard", "launch", CONFIG_FILE, *job.overrides, "--nnodes", str(job.nodes), "--nproc",
         str(nproc_per_node(job)),
         # RANK, MASTER_ADDR and MASTER_PORT are set by the operator: pod index, master service
-        "--node-rank",
-        "$(RANK)",
-        "--master",
-        "$(MASTER_ADDR):$(MASTER_PORT)",
-        "--shutdown-timeout",
-        str(job.grace_s - SHUTDOWN_MARGIN_S),
-        "--preempt-exit-code",
-        str(RETRYABLE_PREEMPTED_EXIT_CODE),
+        "--node-rank", "$(RANK)", "--master", "$(MASTER_ADDR):$(MASTER_PORT)",
+        "--shutdown-timeout", str(job.grace_s - SHUTDOWN_MARGIN_S),
+        "--preempt-exit-code", str(RETRYABLE_PREEMPTED_EXIT_CODE),
     ]
     container = {
         "name": "pytorch",  # the operator injects its variables into the container of this name
@@ -300,7 +292,7 @@ def _pytorchjob_pod(name: str, cfg: JobConfig, job: K8sJob) -> dict[str, Any]:
         "volumeMounts": mounts,
     }
     return {
-        "metadata": {"labels": _labels(name)},
+        "metadata": {"labels": labels(name)},
         "spec": {"terminationGracePeriodSeconds": job.grace_s, "containers": [container], "volumes": volumes},
     }
 
@@ -313,7 +305,7 @@ def pytorchjob(name: str, cfg: JobConfig, job: K8sJob) -> dict[str, Any]:
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
-        "metadata": {"name": name, "namespace": job.namespace, "labels": _labels(name)},
+        "metadata": {"name": name, "namespace": job.namespace, "labels": labels(name)},
         "spec": {
             "nprocPerNode": str(nproc_per_node(job)),
             "runPolicy": {"backoffLimit": job.backoff_limit},
@@ -348,7 +340,7 @@ def training_runtime(name: str, job: K8sJob) -> dict[str, Any]:
     return {
         "apiVersion": "trainer.kubeflow.org/v1alpha1",
         "kind": "TrainingRuntime",
-        "metadata": {"name": f"{name}-runtime", "namespace": job.namespace, "labels": _labels(name)},
+        "metadata": {"name": f"{name}-runtime", "namespace": job.namespace, "labels": labels(name)},
         "spec": {
             "mlPolicy": {"numNodes": job.nodes, "torch": {"numProcPerNode": nproc_per_node(job)}},
             "template": {
@@ -378,19 +370,14 @@ def trainjob(name: str, cfg: JobConfig, job: K8sJob) -> dict[str, Any]:
     return {
         "apiVersion": "trainer.kubeflow.org/v1alpha1",
         "kind": "TrainJob",
-        "metadata": {"name": name, "namespace": job.namespace, "labels": _labels(name)},
+        "metadata": {"name": name, "namespace": job.namespace, "labels": labels(name)},
         "spec": {
             "runtimeRef": {"apiGroup": "trainer.kubeflow.org", **runtime},
             "trainer": {
                 "image": job.image,
                 # PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR/PORT come from the controller
-                "command": [
-                    "trainyard",
-                    "launch",
-                    CONFIG_FILE,
-                    "--shutdown-timeout",
-                    str(job.grace_s - SHUTDOWN_MARGIN_S),
-                ],
+                "command": ["trainyard", "launch", CONFIG_FILE, *job.overrides,
+                            "--shutdown-timeout", str(job.grace_s - SHUTDOWN_MARGIN_S)],
                 "numNodes": job.nodes,
                 "numProcPerNode": nproc_per_node(job),
                 "resourcesPerNode": _resources(job),
@@ -420,7 +407,7 @@ _Dumper.add_representer(
 )
 
 
-def _document(comment: str, obj: dict[str, Any]) -> str:
+def document(comment: str, obj: dict[str, Any]) -> str:
     """One YAML document under its comment; the comment is redacted (paths may hold a token's value)."""
     lines = [f"# {line}" if line else "#" for line in redact_text(comment).strip().splitlines()]
     return "\n".join(lines) + "\n" + yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=100)
@@ -441,7 +428,7 @@ def _memory_note(job: K8sJob) -> str:
             "node's processes\n(libraries, the load and async-save copies, a random init drawn once per node).")
 
 
-def _comments(name: str, cfg: JobConfig, job: K8sJob) -> dict[str, str]:
+def comments(name: str, cfg: JobConfig, job: K8sJob) -> dict[str, str]:
     grace, why = job.grace_s, textwrap.fill(f"{job.grace_s} s: {job.grace_reason}.", 110, subsequent_indent="  ")
     return {
         "config": f"""
@@ -480,19 +467,19 @@ Secrets are env entries from Secrets (secretKeyRef): no value is in this file.{_
 
 def render_manifests(cfg: JobConfig, job: K8sJob) -> str:
     """All documents, in the order `kubectl apply -f` should create them."""
-    _check(job)
+    check_options(job)
     name = k8s_name(cfg.run_name)
     pod_cfg = cluster_config(cfg)
-    notes = _comments(name, cfg, job)
-    documents = [_document(notes["config"], config_map(name, job.namespace, pod_cfg))]
+    notes = comments(name, cfg, job)
+    documents = [document(notes["config"], config_map(name, job.namespace, pod_cfg))]
     if job.pvc is None:
-        documents.append(_document(notes["pvc"], volume_claim(name, job)))
+        documents.append(document(notes["pvc"], volume_claim(name, job)))
     if job.kind == "pytorchjob":
-        documents.append(_document(notes["pytorchjob"], pytorchjob(name, pod_cfg, job)))
+        documents.append(document(notes["pytorchjob"], pytorchjob(name, pod_cfg, job)))
     else:
         if job.runtime is None:
-            documents.append(_document(notes["runtime"], training_runtime(name, job)))
-        documents.append(_document(notes["trainjob"], trainjob(name, pod_cfg, job)))
+            documents.append(document(notes["runtime"], training_runtime(name, job)))
+        documents.append(document(notes["trainjob"], trainjob(name, pod_cfg, job)))
     header = (
         f"# trainyard job '{cfg.run_name}' for Kubernetes, written by `trainyard k8s`. "
         "Apply with: kubectl apply -f THIS_FILE\n"

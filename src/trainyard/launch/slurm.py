@@ -60,6 +60,8 @@ class SlurmJob:
     """The device kind (`trainyard estimate --gpu`) the signal lead is estimated for; None: the partition's GRES
     type where sinfo names one (`with_node_defaults`), else assumed."""
     node_source: str | None = None
+    name: str | None = None
+    """The Slurm job's name (default: the run name); a fault-tolerant DiLoCo site's is <run>-site-S."""
     """Where gpus_per_node / cpus_per_task came from when not from the command line (e.g. sinfo)."""
 
 
@@ -250,7 +252,7 @@ def _cpu_lines(job: SlurmJob) -> list[str]:
 
 def _sbatch_lines(job: SlurmJob, cfg: JobConfig, log_dir: Path, lead: SignalLead) -> list[str]:
     lines = [
-        f"#SBATCH --job-name={cfg.run_name}",
+        f"#SBATCH --job-name={job.name or cfg.run_name}",
         f"#SBATCH --nodes={job.nodes}",
         "#SBATCH --ntasks-per-node=1            # one launcher per node; torchrun starts the workers",
     ]
@@ -333,9 +335,9 @@ def resolve(job: SlurmJob, cfg: JobConfig) -> tuple[SlurmJob, SignalLead]:
     return job, lead
 
 
-def render_sbatch(job: SlurmJob, cfg: JobConfig, lead: SignalLead | None = None) -> str:
+def render_sbatch(job: SlurmJob, cfg: JobConfig, lead: SignalLead | None = None, about: tuple[str, ...] = ()) -> str:
     """The whole script, as text. Secrets stay in --env-file, read on the nodes at run time.
-    `lead`: from `resolve` (which `job` then came from), else resolved here."""
+    `lead`: from `resolve` (which `job` then came from), else resolved here. `about`: comment lines said first."""
     if lead is None:
         job, lead = resolve(job, cfg)
     nic = job.nic or cfg.dist.nic
@@ -344,6 +346,7 @@ def render_sbatch(job: SlurmJob, cfg: JobConfig, lead: SignalLead | None = None)
     header = [
         "#!/bin/bash",
         f"# trainyard job '{cfg.run_name}': {job.nodes} node(s) x {nproc} process(es), written by `trainyard slurm`.",
+        *(f"# {line}" for line in about),
         "# Read it, edit it, then: sbatch THIS_FILE. Slurm runs it on the first node of the allocation;",
         "# srun starts one `trainyard launch` per node, each starts torchrun with its workers, and the",
         "# nodes meet at a c10d rendezvous on the first node. Training resumes from checkpoints/LATEST.",
