@@ -29,10 +29,11 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from trainyard import dist
 from trainyard.errors import ConfigError
+from trainyard.estimate import experts as estimate_experts
 from trainyard.model.moe_lora import LowRank, expert_counts, experts_on_sorted, grouped_experts_forward, wrapper_chain
 from trainyard.model.weights import InMemory, RowReader, SafetensorsFolder, checkpoint_key
 
-FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss")
+FAMILIES = estimate_experts.FAMILIES
 """Families whose EP loss and gradients are proven equal to one process's (tests/dist/test_expert_parallel.py)."""
 STRATEGIES = ("fsdp", "hsdp")
 
@@ -151,6 +152,12 @@ def meshes_of(model: torch.nn.Module) -> tuple[ExpertMeshes, int] | None:
         if hasattr(module, "expert_meshes"):
             return module.expert_meshes, module.local_experts
     return None
+
+
+def size_of(model: torch.nn.Module) -> int | None:
+    """The EP size a model was built with; None without expert parallelism."""
+    found = meshes_of(model)
+    return None if found is None else found[0].ep.size()
 
 
 def whole_stacks(model: torch.nn.Module, state: Any) -> Any:
