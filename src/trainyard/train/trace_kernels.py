@@ -1,5 +1,6 @@
 """What `estimate --trace` runs in place of the job's kernels where those cannot run on CPU fake tensors, each holding
-the tensors the job's kernel holds: the attention the job chooses, and torch's grouped product in any dtype."""
+the tensors the job's kernel holds: the attention the job chooses, torch's grouped product in any dtype, and EP's
+token exchange with the split sizes balanced routing gives (fake tensors hold no expert ids to count)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from trainyard import dist
 from trainyard.model import attention
+from trainyard.model.moe_lora import LowRank, experts_on_sorted
+from trainyard.parallel import expert_parallel
 
 FUSED = "trainyard_trace_fused"
 """Stands in for flash-attention and flex_attention: what they save (the output and its log-sum-exp, no scores) is
@@ -59,3 +63,30 @@ class GroupedMmInAnyDtype(TorchDispatchMode):
             out_dtype = rest[2] if len(rest) > 2 else kwargs.get("out_dtype")
             return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
         return func(*args, **kwargs)
+
+
+class BalancedExchange(expert_parallel.TokenExchange):
+    """EP's exchange where every rank sends each rank (itself included) an equal share of its routed rows, spread
+    evenly over that rank's experts: the all-to-alls and grouped products of the job at balanced routing."""
+
+    def __call__(
+        self, experts: torch.nn.Module, adapters: dict[str, LowRank], rows: torch.Tensor, expert_ids: torch.Tensor
+    ) -> torch.Tensor:
+        local = self.experts // self.ranks
+        splits = _even(rows.size(0), self.ranks)
+        arrived = dist.all_to_all_rows(rows, splits, splits, self.group)
+        local_ids = torch.arange(arrived.size(0)) * local // max(arrived.size(0), 1)  # sorted, evenly spread
+        out = experts_on_sorted(experts, adapters, arrived, local_ids)
+        return dist.all_to_all_rows(out, splits, splits, self.group)
+
+
+def _even(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if index < total % parts else 0) for index in range(parts)]
+
+
+def balanced_exchanges(model: torch.nn.Module) -> None:
+    """Each EP expert stack's token exchange as `BalancedExchange` (no-op without EP)."""
+    for module in model.modules():
+        exchange = getattr(module, "token_exchange", None)
+        if isinstance(exchange, expert_parallel.TokenExchange):
+            module.token_exchange = BalancedExchange(exchange.group, exchange.ranks, exchange.experts)

@@ -169,3 +169,22 @@ def test_a_full_fine_tune_s_head_gradient_is_counted_as_the_loss_holds_it() -> N
     result = trace.trace(load_config(SCRATCH, llama_8b), estimate.Hardware("h100-80gb", 8, 1), LAYERS)
     assert result.formula.head_gradient == 128256 * 4096 * 2
     assert 0.9 < result.peak_bytes / result.formula.peak_tensor_bytes < 1.1
+
+
+def test_expert_parallel_traces_one_rank_s_experts_and_its_all_to_alls(traced) -> None:
+    """glm45air on 2 x 8 with dist.expert_parallel 8: rank 0 holds 16 of the 128 experts whole; no all-gather brings
+    in an expert stack, and each micro-batch sends the routed rows of its MoE layer by all-to-all over the 8 ranks
+    of its node: dispatch and combine, forward, backward and the checkpointed forward's recompute (balanced
+    routing: each call puts in every routed (token, expert) row of the micro-batch)."""
+    cfg = load_config(GLM, ["dist.expert_parallel=8"])
+    result = trace.trace(cfg, estimate.Hardware("h100-80gb", 8, 2), LAYERS)
+    hsdp = traced["glm"]
+    exchanged = [one for one in result.collectives if one.kind == "all_to_all"]
+    moe_layers, accum = LAYERS - 1, result.accumulation
+    assert len(exchanged) == moe_layers * 6 * accum and {one.ranks for one in exchanged} == {8}
+    rows = cfg.train.micro_batch_size * cfg.data.max_length * 8  # top 8 experts per token
+    assert {one.bytes_in for one in exchanged} == {rows * 4096 * 2}  # hidden 4096, bf16
+    gathered = sum(one.bytes_out for one in on(result, "shard", "all_gather"))
+    assert 0 < gathered < sum(one.bytes_out for one in on(hsdp, "shard", "all_gather")) / 2  # no expert stack
+    assert result.peak_bytes < hsdp.peak_bytes and result.layout.expert_parallel == 8
+    assert any("expert parallel 8" in note for note in result.notes)
