@@ -30,7 +30,6 @@ from torch.distributed._tools.fake_collectives import CollectiveOp, collective_o
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -51,7 +50,7 @@ from trainyard.model import lora as lora_room
 from trainyard.model import weights
 from trainyard.parallel import parallelize as parallel
 from trainyard.train.optim import build_optimizer, grad_norm_and_clip
-from trainyard.train.trace_kernels import FUSED, GroupedMmInAnyDtype, balanced_exchanges, traced_attention
+from trainyard.train.trace_kernels import FUSED, GroupedMmInAnyDtype, balanced_exchanges, hooked, traced_attention
 
 CPU = torch.device("cpu")
 _C10D = torch.ops.c10d
@@ -308,23 +307,6 @@ def adapters_in_memory(model: torch.nn.Module) -> None:
         for name, param in list(module._parameters.items()):
             if param is not None and param.is_meta and param.requires_grad:
                 module._parameters[name] = torch.nn.Parameter(torch.empty_like(param, device=CPU))
-
-
-def all_reduce_hook(group: torch_dist.ProcessGroup, bucket: torch_dist.GradBucket) -> torch.futures.Future:
-    """DDP's default reduction (sum, then divide by the group), as a Python comm hook: the fake group's work has no
-    result for DDP's built-in C++ hook to read."""
-    torch_dist.all_reduce(bucket.buffer(), group=group)
-    done: torch.futures.Future = torch.futures.Future()
-    done.set_result(bucket.buffer().div_(group.size()))
-    return done
-
-
-def hooked(model: torch.nn.Module) -> torch.nn.Module:
-    """The parallelized model, its DDP reduction (if any) through all_reduce_hook."""
-    if isinstance(model, DistributedDataParallel):
-        # DDP checks a hook's annotations as types, and this module's are strings (postponed): a bare lambda passes.
-        model.register_comm_hook(model.process_group, lambda group, bucket: all_reduce_hook(group, bucket))
-    return model
 
 
 @dataclass

@@ -1,13 +1,16 @@
 """What `estimate --trace` runs in place of the job's kernels where those cannot run on CPU fake tensors, each holding
-the tensors the job's kernel holds: the attention the job chooses, torch's grouped product in any dtype, and EP's
-token exchange with the split sizes balanced routing gives (fake tensors hold no expert ids to count)."""
+the tensors the job's kernel holds: the attention the job chooses, torch's grouped product in any dtype, EP's token
+exchange with the split sizes balanced routing gives (fake tensors hold no expert ids to count), and DDP's reduction
+as a Python hook."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.distributed as torch_dist
 from torch._meta_registrations import _create_grouped_mm_output_tensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -90,3 +93,20 @@ def balanced_exchanges(model: torch.nn.Module) -> None:
         exchange = getattr(module, "token_exchange", None)
         if isinstance(exchange, expert_parallel.TokenExchange):
             module.token_exchange = BalancedExchange(exchange.group, exchange.ranks, exchange.experts)
+
+
+def all_reduce_hook(group: torch_dist.ProcessGroup, bucket: torch_dist.GradBucket) -> torch.futures.Future:
+    """DDP's default reduction (sum, then divide by the group), as a Python comm hook: the fake group's work has no
+    result for DDP's built-in C++ hook to read."""
+    torch_dist.all_reduce(bucket.buffer(), group=group)
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(bucket.buffer().div_(group.size()))
+    return done
+
+
+def hooked(model: torch.nn.Module) -> torch.nn.Module:
+    """The parallelized model, its DDP reduction (if any) through all_reduce_hook."""
+    if isinstance(model, DistributedDataParallel):
+        # DDP checks a hook's annotations as types, and this module's are strings (postponed): a bare lambda passes.
+        model.register_comm_hook(model.process_group, lambda group, bucket: all_reduce_hook(group, bucket))
+    return model
