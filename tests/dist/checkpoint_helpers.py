@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.conftest import REPO, TINY
+from trainyard.parallel.expert_parallel import peft_layout
 
 STEPS = 24
 EVERY = 4
@@ -130,7 +131,8 @@ def dcp_adapter_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
     """The LoRA weights as DCP saved them (each rank its shard), under PEFT's file names: an
     account of the live adapter at that step that owes nothing to the adapter writer."""
     model = model_tensors(step_dir)
-    return {name.replace(".default.", "."): tensor for name, tensor in model.items() if ".lora_" in name}
+    return {name.replace(".default.", "."): peft_layout(name, tensor) for name, tensor in model.items()
+            if ".lora_" in name}
 
 
 def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
