@@ -116,11 +116,13 @@ def events_after_last_resume(run_dir: Path, kind: str) -> list[dict[str, Any]]:
 
 
 def model_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
-    """The model entries of a full DCP checkpoint, consolidated into one file and read back."""
+    """The model entries of a full DCP checkpoint, consolidated into one file and read back; expert lora_B in PEFT's
+    layout (DCP holds it as [out, r, experts])."""
     with tempfile.TemporaryDirectory() as scratch:
         target = Path(scratch) / "consolidated.pt"
         dcp_to_torch_save(step_dir, target)
-        return torch.load(target, weights_only=True)["model"]
+        model = torch.load(target, weights_only=True)["model"]
+    return {name: peft_layout(name, tensor) for name, tensor in model.items()}
 
 
 def adapter_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
@@ -131,8 +133,7 @@ def dcp_adapter_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
     """The LoRA weights as DCP saved them (each rank its shard), under PEFT's file names: an
     account of the live adapter at that step that owes nothing to the adapter writer."""
     model = model_tensors(step_dir)
-    return {name.replace(".default.", "."): peft_layout(name, tensor) for name, tensor in model.items()
-            if ".lora_" in name}
+    return {name.replace(".default.", "."): tensor for name, tensor in model.items() if ".lora_" in name}
 
 
 def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
