@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from trainyard.config import JobConfig
 from trainyard.estimate.arch import Counts, Shape
 
-# Families whose EP is proven exact (as parallel.expert_parallel.FAMILIES, which the estimate does not import).
+# Families whose EP is proven exact (tests/dist/test_expert_parallel.py); parallel.expert_parallel refuses the others.
 FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss")
 
 
@@ -57,10 +57,10 @@ def traffic(cfg: JobConfig, shape: Shape, counts: Counts, size: int, shard: int,
     moe_layers = shape.layers - shape.dense_layers
     pairs = tokens_per_micro_batch * shape.experts_per_token
     exchanged = accum * all_to_all_passes(cfg) * moe_layers * pairs * shape.hidden * compute * (size - 1) / size
-    return ExpertTraffic(size, gathered, exchanged if size > 1 else 0.0, link_words(size, shard, gpus_per_node))
+    return ExpertTraffic(size, gathered, exchanged if size > 1 else 0.0, link_words(size, gpus_per_node))
 
 
-def link_words(size: int, shard: int, gpus_per_node: int) -> str:
+def link_words(size: int, gpus_per_node: int) -> str:
     if size == 1:
         return "none"
     within = size <= gpus_per_node and gpus_per_node % size == 0
