@@ -360,8 +360,8 @@ def describe_plan(
             strategy, why = auto_strategy(model, info, cfg, device_bytes)
             why = f": {why}"
         lines.append(f"strategy         {strategy} (requested {cfg.dist.strategy}{why})")
-        if cfg.dist.expert_parallel > 1 and world_size > 1:
-            lines.append(_experts_words(cfg, model, info, strategy))
+        if cfg.dist.expert_parallel != 1 and world_size > 1:
+            lines.append(_experts_words(cfg, model, info, strategy, target.gpu))
         if strategy == "diloco":
             sites, outer = diloco.site_count(cfg, info), cfg.diloco
             inner = outer.inner
@@ -396,15 +396,37 @@ def describe_plan(
     return "\n".join(lines)
 
 
-def _experts_words(cfg: JobConfig, model: torch.nn.Module, info: DistInfo, strategy: str) -> str:
-    """dist.expert_parallel checked against the model and the shard dimension, and what each rank holds."""
-    ep = cfg.dist.expert_parallel
+def expert_parallel_size(cfg: JobConfig, info: DistInfo, strategy: str, gpu: str | None = None) -> tuple[int, str]:
+    """(EP size, why) the job runs: dist.expert_parallel as given, or for auto the estimate's choice on `gpu`
+    (default: this machine's kind): the largest size within a node that divides the experts and the shard group
+    where the all-to-all moves fewer bytes than FSDP2's gathers of the experts; 1 for a dense model."""
+    requested = cfg.dist.expert_parallel
+    if requested != "auto":
+        return requested, ""
+    if info.world_size == 1:
+        return 1, "one process"
+    shard = dist.hsdp_shape(info, cfg.dist.shard_size)[1] if strategy == "hsdp" else info.world_size
+    try:
+        model = estimate_memory.model_of(cfg)
+    except (ModelError, ConfigError) as err:
+        return 1, f"no estimate ({err.what})"
+    kind = hardware.gpu(gpu or estimate.this_gpu())
+    return estimate_memory.expert_parallel(cfg, model, kind, strategy, shard, info.local_world_size, info.world_size)
+
+
+def _experts_words(cfg: JobConfig, model: torch.nn.Module, info: DistInfo, strategy: str, gpu: str) -> str:
+    """dist.expert_parallel resolved and checked against the model and the shard dimension, and what each rank
+    holds."""
+    ep, why = expert_parallel_size(cfg, info, strategy, gpu)
+    requested = "" if cfg.dist.expert_parallel != "auto" else f" (requested auto: {why})"
+    if ep == 1:
+        return f"experts          no expert parallelism{requested}"
     shard = dist.hsdp_shape(info, cfg.dist.shard_size)[1] if strategy == "hsdp" else info.world_size
     expert_parallel.check(model, ep, strategy, shard, cfg.where("dist.expert_parallel"))
     experts = expert_parallel.find_expert_stacks(model)[0].experts.num_experts
     further = f"sharded further over {shard // ep} ranks" if shard > ep else "not sharded further"
     return (f"experts          expert parallel {ep}: each rank holds {experts // ep} of the {experts} routed experts "
-            f"of each MoE layer (tokens sent to them by all-to-all), {further}")
+            f"of each MoE layer (tokens sent to them by all-to-all), {further}{requested}")
 
 
 def check_world(cfg: JobConfig, nodes: int, per_node: int) -> None:

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.conftest import REPO, TINY
+from trainyard.parallel.expert_parallel import peft_layout
 
 STEPS = 24
 EVERY = 4
@@ -115,11 +116,13 @@ def events_after_last_resume(run_dir: Path, kind: str) -> list[dict[str, Any]]:
 
 
 def model_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
-    """The model entries of a full DCP checkpoint, consolidated into one file and read back."""
+    """The model entries of a full DCP checkpoint, consolidated into one file and read back; expert lora_B in PEFT's
+    layout (DCP holds it as [out, r, experts])."""
     with tempfile.TemporaryDirectory() as scratch:
         target = Path(scratch) / "consolidated.pt"
         dcp_to_torch_save(step_dir, target)
-        return torch.load(target, weights_only=True)["model"]
+        model = torch.load(target, weights_only=True)["model"]
+    return {name: peft_layout(name, tensor) for name, tensor in model.items()}
 
 
 def adapter_tensors(step_dir: Path) -> dict[str, torch.Tensor]:

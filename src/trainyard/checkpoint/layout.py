@@ -117,12 +117,12 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path)
     """Name every fact that differs between the checkpoint and this job.
 
     The world size may differ: the global batch may not (accumulation is re-derived to keep
-    it), and every saved rank must hold the same global data position, the one resumed from.
+    it), and every saved rank must hold the same global data position, the one resumed from. So may
+    dist.expert_parallel: DCP reshards the whole expert stacks (parallel/expert_parallel.whole_stacks).
     """
     differences = [
         f"{key}: checkpoint has {saved.get(key)!r}, this job has {current.get(key)!r}"
-        for key in ("model_signature", "lora", "data_fingerprint", "global_batch_samples", "diloco_sites",
-                    "expert_parallel")
+        for key in ("model_signature", "lora", "data_fingerprint", "global_batch_samples", "diloco_sites")
         if saved.get(key) != current.get(key)
     ]
     differences += _sampler_disagreements(path, int(saved.get("world_size", 1)))

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from peft import PeftModel, get_peft_model_state_dict
 from safetensors import SafetensorError
 from safetensors.torch import save_file
@@ -377,7 +378,14 @@ def load_full(
     """Load weights and optimizer (resharded by DCP to this world), return this rank's state. DCP fills the
     arranged state in place, so the model and optimizer dicts nested in it hold what was loaded."""
     model_state, optim_state = _state_dicts(model, optimizer, save_frozen)
-    whole = (expert_parallel.whole_stacks(model, part) for part in (model_state, optim_state))
+    apart = expert_parallel.saved_apart(model, FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    if not apart and expert_parallel.meshes_of(model) is not None:
+        raise CheckpointError(
+            f"checkpoint {path} holds the expert adapters as PEFT lays them out (written without expert parallelism "
+            "before checkpoints resumed across EP sizes): dist.expert_parallel cannot reshard it",
+            fix="resume it with dist.expert_parallel: 1 once; its next checkpoint resumes at any EP size",
+        )
+    whole = (expert_parallel.whole_stacks(model, part, apart) for part in (model_state, optim_state))
     dcp.load(arrange(*whole), checkpoint_id=str(path))  # an expert stack's whole view shares its memory
     set_state_dict(
         model,

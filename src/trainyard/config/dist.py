@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -78,11 +78,13 @@ class DistConfig(Section):
     shard_size: int | None = Field(None, ge=1)
     """hsdp (and diloco with inner hsdp): ranks per shard group (default: the processes per node); must divide
     the world size (a site's size under diloco)."""
-    expert_parallel: int = Field(1, ge=1)
+    expert_parallel: Annotated[int, Field(ge=1)] | Literal["auto"] = 1
     """MoE models under fsdp/hsdp: each group of this many ranks splits every MoE block's routed experts between
     them (whole experts: experts / N per rank) and sends each token to the rank holding its expert, so no step
     all-gathers the experts. Carved out of the shard dimension: must divide it and the number of experts. Routers,
-    attention, shared experts and dense layers stay sharded as before. 1: no expert parallelism."""
+    attention, shared experts and dense layers stay sharded as before. 1: no expert parallelism. auto: the plan
+    picks the largest size within a node that divides the experts and the shard group where the estimate shows
+    the all-to-all sends fewer bytes than FSDP2's gathers of the experts, else 1 (dense models: 1)."""
     defer_grad_sync: bool = False
     """fsdp/hsdp with accumulation: reduce gradients only on a window's last micro-batch. Trades memory
     for speed: unsharded gradients of the whole model live until then (off: each micro-batch
@@ -110,7 +112,7 @@ class DistConfig(Section):
 
     @model_validator(mode="after")
     def _expert_parallel_only_when_sharded(self) -> "DistConfig":
-        if self.expert_parallel > 1 and self.strategy not in ("fsdp", "hsdp"):
+        if self.expert_parallel != "auto" and self.expert_parallel > 1 and self.strategy not in ("fsdp", "hsdp"):
             raise ValueError(
                 f"dist.expert_parallel {self.expert_parallel} needs dist.strategy fsdp or hsdp (EP is carved out of "
                 f"the shard dimension), not {self.strategy}: set dist.strategy: fsdp, or dist.expert_parallel: 1"

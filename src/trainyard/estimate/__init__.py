@@ -221,6 +221,7 @@ def to_json(result: Estimate) -> dict[str, Any]:
         "nodes": layout.nodes,
         "strategy": layout.strategy,
         "shard_group": layout.shard,
+        "expert_parallel": layout.expert_parallel,
         "precision": result.precision,
         "accumulation": result.accumulation,
         "params": {"total": result.total_params, "trainable": result.trainable_params},
@@ -244,6 +245,7 @@ def render(result: Estimate) -> str:
              ("optimizer (AdamW)", memory.optimizer), ("ddp buckets", memory.ddp_buckets),
              ("diloco outer state", memory.diloco_outer), ("diloco sync chunks", memory.diloco_sync),
              ("autocast copies", memory.mixed_precision_copies), ("fsdp buffers", memory.fsdp_buffers),
+             ("ep all-to-all", memory.expert_exchange),
              ("activations", memory.activations), ("logits (loss)", memory.logits),
              ("allocator slack", memory.allocator_slack), ("cuda context", memory.cuda_context),
              ("runtime (python)", memory.runtime)]
@@ -251,7 +253,9 @@ def render(result: Estimate) -> str:
     unit, scale = ("GiB", machines.GIB) if memory.peak >= machines.GIB else ("MiB", machines.MIB)
     lines = [
         f"layout           {layout.nodes} x {layout.gpus_per_node} {layout.gpu.name}, {layout.strategy}"
-        + (f" (shard group {layout.shard})" if layout.shard > 1 else "") + f", {result.precision}",
+        + (f" (shard group {layout.shard})" if layout.shard > 1 else "")
+        + (f", expert parallel {layout.expert_parallel}" if layout.expert_parallel > 1 else "")
+        + f", {result.precision}",
         f"parameters       {result.total_params:,} total, {result.trainable_params:,} trainable",
         f"memory per device ({unit}):",
         *(f"  {name:18} {value / scale:9.2f}" for name, value in parts if value),
@@ -265,6 +269,7 @@ def render(result: Estimate) -> str:
     lines += [
         f"step             {timed.step_s:.3g} s ({timed.compute_s:.3g} s compute, {timed.comm_s:.3g} s communication),"
         f" {timed.tokens_per_step:,} tokens ({result.lengths}); network: {result.network}",
+        f"traffic          {_traffic_words(result)}",
         f"job              {timed.steps} steps: {timed.train_s / 3600:.3g} h training, "
         f"{timed.total_s / 3600:.3g} h with checkpoints and expected failures",
         f"checkpoints      {timed.checkpoint_bytes / 1e9:.3g} GB, {timed.save_s:.3g} s each; Young/Daly interval "
@@ -285,6 +290,23 @@ def reference_words(timed: estimate_time.Timing) -> str:
     return (f"DPO: the initial model's log-probabilities, one forward over the data before the first step, "
             f"{timed.reference_s:.3g} s, kept in a {_size(timed.reference_bytes)} file beside the tokenized cache "
             "(reused on resume)")
+
+
+def _traffic_words(result: Estimate, why: bool = True) -> str:
+    """Collective bytes per step on each link, and what the routed experts take of them."""
+    timed, layout = result.timing, result.layout
+    words = f"{timed.within_node_bytes / 1e9:.3g} GB per GPU over NVLink"
+    if layout.nodes > 1:
+        words += f", {timed.across_nodes_bytes / 1e9:.3g} GB per node over the network"
+    words += " per step"
+    if layout.expert_parallel > 1:
+        words += (f"; experts: all-to-all {timed.expert_exchanged_bytes / 1e9:.3g} GB per GPU "
+                  f"({timed.expert_exchange_link}), FSDP2 gathers {timed.expert_gathered_bytes / 1e9:.3g} GB")
+    elif timed.expert_gathered_bytes:
+        words += f"; experts: FSDP2 gathers {timed.expert_gathered_bytes / 1e9:.3g} GB per GPU"
+    if why and layout.expert_parallel_why:
+        words += f"; dist.expert_parallel auto -> {layout.expert_parallel}: {layout.expert_parallel_why}"
+    return words
 
 
 def _process_peak_words(layout: mem.Layout) -> str:
@@ -312,7 +334,8 @@ def describe(cfg: JobConfig, hardware: Hardware,
             f"live tensors {_size(result.memory.peak_tensor_bytes)}) of {_size(result.device_bytes)} per device"
             f" on {where}"
             f" ({verdict}); step {result.timing.step_s:.3g} s at MFU {estimate_time.DEFAULT_MFU:g}, "
-            f"{result.timing.tokens_per_step:,} tokens ({result.lengths}); network {result.network}")
+            f"{result.timing.tokens_per_step:,} tokens ({result.lengths}); network {result.network}"
+            f"\ntraffic          {_traffic_words(result, why=False)}")
     if result.timing.reference:
         line += f"\nreference        {reference_words(result.timing)}"
     if result.fix:

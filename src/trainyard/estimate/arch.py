@@ -54,6 +54,19 @@ class Shape:
     shared_experts: int = 0
     dense_layers: int = 0
     """Leading layers with a dense MLP on an MoE model (GLM's first_k_dense_replace)."""
+    family: str = ""
+    """The HF model_type: expert parallelism runs only the families proven exact."""
+
+
+@dataclass(frozen=True)
+class ExpertCounts:
+    """Elements of the routed experts' 3-D stacks with their adapters (PEFT's ParamWrappers around them)."""
+
+    total: int = 0
+    trainable: int = 0
+    block_total: int = 0
+    """In the largest decoder block: what FSDP2 gathers of it for the experts."""
+    block_trainable: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,6 +108,8 @@ class Counts:
     """The family's attention dropout, which flex_attention does not apply (auto then keeps to varlen)."""
     head_trainable: int = 0
     """Trainable elements of the output head (full fine-tuning): its gradient is made while every activation lives."""
+    experts: ExpertCounts = ExpertCounts()
+    """The routed experts' stacks and their adapters: what expert parallelism holds apart."""
 
 
 def hf_config(cfg: JobConfig):  # -> PretrainedConfig
@@ -132,6 +147,7 @@ def shape_of(config) -> Shape:  # type: ignore[no-untyped-def]
         moe_intermediate=getattr(config, "moe_intermediate_size", None) or config.intermediate_size,
         shared_experts=getattr(config, "n_shared_experts", None) or 0 if experts else 0,
         dense_layers=getattr(config, "first_k_dense_replace", 0) if experts else 0,
+        family=getattr(config, "model_type", ""),
     )
 
 
@@ -185,7 +201,32 @@ def count(model: torch.nn.Module, shape: Shape) -> Counts:
         attention_features=tuple(attention.features(model)),
         attention_dropout=getattr(model.config, "attention_dropout", 0.0) or 0.0,
         head_trainable=sum(p.numel() for p in output.parameters() if p.requires_grad) if output is not None else 0,
+        experts=_expert_counts(model, blocks),
     )
+
+
+def _expert_counts(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> ExpertCounts:
+    """The routed experts' parameters: modules of fused 3-D stacks (as expert parallelism finds them) and the
+    adapters of the PEFT wrappers around them."""
+    from peft.tuners.lora import ParamWrapper
+
+    def expert_params(root: torch.nn.Module) -> list[torch.nn.Parameter]:
+        found: dict[int, torch.nn.Parameter] = {}
+        for module in root.modules():
+            own = list(module.parameters(recurse=False))
+            if hasattr(module, "num_experts") and any(p.dim() == 3 for p in own):
+                found.update((id(p), p) for p in own)
+            if isinstance(module, ParamWrapper) and module.get_param().ndim == 3:
+                adapters = [*module.lora_A.parameters(), *module.lora_B.parameters()]
+                found.update((id(p), p) for p in adapters)
+        return list(found.values())
+
+    def sizes(params: list[torch.nn.Parameter]) -> tuple[int, int]:
+        return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+    total, trainable = sizes(expert_params(model))
+    block_total, block_trainable = max((sizes(expert_params(block)) for block in blocks), default=(0, 0))
+    return ExpertCounts(total, trainable, block_total, block_trainable)
 
 
 def _grouped_expert_wrappers(lora_layers: list[torch.nn.Module]) -> set[int]:

@@ -23,6 +23,7 @@ from trainyard.batch import accumulation_steps
 from trainyard.config import JobConfig
 from trainyard.config.preference import REFERENCE_FREE
 from trainyard.estimate import arch as estimate_arch
+from trainyard.estimate import experts as experts_room
 from trainyard.estimate.arch import Counts, Shape
 from trainyard.hardware import GIB, Gpu, device_bytes
 from trainyard.model import attention as attention_room
@@ -57,6 +58,10 @@ class Layout:
     strategy: str
     shard: int
     """Ranks the training state is divided over: 1 (none, ddp), the world (fsdp), the shard group (hsdp)."""
+    expert_parallel: int = 1
+    """EP size: each rank holds experts / it of every MoE layer's routed experts (estimate/experts.py)."""
+    expert_parallel_why: str = ""
+    """dist.expert_parallel auto: why this size."""
 
     @property
     def world(self) -> int:
@@ -97,6 +102,8 @@ class Memory:
     """With activation checkpointing: the one layer's activations rebuilt in backward (part of `activations`)."""
     tied_gradient: float = 0.0
     """A trainable tied embedding's second gradient at the end of backward, while the head's is held."""
+    expert_exchange: float = 0.0
+    """EP's all-to-all buffers of one MoE layer: the routed (token, expert) rows sent and those received."""
     head_gradient: float = 0.0
     """A trainable head's gradient, whole (FSDP2 reduces the root's only after the backward): the chunked loss makes
     it in its forward (loss.py), the plain head in the first op of backward; either way beside every activation."""
@@ -164,7 +171,22 @@ def resolve_strategy(cfg: JobConfig, model: Model, kind: Gpu, gpus_per_node: int
         budget = DDP_MEMORY_SHARE * device_bytes(kind, gpus_per_node)
         several = nodes > 1 and state / gpus_per_node <= budget
         strategy = "ddp" if state <= budget else "hsdp" if several else "fsdp"
-    return Layout(kind, gpus_per_node, nodes, strategy, shard_size(cfg, strategy, world, gpus_per_node))
+    shard = shard_size(cfg, strategy, world, gpus_per_node)
+    ep, why = expert_parallel(cfg, model, kind, strategy, shard, gpus_per_node, world)
+    return Layout(kind, gpus_per_node, nodes, strategy, shard, ep, why)
+
+
+def expert_parallel(cfg: JobConfig, model: Model, kind: Gpu, strategy: str, shard: int, gpus_per_node: int,
+                    world: int) -> tuple[int, str]:
+    """dist.expert_parallel's size in this layout, and for auto why (experts_room.choose: the plan's decision)."""
+    requested = cfg.dist.expert_parallel
+    if requested != "auto":
+        return (requested if strategy in ("fsdp", "hsdp") else 1), ""
+    size = dtypes(cfg, resolve_precision(cfg, kind), strategy)
+    element = (size.compute, size.frozen if cfg.lora.enabled else size.master, size.master, size.mixed)
+    return experts_room.choose(cfg, model.shape, model.counts, strategy, shard, gpus_per_node,
+                               accumulation_steps(cfg, world),
+                               tokens_per_micro_batch(cfg), element)
 
 
 def shard_size(cfg: JobConfig, strategy: str, world: int, gpus_per_node: int) -> int:
@@ -214,13 +236,16 @@ def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_ro
         diloco_outer=2 * counts.trainable * 4 / shard if layout.strategy == "diloco" else 0.0,
         diloco_sync=_diloco_sync(cfg, counts, layout) if layout.strategy == "diloco" else 0.0,
         mixed_precision_copies=0.0 if sharded or not size.mixed else _autocast_copies(counts, size),
-        fsdp_buffers=_fsdp_buffers(counts, size) if sharded else 0.0,
+        fsdp_buffers=_fsdp_buffers(counts, size, layout) if sharded else 0.0,
+        expert_exchange=_expert_exchange(cfg, model.shape, size, layout.expert_parallel),
         activations=activation_bytes(cfg, model.shape, counts, size, layout.gpu),
         recomputed_layer=recomputed_layer_bytes(cfg, model.shape, counts, size, layout.gpu),
         logits=_logit_bytes(cfg, model.shape.vocab),
         tied_gradient=_tied_gradient(counts, size, shard),
         head_gradient=counts.head_trainable * (size.compute if sharded and size.mixed else size.master),
     )
+    if layout.expert_parallel > 1:
+        parts.notes.append(_experts_note(model, layout, size))
     _add_peak(parts, cfg, layout)
     if cfg.train.objective == "dpo":
         parts.notes.append(_dpo_words(cfg))
@@ -236,6 +261,15 @@ def _dpo_words(cfg: JobConfig) -> str:
                 "a forward without gradients before the policy's (its activations freed as it goes): no extra weights")
     return ("dpo: a pair per row, chosen and rejected; the reference is the initial model's log-probabilities, "
             "computed before the first step: no second model")
+
+
+def _experts_note(model: Model, layout: Layout, size: Dtypes) -> str:
+    """What each rank holds of the routed experts under EP (in weights and lora adapters above)."""
+    ep, experts, shape = layout.expert_parallel, model.counts.experts, model.shape
+    base = (experts.total - experts.trainable) * size.frozen + experts.trainable * size.master
+    again = f", sharded again over {layout.shard // ep} ranks" if layout.shard > ep else ", whole (not sharded)"
+    return (f"expert parallel {ep}: each rank holds {shape.experts // ep} of the {shape.experts} routed experts of "
+            f"each MoE layer{again}: {base / layout.shard / GIB:.2f} GiB of expert weights and adapters per rank")
 
 def _autocast_copies(counts: Counts, size: Dtypes) -> float:
     """autocast casts each fp32 weight a matmul uses to bf16 once per forward and autograd saves the copy:
@@ -269,13 +303,26 @@ def _tied_gradient(counts: Counts, size: Dtypes, shard: int) -> float:
     return counts.embedding * size.master * (1 + 1 / shard)
 
 
-def _fsdp_buffers(counts: Counts, size: Dtypes) -> float:
+def _fsdp_buffers(counts: Counts, size: Dtypes, layout: Layout) -> float:
     """FSDP2's unsharded tensors: the root (embeddings, head) stays gathered from forward to backward; the
     largest block gathered twice at once (the current one and the prefetched next), in compute dtype under
-    bf16-mixed; and that block's unsharded gradient plus its fp32 copy for the reduce-scatter."""
+    bf16-mixed; and that block's unsharded gradient plus its fp32 copy for the reduce-scatter. Under EP a block's
+    routed experts are this rank's experts / N, gathered only where they are sharded again (shard group > N)."""
     gather = size.compute if size.mixed else size.master
-    block_gradient = counts.block_trainable * (size.compute + 4)
-    return (counts.root_total + 2 * counts.block_total) * gather + block_gradient
+    ep, experts = layout.expert_parallel, counts.experts
+    block_total, block_trainable = counts.block_total, counts.block_trainable
+    if ep > 1:
+        again = 1 if layout.shard > ep else 0
+        block_total -= experts.block_total * (1 - again / ep)
+        block_trainable -= experts.block_trainable * (1 - again / ep)
+    return (counts.root_total + 2 * block_total) * gather + block_trainable * (size.compute + 4)
+
+
+def _expert_exchange(cfg: JobConfig, shape: Shape, size: Dtypes, ep: int) -> float:
+    """EP's all-to-all of one MoE layer: its rows out and the rows arriving, alive together (balanced routing)."""
+    if ep <= 1:
+        return 0.0
+    return 2.0 * tokens_per_micro_batch(cfg) * shape.experts_per_token * shape.hidden * size.compute
 
 
 def _logit_bytes(cfg: JobConfig, vocab: int) -> float:
@@ -296,7 +343,7 @@ def _add_peak(parts: Memory, cfg: JobConfig, layout: Layout) -> None:
     peak at different times. With accumulation the gradients of earlier micro-batches stay while the next one's
     activations build up."""
     static = (parts.weights + parts.lora_adapters + parts.optimizer + parts.ddp_buckets + parts.diloco_outer
-              + parts.diloco_sync + parts.mixed_precision_copies + parts.fsdp_buffers)
+              + parts.diloco_sync + parts.mixed_precision_copies + parts.fsdp_buffers + parts.expert_exchange)
     # With checkpointing the logits and their gradients are gone before the last layer is recomputed.
     forward = (parts.activations - parts.recomputed_layer + max(parts.recomputed_layer, parts.logits)
                + parts.head_gradient)

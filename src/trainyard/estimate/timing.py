@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from trainyard import hardware
 from trainyard.config import JobConfig
 from trainyard.config.preference import REFERENCE_FREE
+from trainyard.estimate import experts as experts_room
 from trainyard.estimate.memory import Dtypes, Layout, Model
 from trainyard.hardware import kind_peak_flops
 
@@ -99,6 +100,15 @@ class Timing:
     """Full fine-tuning's DPO: the one forward over the data that computes the reference before the first step."""
     reference_bytes: float = 0.0
     """Full fine-tuning's DPO: the kept reference file."""
+    within_node_bytes: float = 0.0
+    """Collective bytes each GPU sends over NVLink per step."""
+    across_nodes_bytes: float = 0.0
+    """Collective bytes each node sends over its network link per step."""
+    expert_gathered_bytes: float = 0.0
+    """Routed experts' weights FSDP2 gathers into each GPU per step (part of the bytes above)."""
+    expert_exchanged_bytes: float = 0.0
+    """Hidden states each GPU's EP all-to-alls send per step (part of the bytes above); 0 without EP."""
+    expert_exchange_link: str = "none"
 
     @property
     def step_s(self) -> float:
@@ -128,31 +138,79 @@ def all_gather_s(size: float, ranks: int, bytes_per_s: float) -> float:
     return (ranks - 1) / ranks * size / bytes_per_s if ranks > 1 else 0.0
 
 
-def comm_s(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: int, network_gbps: float,
-           diloco_h: int) -> float:
-    """Seconds of collectives per optimizer step. Gradients are reduced in fp32 (bf16-mixed) or the master dtype."""
-    counts = model.counts
+@dataclass
+class Traffic:
+    """Bytes of collectives per optimizer step by link, and their seconds: within a node (NVLink) each GPU's,
+    across nodes each node's, since a node's GPUs share its network link."""
+
+    within_node: float = 0.0
+    """Bytes each GPU sends over NVLink."""
+    across_nodes: float = 0.0
+    """Bytes each node sends over its network link."""
+    seconds: float = 0.0
+
+    def ring(self, size: float, ranks: int, passes: float, spans_nodes: bool, intra: float, inter: float) -> None:
+        """`passes` collectives over a ring of `ranks` moving (n-1)/n of `size` through each link (an all-reduce
+        is 2 passes); a ring across nodes is as fast as its slowest link, and one of its links leaves each node."""
+        if ranks <= 1:
+            return
+        moved = passes * (ranks - 1) / ranks * size
+        self.within_node += moved
+        self.across_nodes += moved if spans_nodes else 0.0
+        self.seconds += passes * all_gather_s(size, ranks, min(intra, inter) if spans_nodes else intra)
+
+    def across(self, per_node: float, inter: float) -> None:
+        """Bytes only the network carries (HSDP's all-reduce across replicas, DiLoCo's outer sync)."""
+        self.across_nodes += per_node
+        self.seconds += per_node / inter
+
+    def exchange(self, per_gpu: float, ep: int, gpus_per_node: int, intra: float, inter: float) -> None:
+        """EP's all-to-all: each GPU's bytes to peers in its node go over NVLink, the rest leave the node."""
+        if ep <= 1 or not per_gpu:
+            return
+        outside = max(0, ep - gpus_per_node) / (ep - 1)
+        self.within_node += per_gpu * (1 - outside)
+        self.across_nodes += per_gpu * outside * gpus_per_node
+        self.seconds += per_gpu * (1 - outside) / intra + per_gpu * outside * gpus_per_node / inter
+
+
+def traffic(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: int, network_gbps: float,
+            diloco_h: int, tokens_per_micro_batch: float) -> tuple[Traffic, experts_room.ExpertTraffic]:
+    """Collectives per optimizer step: bytes by link and seconds, and what EP's experts move. Gradients are
+    reduced in fp32 (bf16-mixed) or the master dtype."""
+    counts, moved = model.counts, Traffic()
     intra = layout.gpu.intra_node_gbytes_s * 1e9
     inter = network_gbps * 1e9 / 8
-    ring = intra if layout.nodes == 1 else min(intra, inter)
+    spans = layout.nodes > 1
     gradients = counts.trainable * (4 if size.mixed else size.master)
-    frozen = counts.total - counts.trainable
-    gathered = counts.total * size.compute if size.mixed else frozen * size.frozen + counts.trainable * size.master
+    element = (size.compute, size.frozen if cfg.lora.enabled else size.master, size.master, size.mixed)
+    ep = layout.expert_parallel
+    experts = experts_room.traffic(cfg, model.shape, counts, ep, layout.shard, layout.gpus_per_node, accum,
+                                   tokens_per_micro_batch, element)
     if layout.strategy == "ddp":
-        if layout.nodes > 1 and diloco_h > 1:  # inner steps sync a node; outer steps every H cross nodes
-            return (ring_all_reduce_s(gradients, layout.gpus_per_node, intra)
-                    + ring_all_reduce_s(gradients, layout.nodes, inter) / diloco_h)
-        return ring_all_reduce_s(gradients, layout.world, ring)
+        if spans and diloco_h > 1:  # inner steps sync a node; outer steps every H cross nodes
+            moved.ring(gradients, layout.gpus_per_node, 2, False, intra, inter)
+            moved.across(2 * (layout.nodes - 1) / layout.nodes * gradients / diloco_h, inter)
+        else:
+            moved.ring(gradients, layout.world, 2, spans, intra, inter)
+        return moved, experts
     if layout.strategy not in ("fsdp", "hsdp"):
-        return 0.0
-    shard_ring = ring if layout.strategy == "fsdp" else intra
+        return moved, experts
+    ring_spans = spans and layout.strategy == "fsdp"
     reduces = 1 if cfg.dist.defer_grad_sync else accum
-    seconds = accum * 2 * all_gather_s(gathered, layout.shard, shard_ring)  # forward, and again for backward
-    seconds += reduces * all_gather_s(gradients, layout.shard, shard_ring)
+    held_apart = layout.shard // ep
+    expert_part = experts_room.gathered_bytes(counts.experts.total, counts.experts.trainable, *element) if ep > 1 else 0
+    gathered = experts_room.gathered_bytes(counts.total, counts.trainable, *element) - expert_part
+    moved.ring(gathered, layout.shard, accum * 2, ring_spans, intra, inter)  # forward, and again for backward
+    moved.ring(expert_part / ep, held_apart, accum * 2, ring_spans, intra, inter)
+    expert_gradients = counts.experts.trainable * (4 if size.mixed else size.master) if ep > 1 else 0
+    moved.ring(gradients - expert_gradients, layout.shard, reduces, ring_spans, intra, inter)
+    moved.ring(expert_gradients / ep, held_apart, reduces, ring_spans, intra, inter)
+    moved.exchange(experts.exchanged, ep, layout.gpus_per_node, intra, inter)
     replicas = layout.world // layout.shard
     if replicas > 1:  # a node's shards share its network link: the whole gradient crosses it
-        seconds += ring_all_reduce_s(gradients, replicas, inter) / diloco_h
-    return seconds
+        moved.across(2 * (replicas - 1) / replicas * gradients / diloco_h, inter)
+    return moved, experts
 
 
 def checkpoint_bytes(cfg: JobConfig, model: Model, size: Dtypes) -> float:
@@ -184,7 +242,9 @@ def timing(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: in
     # Every row once (train and eval split alike); unread data: the rows the steps take.
     rows = lengths.rows or cfg.train.max_steps * rows_per_step
     reference_s = forward * rows * per_row / flops_per_s if reference == "precomputed" else 0.0
-    comm = comm_s(cfg, model, layout, size, accum, network_gbps, diloco_h)
+    moved, experts = traffic(cfg, model, layout, size, accum, network_gbps, diloco_h,
+                             cfg.train.micro_batch_size * per_row)
+    comm = moved.seconds
     ckpt = checkpoint_bytes(cfg, model, size)
     save = ckpt / (disk_gbytes_s * 1e9)
     mtbf = cfg.checkpoint.mtbf_hours * 3600 / layout.nodes
@@ -208,6 +268,11 @@ def timing(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: in
         reference=reference,
         reference_s=reference_s,
         reference_bytes=rows * REFERENCE_BYTES_PER_PAIR if reference == "precomputed" else 0.0,
+        within_node_bytes=moved.within_node,
+        across_nodes_bytes=moved.across_nodes,
+        expert_gathered_bytes=experts.gathered,
+        expert_exchanged_bytes=experts.exchanged,
+        expert_exchange_link=experts.link,
     )
 
 

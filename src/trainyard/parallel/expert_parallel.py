@@ -29,10 +29,11 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from trainyard import dist
 from trainyard.errors import ConfigError
+from trainyard.estimate import experts as estimate_experts
 from trainyard.model.moe_lora import LowRank, expert_counts, experts_on_sorted, grouped_experts_forward, wrapper_chain
 from trainyard.model.weights import InMemory, RowReader, SafetensorsFolder, checkpoint_key
 
-FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss")
+FAMILIES = estimate_experts.FAMILIES
 """Families whose EP loss and gradients are proven equal to one process's (tests/dist/test_expert_parallel.py)."""
 STRATEGIES = ("fsdp", "hsdp")
 
@@ -153,12 +154,67 @@ def meshes_of(model: torch.nn.Module) -> tuple[ExpertMeshes, int] | None:
     return None
 
 
-def whole_stacks(model: torch.nn.Module, state: Any) -> Any:
-    """A (nested) state dict of the model or its optimizer with every expert tensor as the whole stack's DTensor
-    (`ExpertMeshes.whole_stack`): what DCP writes is then the layout of a run without EP, and a load into it fills
-    the original tensors."""
+def size_of(model: torch.nn.Module) -> int | None:
+    """The EP size a model was built with; None without expert parallelism."""
     found = meshes_of(model)
-    return state if found is None else _whole(state, "", *found)
+    return None if found is None else found[0].ep.size()
+
+
+def whole_stacks(model: torch.nn.Module, state: Any, experts_apart: bool = True) -> Any:
+    """A (nested) state dict of the model or its optimizer as DCP writes and reads it at any EP size: every expert
+    tensor as the whole stack's DTensor (`ExpertMeshes.whole_stack`), the layout of a run without EP, and an expert
+    lora_B as [out, r, experts] with or without EP, so that DCP reshards a checkpoint between EP sizes. A load into
+    it fills the original tensors (views of their memory). `experts_apart` False, without EP: lora_B as PEFT's
+    [out, r x experts], as checkpoints written before held it."""
+    found = meshes_of(model)
+    if found is not None:
+        return _whole(state, "", *found)
+    names = expert_adapter_names(model)
+    return _apart(state, None, names) if names and experts_apart else state
+
+
+def expert_adapter_names(model: torch.nn.Module) -> dict[str, int]:
+    """The state-dict names of the expert stacks' lora_B weights (torch.distributed.checkpoint's names: no DDP,
+    compile or activation-checkpointing wrapper in them), each with its number of experts."""
+    experts = {id(wrapper.lora_B[adapter].weight): wrapper.num_experts
+               for stack in find_expert_stacks(model) for wrapper in stack.wrappers for adapter in wrapper.lora_B}
+    names = {}
+    for name, param in model.named_parameters():
+        if id(param) in experts:
+            for wrapper in ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."):
+                name = name.replace(wrapper, "")
+            names[name] = experts[id(param)]
+    return names
+
+
+def saved_apart(model: torch.nn.Module, saved: dict[str, Any]) -> bool:
+    """Whether a checkpoint (its DCP metadata's entries by name) holds the expert lora_B as [out, r, experts], as
+    `whole_stacks` writes it, rather than PEFT's [out, r x experts] (a checkpoint of a run without EP written before
+    checkpoints resumed across EP sizes)."""
+    names = expert_adapter_names(model)
+    sizes = [len(entry.size) for key, entry in saved.items() if hasattr(entry, "size") and _ends_in(key, names)]
+    return not sizes or 3 in sizes  # DiLoCo's round-start weights stay in PEFT's layout beside its site's
+
+
+def _ends_in(key: str, names: dict[str, int]) -> bool:
+    parts = key.split(".")
+    return any(".".join(parts[start:]) in names for start in range(len(parts)))
+
+
+def _apart(value: Any, experts: int | None, names: dict[str, int]) -> Any:
+    """`value` with each expert lora_B (and its optimizer state) seen as [out, r, experts]."""
+    if isinstance(value, dict):
+        return {key: _apart(item, names.get(key, experts), names) for key, item in value.items()}
+    if experts is None or not isinstance(value, torch.Tensor) or value.dim() != 2:
+        return value
+    if not isinstance(value, DTensor):
+        return value.view(value.shape[0], -1, experts)
+    assert all(p.is_replicate() or p.is_shard(0) for p in value.placements), value.placements
+    local = value.to_local()
+    shape = torch.Size((value.shape[0], value.shape[1] // experts, experts))
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local.view(local.shape[0], -1, experts), value.device_mesh, value.placements,
+                              run_check=False, shape=shape, stride=stride)
 
 
 def whole_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:

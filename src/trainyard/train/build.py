@@ -59,7 +59,9 @@ def build_and_wrap(
         strategy = "none"
     sites = diloco.site_count(cfg, info) if strategy == "diloco" else None
     # `trainyard eval` reads a checkpoint as a run without EP wrote it (adapter file, whole expert stacks in DCP)
-    ep = 1 if forward_only else cfg.dist.expert_parallel
+    ep, why = (1, "") if forward_only else plan.expert_parallel_size(cfg, info, strategy)
+    if why:
+        logging.getLogger("trainyard").info("dist.expert_parallel auto -> %d: %s", ep, why)
     if ep > 1:
         shard = dist.hsdp_shape(info, cfg.dist.shard_size)[1] if strategy == "hsdp" else info.world_size
         expert_parallel.check(model, ep, strategy, shard, cfg.where("dist.expert_parallel"))

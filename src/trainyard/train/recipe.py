@@ -50,7 +50,7 @@ from trainyard.model import build as model_room
 from trainyard.model import routing
 from trainyard.model import source as source_room
 from trainyard.objective import build_objective
-from trainyard.parallel import comm
+from trainyard.parallel import comm, expert_parallel
 from trainyard.parallel import parallelize as parallel
 from trainyard.runs import layout as run_layout
 from trainyard.runs.status import BackgroundHeartbeat
@@ -349,7 +349,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
             "lora": cfg.lora.model_dump(mode="json") if cfg.lora.enabled else None,
             "data_fingerprint": data.fingerprint,
             "global_batch_samples": cfg.train.micro_batch_size * accum * data_world,
-            "expert_parallel": cfg.dist.expert_parallel if cfg.dist.expert_parallel > 1 else None,
+            "expert_parallel": expert_parallel.size_of(parallel.unwrap(model)),
         },
         saves=checkpoint.Checkpointer(
             cfg.checkpoint, cfg.run_dir / run_layout.CHECKPOINTS, info, sink.emit,

@@ -30,7 +30,6 @@ from torch.distributed._tools.fake_collectives import CollectiveOp, collective_o
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -51,7 +50,7 @@ from trainyard.model import lora as lora_room
 from trainyard.model import weights
 from trainyard.parallel import parallelize as parallel
 from trainyard.train.optim import build_optimizer, grad_norm_and_clip
-from trainyard.train.trace_kernels import FUSED, GroupedMmInAnyDtype, traced_attention
+from trainyard.train.trace_kernels import FUSED, GroupedMmInAnyDtype, balanced_exchanges, hooked, traced_attention
 
 CPU = torch.device("cpu")
 _C10D = torch.ops.c10d
@@ -67,6 +66,8 @@ _PAYLOAD: dict[Any, tuple[str, int | None, int]] = {
     _FUNCTIONAL.all_reduce.default: ("all_reduce", None, 0),
     _FUNCTIONAL.all_gather_into_tensor.default: ("all_gather", None, 0),
     _FUNCTIONAL.reduce_scatter_tensor.default: ("reduce_scatter", None, 0),
+    _FUNCTIONAL.all_to_all_single.default: ("all_to_all", None, 0),
+    torch.ops._c10d_functional_autograd.all_to_all_single.default: ("all_to_all", None, 0),
 }
 
 
@@ -231,9 +232,12 @@ def _nbytes(tensors: Any) -> int:
 def group_names(mesh: DeviceMesh | None) -> dict[str, str]:
     """Process group name -> the mesh dimension it is ("world" for the default group)."""
     names = {torch_dist.group.WORLD.group_name: "world"}  # type: ignore[union-attr]
-    for dim in (mesh.mesh_dim_names or ()) if mesh is not None else ():
-        group = mesh.get_group(dim)
-        names[group.group_name] = f"{dim} (the world)" if group.group_name in names else dim
+    meshes = [mesh, mesh._get_root_mesh()] if mesh is not None else []  # EP's groups are the root mesh's dims
+    for one in meshes:
+        for dim in one.mesh_dim_names or ():
+            group = one.get_group(dim)
+            if group.group_name not in names or names[group.group_name] == "world":
+                names[group.group_name] = f"{dim} (the world)" if group.group_name in names else dim
     return names
 
 
@@ -303,23 +307,6 @@ def adapters_in_memory(model: torch.nn.Module) -> None:
         for name, param in list(module._parameters.items()):
             if param is not None and param.is_meta and param.requires_grad:
                 module._parameters[name] = torch.nn.Parameter(torch.empty_like(param, device=CPU))
-
-
-def all_reduce_hook(group: torch_dist.ProcessGroup, bucket: torch_dist.GradBucket) -> torch.futures.Future:
-    """DDP's default reduction (sum, then divide by the group), as a Python comm hook: the fake group's work has no
-    result for DDP's built-in C++ hook to read."""
-    torch_dist.all_reduce(bucket.buffer(), group=group)
-    done: torch.futures.Future = torch.futures.Future()
-    done.set_result(bucket.buffer().div_(group.size()))
-    return done
-
-
-def hooked(model: torch.nn.Module) -> torch.nn.Module:
-    """The parallelized model, its DDP reduction (if any) through all_reduce_hook."""
-    if isinstance(model, DistributedDataParallel):
-        # DDP checks a hook's annotations as types, and this module's are strings (postponed): a bare lambda passes.
-        model.register_comm_hook(model.process_group, lambda group, bucket: all_reduce_hook(group, bucket))
-    return model
 
 
 @dataclass
@@ -399,7 +386,8 @@ def _trace(cfg: JobConfig, hardware: estimate.Hardware, layers: int | None) -> T
     info = dist.DistInfo(0, layout.world, 0, layout.gpus_per_node, CPU, "fake")
     with fake_world(layout.world):
         sites = diloco.site_count(cfg, info) if layout.strategy == "diloco" else None
-        mesh = dist.build_mesh(info, layout.strategy, cfg.dist.shard_size, sites, cfg.diloco.inner)
+        mesh = dist.build_mesh(info, layout.strategy, cfg.dist.shard_size, sites, cfg.diloco.inner,
+                               layout.expert_parallel)
         memory, log = LiveBytes(), CollectiveLog(group_names(mesh))
         # buffers stay real: a few small tensors
         with FakeTensorMode(allow_non_fake_inputs=True), GroupedMmInAnyDtype(), memory, log:
@@ -414,7 +402,7 @@ def _trace(cfg: JobConfig, hardware: estimate.Hardware, layers: int | None) -> T
         collectives=list(log.seen),
         layout=layout,
         formula=planned,
-        notes=_notes(cfg, model, layout.strategy),
+        notes=_notes(cfg, model, layout),
     )
 
 
@@ -425,7 +413,9 @@ def _step_on_fake_tensors(
     """Parallelize and fill the model, hold AdamW's moments, open the peak's window, take the traced step."""
     adapters_in_memory(model)
     wrapped = hooked(parallel.apply(model, layout.strategy, info, precision, FakeWeights.of(model), mesh,
-                                    cfg.diloco.inner, cfg.model.gradient_checkpointing, compile_mlps=False))
+                                    cfg.diloco.inner, cfg.model.gradient_checkpointing, compile_mlps=False,
+                                    expert_parallel_size=layout.expert_parallel))
+    balanced_exchanges(wrapped)
     optimizer, _ = build_optimizer(wrapped, cfg)
     diloco_mesh = mesh if layout.strategy == "diloco" else None
     outer = diloco.OuterSync(wrapped, cfg.diloco, diloco_mesh, info) if diloco_mesh is not None else None
@@ -434,13 +424,16 @@ def _step_on_fake_tensors(
     optimizer_step(wrapped, optimizer, cfg, precision, accumulation_steps(cfg, layout.world), outer)
 
 
-def _notes(cfg: JobConfig, model: torch.nn.Module, strategy: str) -> list[str]:
+def _notes(cfg: JobConfig, model: torch.nn.Module, layout: Layout) -> list[str]:
     """What the traced step does differently from the job's on its GPUs."""
-    traced = model.config._attn_implementation
+    strategy, traced = layout.strategy, model.config._attn_implementation
     fused = " (sdpa's fused kernel: what flash-attention and flex_attention save)" if traced == FUSED else ""
     notes = [f"attention: the job's {cfg.model.attn_implementation}, traced as {traced}{fused}"]
     if cfg.train.compile:
         notes.append("train.compile: the blocks' MLPs run eagerly here (compiled kernels may save less)")
+    if layout.expert_parallel > 1:
+        notes.append(f"expert parallel {layout.expert_parallel}: rank 0 holds its experts only; routing is taken "
+                     "as balanced (each rank sends every other rank 1 / N of its routed rows), as the formula does")
     if strategy == "ddp" or (strategy == "diloco" and cfg.diloco.inner == "ddp"):
         notes.append("DDP reduces its first step's gradients in one bucket, later ones in 25 MB buckets: the same "
                      "bytes in more calls")

@@ -1,18 +1,25 @@
 """What `estimate --trace` runs in place of the job's kernels where those cannot run on CPU fake tensors, each holding
-the tensors the job's kernel holds: the attention the job chooses, and torch's grouped product in any dtype."""
+the tensors the job's kernel holds: the attention the job chooses, torch's grouped product in any dtype, EP's token
+exchange with the split sizes balanced routing gives (fake tensors hold no expert ids to count), and DDP's reduction
+as a Python hook."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.distributed as torch_dist
 from torch._meta_registrations import _create_grouped_mm_output_tensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from trainyard import dist
 from trainyard.model import attention
+from trainyard.model.moe_lora import LowRank, experts_on_sorted
+from trainyard.parallel import expert_parallel
 
 FUSED = "trainyard_trace_fused"
 """Stands in for flash-attention and flex_attention: what they save (the output and its log-sum-exp, no scores) is
@@ -60,3 +67,47 @@ class GroupedMmInAnyDtype(TorchDispatchMode):
             out_dtype = rest[2] if len(rest) > 2 else kwargs.get("out_dtype")
             return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
         return func(*args, **kwargs)
+
+
+class BalancedExchange(expert_parallel.TokenExchange):
+    """EP's exchange where every rank sends each rank (itself included) an equal share of its routed rows, spread
+    evenly over that rank's experts: the all-to-alls and grouped products of the job at balanced routing."""
+
+    def __call__(
+        self, experts: torch.nn.Module, adapters: dict[str, LowRank], rows: torch.Tensor, expert_ids: torch.Tensor
+    ) -> torch.Tensor:
+        local = self.experts // self.ranks
+        splits = _even(rows.size(0), self.ranks)
+        arrived = dist.all_to_all_rows(rows, splits, splits, self.group)
+        local_ids = torch.arange(arrived.size(0)) * local // max(arrived.size(0), 1)  # sorted, evenly spread
+        out = experts_on_sorted(experts, adapters, arrived, local_ids)
+        return dist.all_to_all_rows(out, splits, splits, self.group)
+
+
+def _even(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if index < total % parts else 0) for index in range(parts)]
+
+
+def balanced_exchanges(model: torch.nn.Module) -> None:
+    """Each EP expert stack's token exchange as `BalancedExchange` (no-op without EP)."""
+    for module in model.modules():
+        exchange = getattr(module, "token_exchange", None)
+        if isinstance(exchange, expert_parallel.TokenExchange):
+            module.token_exchange = BalancedExchange(exchange.group, exchange.ranks, exchange.experts)
+
+
+def all_reduce_hook(group: torch_dist.ProcessGroup, bucket: torch_dist.GradBucket) -> torch.futures.Future:
+    """DDP's default reduction (sum, then divide by the group), as a Python comm hook: the fake group's work has no
+    result for DDP's built-in C++ hook to read."""
+    torch_dist.all_reduce(bucket.buffer(), group=group)
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(bucket.buffer().div_(group.size()))
+    return done
+
+
+def hooked(model: torch.nn.Module) -> torch.nn.Module:
+    """The parallelized model, its DDP reduction (if any) through all_reduce_hook."""
+    if isinstance(model, DistributedDataParallel):
+        # DDP checks a hook's annotations as types, and this module's are strings (postponed): a bare lambda passes.
+        model.register_comm_hook(model.process_group, lambda group, bucket: all_reduce_hook(group, bucket))
+    return model

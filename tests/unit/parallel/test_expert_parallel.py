@@ -1,20 +1,23 @@
 """dist.expert_parallel is refused, exit 2 naming the field, where it cannot run exactly: without fsdp/hsdp, on a
 model without routed experts or of a family not proven, at a size that does not divide the experts and the shard
-dimension, or whose EP ranks' experts do not split evenly over the ranks left of it; a checkpoint written at one EP
-size resumes only at that size."""
+dimension, or whose EP ranks' experts do not split evenly over the ranks left of it. Checkpoints lay the expert
+adapters out alike at every EP size, so that a resume may change it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.conftest import TINY, TINY_MOE, run_cli
 from tests.unit.model.families import build
 from trainyard.checkpoint.layout import check_compatible
 from trainyard.config_file import load_config
-from trainyard.errors import CheckpointError, ConfigError
+from trainyard.errors import ConfigError
+from trainyard.estimate import arch as estimate_arch
 from trainyard.parallel import expert_parallel
 
 WHERE = "dist.expert_parallel (job.yaml:9)"
@@ -65,9 +68,33 @@ def test_the_dry_run_says_what_each_rank_holds_and_refuses_a_size_that_does_not_
     assert "dist.expert_parallel 3 must divide the number of experts (4)" in " ".join(refused.stderr.split())
 
 
-def test_a_checkpoint_resumes_only_at_its_expert_parallel_size(tmp_path: Path) -> None:
+def test_without_ep_a_checkpoint_sees_the_expert_adapters_as_ep_writes_them(tmp_path: Path) -> None:
+    """A checkpoint at any EP size holds an expert lora_B as [out, r, experts] (its memory, so a load fills it), the
+    dense adapters and the base as they are; the EP size is no fact a resume must match; a checkpoint in PEFT's
+    [out, r x experts] (written before) is read in its own layout."""
     facts = {"model_signature": "a", "lora": None, "data_fingerprint": "d", "global_batch_samples": 16}
-    check_compatible({**facts, "expert_parallel": 2}, {**facts, "expert_parallel": 2}, tmp_path)
-    check_compatible(facts, {**facts, "expert_parallel": None}, tmp_path)  # written before EP existed
-    with pytest.raises(CheckpointError, match="expert_parallel: checkpoint has 2, this job has None"):
-        check_compatible({**facts, "expert_parallel": 2}, {**facts, "expert_parallel": None}, tmp_path)
+    check_compatible({**facts, "expert_parallel": 2}, {**facts, "expert_parallel": None}, tmp_path)
+    cfg = load_config(TINY_MOE)
+    model = estimate_arch.meta_model(cfg, estimate_arch.hf_config(cfg))
+    model.to_empty(device="cpu")
+    for param in model.parameters():
+        param.data.normal_()
+    names = expert_parallel.expert_adapter_names(model)
+    assert len(names) == 4 and set(names.values()) == {4}  # 2 MoE layers x (gate_up_proj, down_proj)
+    state = {"model": dict(model.named_parameters())}
+    seen = expert_parallel.whole_stacks(model, state)["model"]
+    for name, param in state["model"].items():
+        if name in names:
+            assert seen[name].shape == (param.shape[0], param.shape[1] // 4, 4)
+            assert seen[name].data_ptr() == param.data_ptr()
+            assert torch.equal(seen[name][:, 1, 3], param[:, 1 * 4 + 3])  # expert innermost, as PEFT lays it out
+        else:
+            assert seen[name] is param
+    assert expert_parallel.whole_stacks(model, state, experts_apart=False) is state
+    entry = next(iter(names))
+
+    def saved(key: str, *size: int) -> dict:
+        return {key: TensorStorageMetadata(None, torch.Size(size), [])}
+
+    assert expert_parallel.saved_apart(model, saved(f"model.{entry}", 8, 8, 4))
+    assert not expert_parallel.saved_apart(model, saved(f"site-0.model.{entry}", 8, 32))

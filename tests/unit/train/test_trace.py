@@ -183,3 +183,22 @@ def test_a_family_traces_with_the_kernel_its_job_chooses_on_a_gpu(tmp_path, fami
     result = trace.trace(load_config(str(job)), estimate.Hardware("h100-80gb", 1, 1))
     assert result.peak_bytes > result.static_bytes
     assert "the job's auto, traced as trainyard_trace_fused" in result.notes[0], result.notes
+
+
+def test_expert_parallel_traces_one_rank_s_experts_and_its_all_to_alls(traced) -> None:
+    """glm45air on 2 x 8 with dist.expert_parallel 8: rank 0 holds 16 of the 128 experts whole; no all-gather brings
+    in an expert stack, and each micro-batch sends the routed rows of its MoE layer by all-to-all over the 8 ranks
+    of its node: dispatch and combine, forward, backward and the checkpointed forward's recompute (balanced
+    routing: each call puts in every routed (token, expert) row of the micro-batch)."""
+    cfg = load_config(GLM, ["dist.expert_parallel=8"])
+    result = trace.trace(cfg, estimate.Hardware("h100-80gb", 8, 2), LAYERS)
+    hsdp = traced["glm"]
+    exchanged = [one for one in result.collectives if one.kind == "all_to_all"]
+    moe_layers, accum = LAYERS - 1, result.accumulation
+    assert len(exchanged) == moe_layers * 6 * accum and {one.ranks for one in exchanged} == {8}
+    rows = cfg.train.micro_batch_size * cfg.data.max_length * 8  # top 8 experts per token
+    assert {one.bytes_in for one in exchanged} == {rows * 4096 * 2}  # hidden 4096, bf16
+    gathered = sum(one.bytes_out for one in on(result, "shard", "all_gather"))
+    assert 0 < gathered < sum(one.bytes_out for one in on(hsdp, "shard", "all_gather")) / 2  # no expert stack
+    assert result.peak_bytes < hsdp.peak_bytes and result.layout.expert_parallel == 8
+    assert any("expert parallel 8" in note for note in result.notes)
