@@ -26,7 +26,7 @@ SEED = int(os.environ.get("TRAINYARD_TEST_SEED") or random.SystemRandom().randra
 
 
 SHARED_FIXTURES = {"world", "solo", "worlds", "hosts"}
-SERIAL_FILES = {"test_node_range.py", "test_diloco_ft.py", "test_bad_inputs.py"}
+SERIAL_FILES = {"test_node_range.py", "test_diloco_ft.py"}
 """Single-process test files that bind fixed ports or launch ranks."""
 
 
