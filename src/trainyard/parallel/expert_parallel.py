@@ -16,21 +16,25 @@ parameters get.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from types import MethodType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as torch_dist
-from peft.tuners.lora import ParamWrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from trainyard import dist
 from trainyard.errors import ConfigError
-from trainyard.model.moe_lora import LowRank, expert_counts, experts_on_sorted, grouped_experts_forward, wrapper_chain
 from trainyard.model.weights import InMemory, RowReader, SafetensorsFolder, checkpoint_key
+
+if TYPE_CHECKING:
+    from peft.tuners.lora import ParamWrapper
+
+    from trainyard.model.moe_lora import LowRank
 
 FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss")
 """Families whose EP loss and gradients are proven equal to one process's (tests/dist/test_expert_parallel.py)."""
@@ -51,9 +55,12 @@ class ExpertStack:
 def find_expert_stacks(model: torch.nn.Module) -> list[ExpertStack]:
     """Every module of fused 3-D experts (a transformers class run by `use_experts_implementation`)."""
     outermost = {}
-    inner = {id(m.base_layer) for m in model.modules() if isinstance(m, ParamWrapper)}
-    for module in model.modules():
-        if isinstance(module, ParamWrapper) and id(module) not in inner:
+    wrappers = _param_wrappers(model)
+    inner = {id(m.base_layer) for m in wrappers}
+    for module in wrappers:
+        if id(module) not in inner:
+            from trainyard.model.moe_lora import wrapper_chain  # PEFT's: loaded, since its wrappers are here
+
             chain = wrapper_chain(module)
             outermost[id(chain[-1].get_base_layer())] = (module, tuple(chain))
     stacks = []
@@ -62,6 +69,15 @@ def find_expert_stacks(model: torch.nn.Module) -> list[ExpertStack]:
             unit, chain = outermost.get(id(module), (module, ()))
             stacks.append(ExpertStack(name, module, unit, chain))
     return stacks
+
+
+def _param_wrappers(model: torch.nn.Module) -> list[ParamWrapper]:
+    """PEFT's wrappers of 3-D parameters (LoRA on fused experts): none, and PEFT not imported, without LoRA."""
+    if "peft" not in sys.modules:
+        return []
+    from peft.tuners.lora import ParamWrapper
+
+    return [module for module in model.modules() if isinstance(module, ParamWrapper)]
 
 
 def _has_stack(module: torch.nn.Module) -> bool:
@@ -233,6 +249,8 @@ def _exchanged_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """The experts module's forward under EP without grouped adapters (full fine-tuning, or PEFT's fold)."""
+    from trainyard.model.moe_lora import grouped_experts_forward  # moe_lora imports PEFT: an EP job's alone
+
     return grouped_experts_forward(self, {}, hidden_states, top_k_index, top_k_weights)
 
 
@@ -248,6 +266,8 @@ class TokenExchange:
     def __call__(
         self, experts: torch.nn.Module, adapters: dict[str, LowRank], rows: torch.Tensor, expert_ids: torch.Tensor
     ) -> torch.Tensor:
+        from trainyard.model.moe_lora import expert_counts, experts_on_sorted
+
         local = self.experts // self.ranks
         sent = expert_counts(expert_ids, self.experts).to(torch.int64)
         received = dist.all_to_all_counts(sent, self.group)  # [source rank, local expert]: rows sent to our experts
