@@ -54,15 +54,7 @@ class ExpertStack:
 
 def find_expert_stacks(model: torch.nn.Module) -> list[ExpertStack]:
     """Every module of fused 3-D experts (a transformers class run by `use_experts_implementation`)."""
-    outermost = {}
-    wrappers = _param_wrappers(model)
-    inner = {id(m.base_layer) for m in wrappers}
-    for module in wrappers:
-        if id(module) not in inner:
-            from trainyard.model.moe_lora import wrapper_chain  # PEFT's: loaded, since its wrappers are here
-
-            chain = wrapper_chain(module)
-            outermost[id(chain[-1].get_base_layer())] = (module, tuple(chain))
+    outermost = _adapter_chains(model)
     stacks = []
     for name, module in model.named_modules():
         if hasattr(module, "has_gate") and hasattr(module, "num_experts") and _has_stack(module):
@@ -71,13 +63,23 @@ def find_expert_stacks(model: torch.nn.Module) -> list[ExpertStack]:
     return stacks
 
 
-def _param_wrappers(model: torch.nn.Module) -> list[ParamWrapper]:
-    """PEFT's wrappers of 3-D parameters (LoRA on fused experts): none, and PEFT not imported, without LoRA."""
+def _adapter_chains(model: torch.nn.Module) -> dict[int, tuple[torch.nn.Module, tuple[ParamWrapper, ...]]]:
+    """By id of each module whose 3-D parameters LoRA adapts: its outermost PEFT wrapper and the wrappers' chain.
+    Empty, and PEFT not imported, where nothing has loaded PEFT (no LoRA)."""
     if "peft" not in sys.modules:
-        return []
+        return {}
     from peft.tuners.lora import ParamWrapper
 
-    return [module for module in model.modules() if isinstance(module, ParamWrapper)]
+    from trainyard.model.moe_lora import wrapper_chain
+
+    wrappers = [module for module in model.modules() if isinstance(module, ParamWrapper)]
+    inner = {id(m.base_layer) for m in wrappers}
+    outermost = {}
+    for module in wrappers:
+        if id(module) not in inner:
+            chain = wrapper_chain(module)
+            outermost[id(chain[-1].get_base_layer())] = (module, tuple(chain))
+    return outermost
 
 
 def _has_stack(module: torch.nn.Module) -> bool:
