@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -23,6 +24,13 @@ from trainyard.config import DistConfig
 from trainyard.errors import ConfigError
 from trainyard.network import IFNAME_VARS, apply_network_preset, check_nic, interface_error
 from trainyard.runs import layout as run_layout
+
+
+def is_fsdp(module: torch.nn.Module) -> bool:
+    """Whether fully_shard wrapped `module`; False without importing torch.distributed.fsdp (FSDP1 with it) when no
+    code of this process has."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
 @dataclass(frozen=True)

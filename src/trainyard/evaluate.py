@@ -21,21 +21,22 @@ import json
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from trainyard.atomic import write_atomically
 from trainyard.config import DpoConfig
 from trainyard.data import collate
-from trainyard.dist import DistInfo, all_reduce_sum
+from trainyard.dist import DistInfo, all_reduce_sum, is_fsdp
 from trainyard.loss import token_loss_sum
 from trainyard.preference.loss import STATS, count_pairs, pair_loss_sum
 from trainyard.parallel.parallelize import unwrap
 from trainyard.redaction import redact
 from trainyard.runs import layout as run_layout
+
+if TYPE_CHECKING:
+    import datasets
 
 
 def evaluation_subset(num_rows: int, subset_size: int, seed: int) -> list[int]:
@@ -157,7 +158,7 @@ def evaluate(
     `samples_path` (with `generate`): rank 0 writes every generation there (see `samples_file`).
     `dpo` (train.objective dpo): the eval rows are pairs; the loss is per pair, with TRL's eval_rewards/ and
     eval_logps/ figures riding the same all-reduce."""
-    sharded = isinstance(model, FSDPModule)
+    sharded = is_fsdp(model)
     net = model if sharded else unwrap(model)
     was_training = net.training
     net.eval()

@@ -13,8 +13,7 @@ import torch.distributed as torch_dist
 
 from trainyard import dist, estimate, hardware, precision
 from trainyard.batch import accumulation_steps, steps_for_epochs
-from trainyard.checkpoint.export import find_checkpoint
-from trainyard.checkpoint.save import latest_full
+from trainyard.checkpoint.layout import latest_full
 from trainyard.config import JobConfig
 from trainyard.data import survey as data_survey
 from trainyard.diloco import outer as diloco
@@ -26,7 +25,6 @@ from trainyard.estimate import memory as estimate_memory
 from trainyard.estimate.timing import Lengths, dpo_reference
 from trainyard.model import attention
 from trainyard.model import build as model_room
-from trainyard.model import lora as lora_room
 from trainyard.model import source as source_room
 from trainyard.parallel import expert_parallel
 from trainyard.runs import layout as run_layout
@@ -67,6 +65,8 @@ def _lora_words(cfg: JobConfig, model: torch.nn.Module | None) -> str:
     if not lora.enabled:
         return "off (full fine-tuning)"
     words = f"r={lora.r} alpha={lora.alpha:g}"
+    from trainyard.model import lora as lora_room  # PEFT: only for a LoRA job
+
     return f"{words} on {lora_room.describe_lora_reach(model)}" if model is not None else words
 
 
@@ -275,6 +275,8 @@ def _resume_words(cfg: JobConfig, problems: list[str]) -> str:
         checkpoints = cfg.run_dir / run_layout.CHECKPOINTS
         newest = latest_full(checkpoints) if checkpoints.is_dir() else None
         return f"auto: from {newest}" if newest else f"auto: nothing committed in {cfg.run_dir} yet, a fresh start"
+    from trainyard.checkpoint.export import find_checkpoint  # PEFT and the export: only to resume from a path
+
     try:
         step = find_checkpoint(Path(resume))
     except TrainyardError as err:

@@ -10,7 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import REPO
+import pytest
+import yaml
+
+from tests.conftest import REPO, TINY
 from tests.unit.runs.test_status import beat, make_run
 
 PROBE = """
@@ -71,3 +74,77 @@ def test_a_training_worker_imports_no_other_commands_or_jobs_code() -> None:
     unwanted = {"torchft", "matplotlib", "wandb", "tensorboard", "trainyard.train.trace", "trainyard.runs.report",
                 "trainyard.launch.k8s", "trainyard.launch.slurm", "trainyard.doctor.probe"}
     assert not unwanted & modules, unwanted & modules
+
+
+JOBS_PROBE = """
+import contextlib, io, json, os, socket, sys
+from trainyard.cli import main
+from trainyard.config_file import load_config
+loaded = {}
+commands, workers = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+for argv in commands:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            main(argv)
+        except SystemExit as stop:
+            assert stop.code in (0, None), (argv, stop.code)
+    loaded[argv[0]] = sorted(sys.modules)
+with socket.socket() as free:
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=str(port))  # what torchrun sets: a 1-rank gloo group, so the model is DDP-wrapped
+from trainyard.train.recipe import run
+for name, (config, overrides) in workers.items():
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        summary = run(load_config(config, overrides))
+    assert (summary["steps"], summary["strategy"]) == (1, "ddp"), summary
+    loaded[name] = sorted(sys.modules)
+print(json.dumps(loaded))
+sys.stdout.flush()
+os._exit(0)  # a process group exists: no teardown (as dist.exit_process)
+"""
+PLANNING = ("peft", "datasets", "pandas", "torchft", "trainyard.train")
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
+    """One fresh interpreter runs `slurm`, `k8s` and `estimate` (no --trace) for the tiny full fine-tune, then, as
+    a torchrun worker would, one optimizer step of a DDP full fine-tune and one of a DDP LoRA job on a mixture's
+    token shards (read from JSONL by hand, no `datasets`); the modules loaded after each, lightest first."""
+    tmp = tmp_path_factory.mktemp("jobs")
+    lines = [json.dumps({"text": f"sentence {i} of the shard {i % 7} in words"}) for i in range(64)]
+    (tmp / "text.jsonl").write_text("\n".join(lines) + "\n")
+    job = yaml.safe_load(Path(TINY).read_text())
+    job["data"] = {"mixture": [{"path": str(tmp / "text.jsonl"), "weight": 1.0}], "max_length": 32}
+    job["train"] = {"max_steps": 1, "micro_batch_size": 2}
+    job["eval"] = {"at_end": False}
+    job["log"] = {"progress": False, "tensorboard": False}
+    (tmp / "shards.yaml").write_text(yaml.safe_dump(job))
+    commands = [["slurm", TINY, f"output_dir={tmp / 'runs'}", "--nodes", "2", "--gpus-per-node", "4",
+                 "--out", str(tmp / "job.sbatch")],
+                ["k8s", TINY, f"output_dir={tmp / 'runs'}", "--image", "img:1", "--out", str(tmp / "job.yaml")],
+                ["estimate", TINY]]
+    workers = {"full": (str(tmp / "shards.yaml"), [f"output_dir={tmp / 'full'}"]),
+               "lora": (str(tmp / "shards.yaml"), [f"output_dir={tmp / 'lora'}", "lora.enabled=true"])}
+    result = subprocess.run([sys.executable, "-c", JOBS_PROBE, json.dumps(commands), json.dumps(workers)],
+                            capture_output=True, text=True, cwd=tmp, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {name: set(modules) for name, modules in json.loads(result.stdout).items()}
+
+
+def test_planning_commands_import_no_peft_datasets_or_training(jobs: dict[str, set[str]]) -> None:
+    """slurm and k8s estimate the signal lead, estimate plans the job: a meta model's counts, nothing that
+    trains or reads data through `datasets`."""
+    for command in ("slurm", "k8s", "estimate"):
+        assert not {m for m in jobs[command] if m.startswith(PLANNING)}, command
+
+
+def test_a_full_fine_tune_worker_imports_no_peft(jobs: dict[str, set[str]]) -> None:
+    assert "trainyard.train.recipe" in jobs["full"] and "peft" not in jobs["full"]
+
+
+def test_a_lora_worker_on_token_shards_imports_no_datasets_or_torchft(jobs: dict[str, set[str]]) -> None:
+    lora = jobs["lora"]
+    assert "peft" in lora  # the adapter was built
+    assert not {"datasets", "pandas", "pyarrow", "torchft"} & lora, {"datasets", "pandas", "pyarrow", "torchft"} & lora

@@ -13,7 +13,6 @@ import warnings
 from pathlib import Path
 
 import transformers
-from torch.distributed.fsdp import FSDPModule
 
 from trainyard import dist, precision
 from trainyard.checkpoint.export import adapter_dir, check_model_matches, find_checkpoint, load_full_weights
@@ -54,7 +53,7 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path) -> dict[str, object]:
     model, _, _ = build_and_wrap(cfg, info, used, model_path, tokenizer, forward_only=True)
 
     def autocast():  # type: ignore[no-untyped-def]
-        return precision.autocast(used, info.device, enabled=not isinstance(model, FSDPModule))
+        return precision.autocast(used, info.device, enabled=not dist.is_fsdp(model))
 
     dpo = cfg.dpo if cfg.train.objective == "dpo" else None
     if dpo is not None and not cfg.lora.enabled and dpo.loss not in REFERENCE_FREE:

@@ -34,7 +34,6 @@ import torch
 import torch.distributed as torch_dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from peft import PeftModel, get_peft_model_state_dict
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
@@ -59,6 +58,7 @@ from trainyard.checkpoint.layout import (  # noqa: F401  (the checkpoint room's 
 from trainyard.config import CheckpointConfig
 from trainyard.dist import DistInfo, all_reduce_sum, broadcast_text
 from trainyard.errors import CheckpointError
+from trainyard.model.build import is_peft
 from trainyard.parallel import expert_parallel
 from trainyard.parallel.parallelize import unwrap
 
@@ -74,6 +74,8 @@ def adapter_state(model: torch.nn.Module, info: DistInfo) -> dict[str, torch.Ten
     full_state_dict with cpu_offload does: a host copy on every rank cost 7.3 GB per rank (58 GB a node) for
     GLM-4.5-Air's 1.82B-parameter adapter. Under expert parallelism an expert adapter is gathered from every EP
     rank's experts."""
+    from peft import get_peft_model_state_dict  # a LoRA job's: a full fine-tune never loads PEFT
+
     full = {}
     state = expert_parallel.whole_stacks(model, get_peft_model_state_dict(unwrap(model)))
     for name, tensor in state.items():
@@ -89,7 +91,7 @@ def save_adapter(model: torch.nn.Module, out_dir: Path, info: DistInfo, tokenize
     tokenizer (its chat template as trained) when given. Every rank gathers (FSDP), rank 0 keeps and writes; None
     when the model has no adapter."""
     peft_model = unwrap(model)
-    if not isinstance(peft_model, PeftModel):
+    if not is_peft(peft_model):
         return None
     state = adapter_state(model, info)
     if info.is_main:

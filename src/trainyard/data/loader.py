@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy
-import pyarrow.compute
 import torch
 
 from trainyard.data.collate import collate
@@ -60,6 +59,8 @@ class SampleRecord:
 def largest_rows(dataset: Any, count: int) -> list[int]:
     """The `count` rows with the most tokens, most first (ties: the lower index): a micro-batch of the first of them
     is the epoch's largest, padded (the longest rows) or padding-free (the most tokens)."""
+    import pyarrow.compute  # only for an Arrow dataset: a mixture's stream never comes here
+
     lengths = pyarrow.compute.list_value_length(dataset.with_format("arrow")["input_ids"]).to_numpy()
     return numpy.argsort(-lengths, kind="stable")[:count].tolist()
 

@@ -3,7 +3,8 @@
 Every process calls `prepare_datasets`; one per shared cache folder tokenizes (see cache.py),
 the others load its result. The fingerprint covers everything that changes the tokens, so a
 changed file, tokenizer or setting never reuses a stale cache, and an unchanged job never
-tokenizes twice.
+tokenizes twice. `datasets` (and pandas with it) is imported where a cache is built or read, so a job whose data
+never comes here (a mixture's token shards) does not pay for it.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
 
 from trainyard.config import DataConfig
@@ -28,6 +28,9 @@ from trainyard.data.formats import IGNORE_INDEX, BadRow, Truncation, encode_rows
 from trainyard.data.synthetic import builtin_rows, is_builtin
 from trainyard.errors import DataError
 
+if TYPE_CHECKING:
+    import datasets
+
 CODE_VERSION = 2
 """Bump when a change here or in formats.py changes the tokens of the same input."""
 SEED = 0
@@ -35,16 +38,6 @@ SEED = 0
 training seed, so runs that differ only in seed share one cache and one eval set."""
 CHUNK_ROWS = 10_000
 
-TOKENS = datasets.List(datasets.Value("int32"))
-DOCUMENT_FEATURES = datasets.Features(
-    {
-        "input_ids": TOKENS,
-        "labels": TOKENS,
-        "prompt_ids": TOKENS,
-        "answer": datasets.Value("string"),
-    }
-)
-PACKED_FEATURES = datasets.Features({"input_ids": TOKENS, "labels": TOKENS, "seq_lens": TOKENS})
 GRADING_COLUMNS = ["prompt_ids", "answer"]
 
 Source = Iterable[tuple[str, dict[str, Any] | BadRow]]
@@ -136,10 +129,24 @@ def data_fingerprint(cfg: DataConfig, tokenizer: Any) -> str:
 # ---------------------------------------------------------------- building
 
 
+def _features(packed: bool) -> datasets.Features:
+    """The cache's columns: documents (with the grading columns) or packed rows."""
+    import datasets
+
+    tokens = datasets.List(datasets.Value("int32"))
+    if packed:
+        return datasets.Features({"input_ids": tokens, "labels": tokens, "seq_lens": tokens})
+    return datasets.Features(
+        {"input_ids": tokens, "labels": tokens, "prompt_ids": tokens, "answer": datasets.Value("string")}
+    )
+
+
 def _dataset_from(
     examples: Iterable[dict[str, Any]], features: datasets.Features
 ) -> datasets.Dataset:
     """An Arrow dataset built in chunks, so a big file never sits in memory as Python lists."""
+    import datasets
+
     chunks, columns = [], {name: [] for name in features}
     for example in examples:
         for name, values in columns.items():
@@ -188,7 +195,7 @@ def _encode(
     here: Counter[str] = Counter()
     encoded = encode_rows(_counted(rows, read), tokenizer, cfg, here, truncation=truncation)
     first = next(encoded, None)
-    features = PACKED_FEATURES if first is not None and "seq_lens" in first else DOCUMENT_FEATURES  # pairs: 2 docs
+    features = _features(packed=first is not None and "seq_lens" in first)  # a preference pair: 2 documents
     docs = _dataset_from(itertools.chain([first] if first is not None else [], encoded), features)
     skipped.update(here)
     if len(docs) == 0:
@@ -233,7 +240,7 @@ def pack(docs: datasets.Dataset, max_length: int) -> datasets.Dataset:
     boundary; `seq_lens` lets collate isolate the documents' attention.
     """
     shuffled = docs.select(np.random.default_rng(SEED).permutation(len(docs)))
-    return _dataset_from(_packed_rows(shuffled, max_length), PACKED_FEATURES)
+    return _dataset_from(_packed_rows(shuffled, max_length), _features(packed=True))
 
 
 def _token_counts(ds: datasets.Dataset) -> tuple[int, int]:
@@ -299,6 +306,8 @@ def tokenize_into(folder: Path, cfg: DataConfig, tokenizer: Any, fingerprint: st
 
 @contextmanager
 def _quiet_progress_bars() -> Iterator[None]:
+    import datasets
+
     was_enabled = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
@@ -309,6 +318,8 @@ def _quiet_progress_bars() -> Iterator[None]:
 
 
 def load_prepared(cache_dir: Path, tokenized_here: bool) -> PreparedData:
+    import datasets
+
     meta = json.loads((cache_dir / "meta.json").read_text())
     eval_dir = cache_dir / "eval"
     return PreparedData(

@@ -15,7 +15,6 @@ from trainyard.errors import ModelError
 from trainyard.hardware import FlopShape, flop_shape
 from trainyard.model import attention
 from trainyard.model import build as model_room
-from trainyard.model import lora as lora_room
 from trainyard.model import source as source_room
 
 # Known architectures, keyed by hub id: their config.json's shape fields, so an estimate needs no download.
@@ -160,14 +159,14 @@ def meta_model(cfg: JobConfig, config) -> torch.nn.Module:  # type: ignore[no-un
     with torch.device("meta"):
         model = model_room.causal_lm(config, cfg.model.trust_remote_code)
         if cfg.lora.enabled:
+            from trainyard.model import lora as lora_room  # PEFT: only for a LoRA job
+
             model = lora_room.apply_lora(model, cfg.lora, cfg.train.seed)
     return model
 
 
 def count(model: torch.nn.Module, shape: Shape) -> Counts:
     """Totals, the largest block, the root, and what LoRA adds to one block's activations."""
-    from peft.tuners.lora import LoraLayer, ParamWrapper
-
     total, trainable = model_room.parameter_counts(model)
     blocks = model_room.decoder_blocks(model)
     sizes = [_sizes(block) for block in blocks] or [(0, 0)]
@@ -176,11 +175,11 @@ def count(model: torch.nn.Module, shape: Shape) -> Counts:
     root = [p for p in model.parameters() if id(p) not in in_blocks]
     embedding = model.get_input_embeddings().weight
     output = model.get_output_embeddings()
-    lora_layers = [m for m in (blocks[-1].modules() if blocks else []) if isinstance(m, LoraLayer)]
+    lora_layers = _lora_layers(blocks[-1]) if blocks and model_room.is_peft(model) else []
     linear = [m for m in lora_layers if isinstance(getattr(m, "base_layer", None), torch.nn.Linear)]
     grouped = _grouped_expert_wrappers(lora_layers)
     folded = [m.get_param().numel() for m in lora_layers
-              if isinstance(m, ParamWrapper) and m.get_param().ndim == 3 and id(m) not in grouped]
+              if hasattr(m, "get_param") and m.get_param().ndim == 3 and id(m) not in grouped]  # ParamWrapper's
     grouped_wrappers = [m for m in lora_layers if id(m) in grouped]
     return Counts(
         total=total,
@@ -207,8 +206,8 @@ def count(model: torch.nn.Module, shape: Shape) -> Counts:
 
 def _expert_counts(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> ExpertCounts:
     """The routed experts' parameters: modules of fused 3-D stacks (as expert parallelism finds them) and the
-    adapters of the PEFT wrappers around them."""
-    from peft.tuners.lora import ParamWrapper
+    adapters of the PEFT wrappers around them (PEFT's ParamWrapper, known by its get_param: a job without LoRA never
+    imports PEFT)."""
 
     def expert_params(root: torch.nn.Module) -> list[torch.nn.Parameter]:
         found: dict[int, torch.nn.Parameter] = {}
@@ -216,7 +215,7 @@ def _expert_counts(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> Exp
             own = list(module.parameters(recurse=False))
             if hasattr(module, "num_experts") and any(p.dim() == 3 for p in own):
                 found.update((id(p), p) for p in own)
-            if isinstance(module, ParamWrapper) and module.get_param().ndim == 3:
+            if hasattr(module, "get_param") and hasattr(module, "lora_A") and module.get_param().ndim == 3:
                 adapters = [*module.lora_A.parameters(), *module.lora_B.parameters()]
                 found.update((id(p), p) for p in adapters)
         return list(found.values())
@@ -229,8 +228,17 @@ def _expert_counts(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> Exp
     return ExpertCounts(total, trainable, block_total, block_trainable)
 
 
+def _lora_layers(block: torch.nn.Module) -> list[torch.nn.Module]:
+    """The block's LoRA layers (PEFT's: imported only for a LoRA model)."""
+    from peft.tuners.lora import LoraLayer
+
+    return [m for m in block.modules() if isinstance(m, LoraLayer)]
+
+
 def _grouped_expert_wrappers(lora_layers: list[torch.nn.Module]) -> set[int]:
     """ids of the ParamWrappers that lora.moe_adapter grouped runs as low-rank products (never folded)."""
+    if not lora_layers:
+        return set()
     from trainyard.model.moe_lora import GroupedExpertsLora, wrapper_chain
 
     return {id(w) for m in lora_layers if isinstance(m, GroupedExpertsLora) for w in wrapper_chain(m)}

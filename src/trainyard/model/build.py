@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,6 @@ import torch
 import transformers
 from accelerate import init_empty_weights
 from huggingface_hub.errors import StrictDataclassError
-from peft import PeftModel
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
@@ -158,5 +158,12 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
+def is_peft(model: torch.nn.Module) -> bool:
+    """Whether PEFT wrapped `model`; False without importing PEFT when nothing in this process has (full
+    fine-tuning never loads it)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
 def _base_pretrained(model: torch.nn.Module) -> torch.nn.Module:
-    return model.get_base_model() if isinstance(model, PeftModel) else model
+    return model.get_base_model() if is_peft(model) else model

@@ -11,8 +11,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from trainyard.model.build import decoder_blocks
-from trainyard.model.lora import max_lora_rank
+from trainyard.model.build import decoder_blocks, is_peft
 
 MATMUL_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default})
 ATTENTION_OPS = frozenset(
@@ -25,13 +24,22 @@ ATTENTION_OPS = frozenset(
 )
 
 
+def _lora_rank(model: torch.nn.Module) -> int:
+    """The widest adapter rank; 0 without LoRA, and PEFT (which model.lora imports) not loaded for it."""
+    if not is_peft(model):
+        return 0
+    from trainyard.model.lora import max_lora_rank
+
+    return max_lora_rank(model)
+
+
 def enable_activation_checkpointing(model: torch.nn.Module, selective: bool = False) -> None:
     """Checkpoint every decoder layer through transformers' own hook: it wraps the layer's `forward`, so FSDP2's
     hooks stay outside the recompute and parameter names stay as they are. Non-reentrant, so LoRA + DDP +
     checkpointing trains (the reentrant kind crashes there). `selective`: see `selective_policy`."""
     kwargs: dict[str, Any] = {"use_reentrant": False}
     if selective:
-        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, selective_policy(max_lora_rank(model)))
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, selective_policy(_lora_rank(model)))
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

@@ -16,13 +16,13 @@ parameters get.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from types import MethodType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as torch_dist
-from peft.tuners.lora import ParamWrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -30,8 +30,12 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from trainyard import dist
 from trainyard.errors import ConfigError
 from trainyard.estimate import experts as estimate_experts
-from trainyard.model.moe_lora import LowRank, expert_counts, experts_on_sorted, grouped_experts_forward, wrapper_chain
 from trainyard.model.weights import InMemory, RowReader, SafetensorsFolder, checkpoint_key
+
+if TYPE_CHECKING:
+    from peft.tuners.lora import ParamWrapper
+
+    from trainyard.model.moe_lora import LowRank
 
 FAMILIES = estimate_experts.FAMILIES
 """Families whose EP loss and gradients are proven equal to one process's (tests/dist/test_expert_parallel.py)."""
@@ -51,18 +55,32 @@ class ExpertStack:
 
 def find_expert_stacks(model: torch.nn.Module) -> list[ExpertStack]:
     """Every module of fused 3-D experts (a transformers class run by `use_experts_implementation`)."""
-    outermost = {}
-    inner = {id(m.base_layer) for m in model.modules() if isinstance(m, ParamWrapper)}
-    for module in model.modules():
-        if isinstance(module, ParamWrapper) and id(module) not in inner:
-            chain = wrapper_chain(module)
-            outermost[id(chain[-1].get_base_layer())] = (module, tuple(chain))
+    outermost = _adapter_chains(model)
     stacks = []
     for name, module in model.named_modules():
         if hasattr(module, "has_gate") and hasattr(module, "num_experts") and _has_stack(module):
             unit, chain = outermost.get(id(module), (module, ()))
             stacks.append(ExpertStack(name, module, unit, chain))
     return stacks
+
+
+def _adapter_chains(model: torch.nn.Module) -> dict[int, tuple[torch.nn.Module, tuple[ParamWrapper, ...]]]:
+    """By id of each module whose 3-D parameters LoRA adapts: its outermost PEFT wrapper and the wrappers' chain.
+    Empty, and PEFT not imported, where nothing has loaded PEFT (no LoRA)."""
+    if "peft" not in sys.modules:
+        return {}
+    from peft.tuners.lora import ParamWrapper
+
+    from trainyard.model.moe_lora import wrapper_chain
+
+    wrappers = [module for module in model.modules() if isinstance(module, ParamWrapper)]
+    inner = {id(m.base_layer) for m in wrappers}
+    outermost = {}
+    for module in wrappers:
+        if id(module) not in inner:
+            chain = wrapper_chain(module)
+            outermost[id(chain[-1].get_base_layer())] = (module, tuple(chain))
+    return outermost
 
 
 def _has_stack(module: torch.nn.Module) -> bool:
@@ -289,6 +307,8 @@ def _exchanged_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """The experts module's forward under EP without grouped adapters (full fine-tuning, or PEFT's fold)."""
+    from trainyard.model.moe_lora import grouped_experts_forward  # moe_lora imports PEFT: an EP job's alone
+
     return grouped_experts_forward(self, {}, hidden_states, top_k_index, top_k_weights)
 
 
@@ -304,6 +324,8 @@ class TokenExchange:
     def __call__(
         self, experts: torch.nn.Module, adapters: dict[str, LowRank], rows: torch.Tensor, expert_ids: torch.Tensor
     ) -> torch.Tensor:
+        from trainyard.model.moe_lora import expert_counts, experts_on_sorted
+
         local = self.experts // self.ranks
         sent = expert_counts(expert_ids, self.experts).to(torch.int64)
         received = dist.all_to_all_counts(sent, self.group)  # [source rank, local expert]: rows sent to our experts

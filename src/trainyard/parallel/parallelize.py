@@ -11,17 +11,20 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from trainyard.dist import DistInfo
+from trainyard.dist import DistInfo, is_fsdp
 from trainyard.model import weights
 from trainyard.model.build import decoder_blocks
 from trainyard.parallel import checkpointing, expert_parallel
 from trainyard.precision import Precision
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 def shards_within(strategy: str, site_inner: str) -> bool:
@@ -85,7 +88,7 @@ def materialize(model: torch.nn.Module, device: torch.device) -> None:
     """Memory for meta tensors (a shard's worth under FSDP2), the rest moved to `device`. FSDP2
     swaps its own sharded parameters; elsewhere each shared Parameter is replaced once, for every
     module holding it, so tied weights stay tied."""
-    if isinstance(model, FSDPModule):
+    if is_fsdp(model):
         model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
         return
     replaced: dict[int, torch.nn.Parameter] = {}
@@ -109,6 +112,8 @@ def _real_on(param: torch.nn.Parameter, device: torch.device) -> torch.nn.Parame
 def mixed_precision_policy(precision: Precision) -> MixedPrecisionPolicy:
     """bf16-mixed: gather weights in bf16 for compute, reduce-scatter gradients in fp32 onto the
     fp32 shards the optimizer steps."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     if not precision.mixed:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=precision.compute_dtype, reduce_dtype=torch.float32)
@@ -124,6 +129,8 @@ def shard_fsdp2(
     ("replicate", "shard") makes it HSDP: sharded within a group, replicated across groups. Under expert
     parallelism each block's expert stacks are their own unit first, on the expert mesh; their gradients are
     divided by the whole data-parallel size, as the rest's are (the all-to-all's backward summed the EP group's)."""
+    from torch.distributed.fsdp import fully_shard  # FSDP1 comes with the package: only a sharded job loads it
+
     policy = mixed_precision_policy(precision)
     if experts is not None:
         for stack in expert_parallel.find_expert_stacks(model):
@@ -154,7 +161,7 @@ def gradient_sync(model: torch.nn.Module, last: bool, defer: bool) -> Iterator[N
         with model.no_sync():
             yield
         return
-    if isinstance(model, FSDPModule):
+    if is_fsdp(model):
         model.set_requires_gradient_sync(last or not defer)
         model.set_requires_all_reduce(last)
     yield

@@ -19,7 +19,6 @@ from trainyard.config import DpoConfig
 from trainyard.config.preference import REFERENCE_FREE
 from trainyard.data import IGNORE_INDEX
 from trainyard.loss import chunkable_head, final_softcap, head_computes, keeps_logits
-from trainyard.model.lora import adapters_off
 
 STATS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
          "logps/rejected")
@@ -236,6 +235,8 @@ def pair_loss_sum(
         stored = batch["ref_logps"].to(device=device, dtype=torch.float32)
         reference = PairLogps(stored[:, 0], stored[:, 1], stored.new_zeros(0), stored.new_zeros(0))
     elif cfg.loss not in REFERENCE_FREE:
+        from trainyard.model.lora import adapters_off  # LoRA's reference (PEFT): full fine-tuning stored its own
+
         with torch.no_grad(), adapters_off(model):
             reference = pair_logps(target_logps(model, batch, device, chunk_tokens), documents)
     policy = pair_logps(target_logps(model, batch, device, chunk_tokens), documents)

@@ -14,19 +14,20 @@ import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from trainyard.atomic import write_atomically
 from trainyard.config import JobConfig
 from trainyard.data import collate
-from trainyard.dist import DistInfo, all_reduce_sum
+from trainyard.dist import DistInfo, all_reduce_sum, is_fsdp
 from trainyard.parallel.parallelize import unwrap
 from trainyard.precision import Precision
 from trainyard.preference.loss import pair_logps, target_documents, target_logps
+
+if TYPE_CHECKING:
+    import datasets
 
 COLUMN = "ref_logps"
 """[chosen, rejected] summed log-probabilities of a pair under the initial model."""
@@ -73,7 +74,7 @@ def _pass(
     autocast: Callable[[], contextlib.AbstractContextManager],
 ) -> list[list[float]]:
     """[chosen, rejected] of every row, in row order; each rank computes rows rank, rank + world, ..."""
-    sharded = isinstance(model, FSDPModule)
+    sharded = is_fsdp(model)
     net = model if sharded else unwrap(model)
     was_training = net.training
     net.eval()

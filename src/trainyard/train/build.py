@@ -18,7 +18,6 @@ from trainyard.config.preference import REFERENCE_FREE
 from trainyard.diloco import outer as diloco
 from trainyard.model import attention
 from trainyard.model import build as model_room
-from trainyard.model import lora as lora_room
 from trainyard.model import source as source_room
 from trainyard.model import weights
 from trainyard.parallel import expert_parallel
@@ -43,6 +42,8 @@ def build_and_wrap(
     model = model_room.build_meta_model(cfg.model, config, base_dtype, info.device, not forward_only, where,
                                         attention.packed_rows(cfg.data))
     if cfg.lora.enabled:
+        from trainyard.model import lora as lora_room  # PEFT: a full fine-tune never loads it
+
         with lora_room.real_stand_ins(model, trainable_dtype):
             reference = cfg.train.objective == "dpo" and cfg.dpo.loss not in REFERENCE_FREE
             model = lora_room.apply_lora(model, cfg.lora, cfg.train.seed, reference=reference)

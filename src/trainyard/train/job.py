@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from trainyard import dist
 from trainyard import precision as precision_room
@@ -58,7 +57,7 @@ class Job:
 
     def autocast(self):  # type: ignore[no-untyped-def]
         """bf16 products over fp32 weights where no FSDP2 policy casts them (DDP, one process)."""
-        return precision_room.autocast(self.precision, self.info.device, enabled=not isinstance(self.model, FSDPModule))
+        return precision_room.autocast(self.precision, self.info.device, enabled=not dist.is_fsdp(self.model))
 
     @property
     def checkpoints(self) -> Path:

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 import transformers
-from torch.distributed.fsdp import FSDPModule
 
 from trainyard import dist, health
 from trainyard import precision as precision_room
@@ -220,7 +219,7 @@ def _check_replicas(job: Job, step: int) -> None:
     """Every desync_check_steps, DDP replicas compare their weights (FSDP shards differ by design)."""
     cfg, info = job.cfg, job.info
     every = cfg.dist.desync_check_steps
-    if not (every and step % every == 0 and info.distributed and not isinstance(job.model, FSDPModule)):
+    if not (every and step % every == 0 and info.distributed and not dist.is_fsdp(job.model)):
         return
     if health.injected("desync", info, step):
         health.corrupt_one_parameter(job.model)
