@@ -191,8 +191,10 @@ def test_the_rank_that_runs_out_first_is_the_one_reported() -> None:
 
 
 def test_the_log_window_reports_a_leak_in_this_process() -> None:
-    """RSS measured for real: tensors kept window after window."""
+    """RSS measured for real: tensors kept window after window. (Without the rule's 5% floor, tested above on
+    numbers: this process's RSS holds whatever the tests before it loaded, GBs in a whole suite.)"""
     window, kept, alarms = LogWindow(torch.device("cpu"), None, peak=None), [], []
+    window.memory_trend = MemoryTrend(min_growth=0.0)
     for step in range(window.memory_trend.settle_steps + 1, window.memory_trend.settle_steps + 7):
         kept.append(torch.ones(64 * 2**20 // 4))
         assert window.figures()["peak_memory_bytes"] > 64 * 2**20 * len(kept)

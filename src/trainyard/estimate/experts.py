@@ -15,9 +15,7 @@ from dataclasses import dataclass
 
 from trainyard.config import JobConfig
 from trainyard.estimate.arch import Counts, Shape
-
-# Families whose EP is proven exact (tests/dist/test_expert_parallel.py); parallel.expert_parallel refuses the others.
-FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss")
+from trainyard.model.routing import EXPERT_PARALLEL_FAMILIES as FAMILIES
 
 
 @dataclass(frozen=True)

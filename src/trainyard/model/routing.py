@@ -16,6 +16,9 @@ import torch
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 ROUTER_NAMES = ("gate", "router")
+EXPERT_PARALLEL_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss")
+"""The families whose expert parallelism is proven exact (tests/dist/test_expert_parallel.py): parallel's EP runs
+them, the plan's `auto` considers them, any other is refused."""
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from trainyard import dist
 from trainyard.errors import ConfigError
-from trainyard.estimate import experts as estimate_experts
+from trainyard.model.routing import EXPERT_PARALLEL_FAMILIES
 from trainyard.model.weights import InMemory, RowReader, SafetensorsFolder, checkpoint_key
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from trainyard.model.moe_lora import LowRank
 
-FAMILIES = estimate_experts.FAMILIES
+FAMILIES = EXPERT_PARALLEL_FAMILIES
 """Families whose EP loss and gradients are proven equal to one process's (tests/dist/test_expert_parallel.py)."""
 STRATEGIES = ("fsdp", "hsdp")
 
