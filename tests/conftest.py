@@ -32,8 +32,11 @@ SERIAL_FILES = {"test_node_range.py", "test_diloco_ft.py"}
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`ranks`: the tests that start ranks, share a world or bind a fixed port. `make test` (tests/suite.py) runs
-    them one at a time in one process and the others beside them in another."""
+    them one at a time in one process, the modules marked `worlds` (tasks on the shared worlds only: no launch, no
+    fixed port, no reference run) in a second, and the single-process tests in a third."""
     for item in items:
+        if item.get_closest_marker("worlds"):
+            continue
         folder = item.path.relative_to(REPO / "tests").parts[0]
         if folder in ("dist", "e2e", "gpu") or item.path.name in SERIAL_FILES or \
                 SHARED_FIXTURES & set(getattr(item, "fixturenames", ())):

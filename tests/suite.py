@@ -1,9 +1,10 @@
-"""`make test`: the whole suite as two pytest processes side by side, then one report.
+"""`make test`: the whole suite as three pytest processes side by side, then one report.
 
 Every test that starts ranks, shares a world or binds a fixed port is marked `ranks` (tests/conftest.py); those run
-one at a time, in file order, in one process. The single-process tests run in the other, on the core a launch
-leaves idle while it waits on start-up, rendezvous and timeouts. (pytest-xdist's `loadgroup` would do this, but
-its groups are lost under pytest 9.2: it renames items through an attribute pytest no longer reads.)
+one at a time, in file order, in one process. Modules marked `worlds` (tasks on the shared worlds only) run in a
+second with worlds of their own, and the single-process tests in a third: on the cores a launch leaves idle while it
+waits on start-up, rendezvous and timeouts. (pytest-xdist's `loadgroup` would do this, but its groups are lost
+under pytest 9.2: it renames items through an attribute pytest no longer reads.)
 
 Usage: python tests/suite.py [pytest arguments, e.g. -x or tests/unit]"""
 
@@ -18,12 +19,15 @@ from pathlib import Path
 SLOWEST = 40
 
 
-def pytest(marker: str, work: Path, extra: list[str], output: Path | None) -> subprocess.Popen[bytes]:
-    """One pytest process over the tests with (`ranks`) or without (`not ranks`) the marker."""
-    name = marker.replace(" ", "-")
+SIDES = {"ranks": "ranks", "worlds": "worlds", "single-process": "not ranks and not worlds"}
+"""Each process's name and its marker expression; the first prints as it goes, the others when all have ended."""
+
+
+def pytest(side: str, work: Path, extra: list[str], output: Path | None) -> subprocess.Popen[bytes]:
+    """One pytest process over the tests of one side (its marker expression)."""
     command = [
-        sys.executable, "-m", "pytest", "-q", "-rs", "-m", marker, f"--junitxml={work / name}.xml",
-        f"--basetemp={work / name}", *(["-p", "no:cacheprovider"] if output else []), *extra,
+        sys.executable, "-m", "pytest", "-q", "-rs", "-m", SIDES[side], f"--junitxml={work / side}.xml",
+        f"--basetemp={work / side}", *(["-p", "no:cacheprovider"] if output else []), *extra,
     ]
     stdout = open(output, "wb") if output else None  # noqa: SIM115 (closed when the process has ended)
     return subprocess.Popen(command, stdout=stdout, stderr=subprocess.STDOUT if output else None)
@@ -39,13 +43,13 @@ def durations(report: Path) -> list[tuple[float, str]]:
 def main(extra: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="trainyard-suite-") as tmp:
         work = Path(tmp)
-        single_log = work / "single.log"
-        single = pytest("not ranks", work, extra or ["tests"], single_log)
-        ranks = pytest("ranks", work, extra or ["tests"], None)
-        codes = {"ranks": ranks.wait(), "single-process": single.wait()}
-        print(f"\n===== the single-process tests (run beside the ones above) =====\n{single_log.read_text()}")
-        slowest = sorted(durations(work / "ranks.xml") + durations(work / "not-ranks.xml"), reverse=True)
-        print(f"===== the {SLOWEST} slowest tests of both (setup + call + teardown) =====")
+        logs = {side: work / f"{side}.log" for side in list(SIDES)[1:]}
+        processes = {side: pytest(side, work, extra or ["tests"], logs.get(side)) for side in reversed(SIDES)}
+        codes = {side: processes[side].wait() for side in SIDES}
+        for side, log in logs.items():
+            print(f"\n===== the {side} tests (run beside the ones above) =====\n{log.read_text()}")
+        slowest = sorted(sum((durations(work / f"{side}.xml") for side in SIDES), []), reverse=True)
+        print(f"===== the {SLOWEST} slowest tests of all (setup + call + teardown) =====")
         for seconds, test in slowest[:SLOWEST]:
             print(f"{seconds:8.2f}s {test}")
     # pytest's 5: no test selected (a marker or path that leaves one side empty) is not a failure here

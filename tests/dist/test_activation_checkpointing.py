@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import TINY, events, train_in
 from tests.world import World
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.worlds]
 
 STEPS = 4
 COMMON = [

@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import run_script
 from tests.world import World
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.worlds]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from tests.dist.checkpoint_helpers import COMMON, LORA_DDP, train_args
 from tests.world import World
 from trainyard.checkpoint.save import committed, step_dir
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.worlds]
 
 STEPS = 6
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import run_script
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.worlds]
 
 
 @pytest.fixture(scope="module", params=["ddp", "fsdp"])

@@ -19,7 +19,7 @@ from tests.conftest import run_script
 from tests.unit.model.families import settings
 from tests.world import World
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.worlds]
 
 FAMILIES = ["qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss"]
 TOKENIZER_KEYS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")

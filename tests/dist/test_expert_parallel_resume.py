@@ -16,7 +16,7 @@ from tests.dist.checkpoint_helpers import adapter_tensors
 from tests.world import World
 from trainyard.checkpoint.save import step_dir
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.worlds]
 
 STEPS, STOP = 4, 2
 JOB = [

@@ -25,7 +25,7 @@ from tests.world import World
 from trainyard.checkpoint.export import export
 from trainyard.checkpoint.save import step_dir
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.worlds]
 
 STEPS, EVERY = 4, 2
 JOB = [

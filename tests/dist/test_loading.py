@@ -15,6 +15,8 @@ from tests.world import World
 from trainyard.model import weights
 from trainyard.errors import ModelError
 
+pytestmark = [pytest.mark.dist, pytest.mark.worlds]
+
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
              max_position_embeddings=256)
 

@@ -13,7 +13,7 @@ from tests.world import World
 from trainyard.health import LEAK_BYTES
 from trainyard.metrics import MemoryTrend
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.worlds]
 
 SETTLED = MemoryTrend().settle_steps
 JOB = [

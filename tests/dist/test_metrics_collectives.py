@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import run_script
 from tests.world import World
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.worlds]
 
 
 def preference_pairs(tmp_path: Path) -> Path:

@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import TINY, events, run_script, train_in
 from tests.world import World
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.worlds]
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import TINY, train_in
 from tests.world import World
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.worlds]
 
 JOB = [
     "train.max_steps=8", "train.on_nonfinite=skip", "eval.every_steps=0", "eval.at_end=false",

@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import events, run_script
 from tests.world import World
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.worlds]
 
 LR, WARMUP, STEPS, MIN_RATIO = 1e-3, 3, 10, 0.1
 

@@ -16,6 +16,8 @@ from trainyard.model import source as source_room
 from trainyard import precision
 from trainyard.config_file import load_config
 
+pytestmark = [pytest.mark.dist, pytest.mark.worlds]
+
 QUIET = ["log.every_steps=1", "log.progress=false", "log.tensorboard=false", "eval.every_steps=0",
          "eval.at_end=false", "dist.desync_check_steps=0"]
 # AdamW's first step moves every weight by ~lr: 1e-6 is far below half a bf16 step at the tiny
