@@ -22,7 +22,7 @@ from trainyard.config import JobConfig
 from trainyard.config_file import load_config
 from trainyard.errors import ConfigError
 from trainyard.launch import k8s
-from trainyard.launch.slurm import SlurmJob, render_sbatch
+from trainyard.launch.slurm import SlurmJob, render_sbatch, shell_setup
 from trainyard.launch.stop_lead import SignalLead
 from trainyard.runs import layout as run_layout
 
@@ -185,9 +185,7 @@ def lighthouse_script(job: SlurmJob, cfg: JobConfig) -> Script:
         f"# The log folder must exist before sbatch: mkdir -p {log_dir}",
         "#",
     ]
-    setup = ["set -uo pipefail", f"cd {shlex.quote(job.workdir)}"]
-    if job.venv:
-        setup.append(f"source {shlex.quote(job.venv + '/bin/activate')}")
+    setup = shell_setup(job)
     run = [
         "requeue() {",
         '  echo "trainyard: the time limit is near: requeueing the lighthouse (job $SLURM_JOB_ID)"',

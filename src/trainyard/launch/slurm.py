@@ -335,6 +335,14 @@ def resolve(job: SlurmJob, cfg: JobConfig) -> tuple[SlurmJob, SignalLead]:
     return job, lead
 
 
+def shell_setup(job: SlurmJob) -> list[str]:
+    """The batch script's first commands: fail on unset variables, the job's folder, its venv."""
+    setup = ["set -uo pipefail", f"cd {shlex.quote(job.workdir)}"]
+    if job.venv:
+        setup.append(f"source {shlex.quote(job.venv + '/bin/activate')}")
+    return setup
+
+
 def render_sbatch(job: SlurmJob, cfg: JobConfig, lead: SignalLead | None = None, about: tuple[str, ...] = ()) -> str:
     """The whole script, as text. Secrets stay in --env-file, read on the nodes at run time.
     `lead`: from `resolve` (which `job` then came from), else resolved here. `about`: comment lines said first."""
@@ -353,9 +361,7 @@ def render_sbatch(job: SlurmJob, cfg: JobConfig, lead: SignalLead | None = None,
         f"# The log folder must exist before sbatch: mkdir -p {log_dir}",
         "#",
     ]
-    setup = ["set -uo pipefail", f"cd {shlex.quote(job.workdir)}"]
-    if job.venv:
-        setup.append(f"source {shlex.quote(job.venv + '/bin/activate')}")
+    setup = shell_setup(job)
     if job.env_file:
         setup += [
             "# Secrets (W&B, HF tokens) come from this file on the nodes; no value is written here.",
