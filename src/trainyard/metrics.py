@@ -70,6 +70,16 @@ def peak_memory_bytes(device: torch.device) -> int:
     return psutil.Process().memory_info().rss
 
 
+def growing_memory_bytes(device: torch.device) -> int:
+    """The memory a leak grows, for the trend: on CPU the process's anonymous pages (RSS less its file-backed
+    pages, which the kernel drops and reads back under pressure: RSS then falls while a leak goes on); on CUDA the
+    allocator's peak, as logged."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    memory = psutil.Process().memory_info()
+    return memory.rss - memory.shared
+
+
 def available_memory_bytes(device: torch.device) -> int:
     """What this rank could still take: the host's available memory on CPU (shared with the other processes of the
     node); on CUDA the device's free memory and what the allocator holds unused."""
@@ -173,7 +183,7 @@ class LogWindow:
         """objective.PairFigures under DPO: its sums ride the same all-gather."""
         self.memory_trend = MemoryTrend()
         self._memory: tuple[dict[int, float], dict[int, float]] = ({}, {})
-        """Each rank's memory and what it could still take at the last `figures`, by global rank."""
+        """Each rank's growing memory (`growing_memory_bytes`) and what it could still take at the last `figures`."""
         self.reset()
 
     def reset(self) -> None:
@@ -217,7 +227,8 @@ class LogWindow:
         with one all-gather: sums to add up, each rank's busy time to spot stragglers, its memory (the highest is
         `peak_memory_bytes`). Every rank of the group must call it. MFU: the steps' model FLOPs per rank-second over
         the peak."""
-        own = [self.seconds, self.flops, peak_memory_bytes(self.device), available_memory_bytes(self.device)]
+        own = [self.seconds, self.flops, peak_memory_bytes(self.device), available_memory_bytes(self.device),
+               growing_memory_bytes(self.device)]
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # each window's own peak: a leak shows as a rise
         mine = torch.cat([self.sums, torch.tensor(own, dtype=torch.float64, device=self.device)])
@@ -226,11 +237,11 @@ class LogWindow:
         if self.pair_figures is not None:
             mine = torch.cat([mine, self.pair_figures.row()])
         every = all_gather_rows(mine, group)
-        riders = every[:, 7:]  # the expert load's columns, then DPO's
+        riders = every[:, 8:]  # the expert load's columns, then DPO's
         experts = riders.size(1) - (self.pair_figures.row().numel() if self.pair_figures is not None else 0)
         loss_sum, targets, real_tokens, _, flops = every[:, :5].sum(dim=0).tolist()
         ranks = group_ranks(group)
-        self._memory = (dict(zip(ranks, every[:, 5].tolist())), dict(zip(ranks, every[:, 6].tolist())))
+        self._memory = (dict(zip(ranks, every[:, 7].tolist())), dict(zip(ranks, every[:, 6].tolist())))
         times = every[:, 3]
         median = times.median().item()
         elapsed = max(self.seconds, 1e-9)
