@@ -63,6 +63,18 @@ def test_a_user_error_in_status_imports_no_torch(tmp_path: Path) -> None:
     assert not set(NEVER_TO_READ_A_RUN) & set(seen["modules"])
 
 
+def test_bad_input_to_train_fails_before_torch_is_imported(tmp_path: Path) -> None:
+    """A misspelt override and a missing data file: exit 2 from the config and the job's paths alone (the launcher
+    imports torch only once the job is known to be runnable)."""
+    missing = tmp_path / "job.yaml"
+    job = yaml.safe_load(Path(TINY).read_text())
+    missing.write_text(yaml.safe_dump({**job, "data": {"path": str(tmp_path / "no.jsonl")}}))
+    seen = imported_by(["train", str(TINY), "trian.max_steps=1"], ["train", str(missing), "--nproc", "2"])
+    for command in seen.values():
+        assert command["code"] == 2
+        assert "torch" not in command["modules"]
+
+
 def test_a_training_worker_imports_no_other_commands_or_jobs_code() -> None:
     """The recipe a worker runs: no fault-tolerant DiLoCo (torchft), no plotting, no sinks it was not asked for,
     no trace or estimate of another job's memory. (torch._dynamo is not in the list: transformers' masking_utils

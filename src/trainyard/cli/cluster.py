@@ -434,7 +434,7 @@ def doctor(
     as_json: Annotated[bool, typer.Option("--json", help="print the checks as JSON")] = False,
 ) -> None:
     """Check this machine (and with --nnodes the cluster) before a job: exit 1 if a check fails."""
-    from trainyard.doctor import DoctorOptions, exit_code, print_checks, run_doctor
+    from trainyard.doctor.run import DoctorOptions, exit_code, print_checks, run_doctor
 
     options = DoctorOptions(
         config=config,

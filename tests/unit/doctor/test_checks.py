@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import trainyard
-from trainyard.doctor import run_doctor
+from trainyard.doctor.run import run_doctor
 from trainyard.doctor.checks import check_environment, gpu_links
 from trainyard.doctor.network import check_master, check_nic, check_port_free, matching_interfaces
 from trainyard.doctor.options import DoctorOptions
