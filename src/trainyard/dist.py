@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainyard.config import DistConfig
 from trainyard.errors import ConfigError
+from trainyard.launch.local import launched_by_torchrun
 from trainyard.network import IFNAME_VARS, apply_network_preset, check_nic, interface_error
 from trainyard.runs import layout as run_layout
 
@@ -53,10 +54,6 @@ class DistInfo:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
-
-
-def launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
 def _env_int(name: str, default: int) -> int:

@@ -1,3 +1,4 @@
 from trainyard.cli import main
 
-main()
+if __name__ == "__main__":  # not when a fork server imports this file as its main module
+    main()

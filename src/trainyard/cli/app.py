@@ -1,14 +1,18 @@
 """The typer app and what every command shares: failing with an exit code, the notice for a
-preemption, config + overrides, and `--out` files that never overwrite."""
+preemption, config + overrides, `--out` files that never overwrite, and running one command to its exit code
+(in this process or in a forked worker)."""
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
+from trainyard.errors import TrainyardError
 from trainyard.redaction import redact_text
 
 app = typer.Typer(
@@ -106,3 +110,54 @@ def _config_and_overrides(args: list[str]) -> tuple[str, list[str]]:
 
         raise ConfigError("no CONFIG given", fix="pass a YAML file (or a preset name) before the key=value overrides")
     return config_path, overrides
+
+
+def run_command(argv: list[str] | None) -> int:
+    """Run one command; its exit code, with a user error already reported (a forked worker returns it)."""
+    import click
+
+    try:
+        code = app(args=argv, prog_name="trainyard", standalone_mode=False)
+    except TrainyardError as err:
+        return _report_user_error(err)
+    except (click.ClickException, typer.TyperException) as err:  # typer >= 0.22 raises its own click copies
+        err.show()
+        return 2
+    except (click.exceptions.Abort, typer.Abort):
+        return 130
+    return code if isinstance(code, int) else 0
+
+
+def run_forked_worker(argv: list[str], stop_signals: tuple[str, ...]) -> None:
+    """One worker forked by the local launcher (`launch.forked`). It returns on success: torch's agent counts a
+    worker done when its function returns, and one that exits with 0 instead would leave the launcher waiting
+    forever. Any other exit code leaves at once, as a worker interpreter does (`dist.exit_process`)."""
+    from trainyard.launch.forked import restore_stop_signals
+
+    restore_stop_signals(stop_signals)
+    try:
+        code = run_command(argv)
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        os._exit(code)
+
+
+def _report_user_error(err: TrainyardError) -> int:
+    """Under our own launcher the parent prints the message once; otherwise print it here."""
+    from trainyard.launch.local import EXIT_FILE_ENV, write_exit_file
+    from trainyard.launch.torchrun import PREEMPTED_EXIT_CODE
+
+    if os.environ.get(EXIT_FILE_ENV):
+        write_exit_file(err.exit_code, err.render())
+    elif err.exit_code == PREEMPTED_EXIT_CODE:  # every rank saved and stopped; one says so
+        if os.environ.get("RANK", "0") == "0":
+            _notice(err.render())
+    else:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        prefix = f" (rank {os.environ.get('RANK', '0')})" if world > 1 else ""
+        err_console.print(f"[bold red]trainyard: error{prefix}[/]")
+        err_console.print(redact_text(err.render()), markup=False, soft_wrap=True)
+    return err.exit_code

@@ -72,15 +72,15 @@ def train(
                             fix=f"change what each line names, then run the dry run again{elsewhere}")
         return
     check_job_inputs(cfg)  # before torch is imported: bad input fails in seconds
-    from trainyard.dist import launched_by_torchrun
-    from trainyard.launch.local import run_local, torchrun_equivalent
+    from trainyard.cli.app import run_forked_worker
+    from trainyard.launch.local import launched_by_torchrun, run_local, torchrun_equivalent
 
     if nproc > 1 and not launched_by_torchrun():
         argv = ["train", *([config_path] if config_path else []), *overrides]
         err_console.print(
             redact_text(f"launching: {torchrun_equivalent(nproc, argv, max_restarts)}"), markup=False, soft_wrap=True
         )
-        code, message = run_local(nproc, argv, max_restarts)
+        code, message = run_local(nproc, argv, max_restarts, cfg, run_forked_worker)
         if code:
             _fail(code, message or "a worker failed")
         return
@@ -142,15 +142,15 @@ def eval_checkpoint(
     config_path, overrides = _config_and_overrides(args)
     cfg = config_room.load_config(config_path, overrides)
     check_job_inputs(cfg)
-    from trainyard.dist import launched_by_torchrun
-    from trainyard.launch.local import run_local, torchrun_equivalent
+    from trainyard.cli.app import run_forked_worker
+    from trainyard.launch.local import launched_by_torchrun, run_local, torchrun_equivalent
 
     if nproc > 1 and not launched_by_torchrun():
         argv = ["eval", config_path, *overrides, "--checkpoint", str(checkpoint)]
         err_console.print(
             redact_text(f"launching: {torchrun_equivalent(nproc, argv, 0)}"), markup=False, soft_wrap=True
         )
-        code, message = run_local(nproc, argv)
+        code, message = run_local(nproc, argv, cfg=cfg, forked_worker=run_forked_worker)
         if code:
             _fail(code, message or "a worker failed")
         return

@@ -13,9 +13,11 @@ import signal
 import sys
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
-from trainyard.launch import allocator
+from trainyard.config import JobConfig
+from trainyard.launch import allocator, forked
 
 EXIT_FILE_ENV = "TRAINYARD_EXIT_FILE"
 # The agent passes these to its workers instead of dying on them: Slurm's --signal
@@ -48,6 +50,10 @@ def stop_on_first_signal() -> None:
     api._terminate_process_handler = first_only
 
 
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
 def worker_command(argv: list[str]) -> list[str]:
     return [sys.executable, "-m", "trainyard.cli", *argv]
 
@@ -74,13 +80,14 @@ def read_exit_files(prefix: str) -> tuple[int, str] | None:
     return int(code), message
 
 
-def run_local(nproc: int, argv: list[str], max_restarts: int = 0) -> tuple[int, str | None]:
-    """Start nproc workers running `trainyard <argv>`; return (exit code, error message). torch's agent is imported
-    here: a worker reporting a user error, or a command that fails before launching, never needs it."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
+def run_local(
+    nproc: int, argv: list[str], max_restarts: int = 0, cfg: JobConfig | None = None,
+    forked_worker: Callable[[list[str], tuple[str, ...]], None] | None = None,
+) -> tuple[int, str | None]:
+    """Start nproc workers running `trainyard <argv>` (the job `cfg`); return (exit code, error message). torch's
+    agent is imported here: a worker reporting a user error, or a command that fails before launching, never needs
+    it. `forked_worker(argv, stop_signals)` runs a command in a worker forked from the fork server (`forked`), where
+    this torch build allows it; the workers' environment is complete before that server starts: they inherit it."""
     with tempfile.TemporaryDirectory(prefix="trainyard-exit-") as tmp:
         prefix = str(Path(tmp) / "exit")
         os.environ[EXIT_FILE_ENV] = prefix
@@ -88,33 +95,52 @@ def run_local(nproc: int, argv: list[str], max_restarts: int = 0) -> tuple[int, 
         os.environ.update(preload)
         # Each worker gets its share of the cores instead of all of them (oversubscription).
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-        config = LaunchConfig(
-            min_nodes=1,
-            max_nodes=1,
-            nproc_per_node=nproc,
-            run_id=str(uuid.uuid4()),
-            rdzv_backend="c10d",
-            rdzv_endpoint="localhost:0",
-            max_restarts=max_restarts,
-            monitor_interval=0.1,  # torchrun's own: a finished or failed worker group is seen at once
-            start_method="spawn",
-            signals_to_handle=",".join(SIGNALS_TO_FORWARD),
-        )
-        command = worker_command(argv)
-        stop_on_first_signal()
+        fork = forked_worker is not None and forked.forks_safely()
+        if fork:
+            forked.start_fork_server(forked.modules_for(cfg), SIGNALS_TO_FORWARD)
         try:
-            elastic_launch(config, entrypoint=command[0])(*command[1:])
-        except SignalException as err:  # this launcher was told to stop; workers saved and left
-            reported = read_exit_files(prefix)
-            return reported or (128 + int(err.sigval), f"stopped by {err.sigval.name}")
-        except ChildFailedError as err:
-            reported = read_exit_files(prefix)
-            if reported:
-                return reported
-            rank, failure = min(err.failures.items())
-            code = failure.exitcode if failure.exitcode > 0 else 1
-            return code, f"worker rank {rank} failed (exit {failure.exitcode}); see its log under the run dir's logs/"
+            return _launch(nproc, argv, max_restarts, forked_worker if fork else None, prefix)
         finally:
+            if fork:
+                forked.stop_fork_server()
             for name in (EXIT_FILE_ENV, *preload):
                 os.environ.pop(name, None)
+
+
+def _launch(
+    nproc: int, argv: list[str], max_restarts: int, forked_worker: Callable | None, prefix: str
+) -> tuple[int, str | None]:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=max_restarts,
+        monitor_interval=0.1,  # torchrun's own: a finished or failed worker group is seen at once
+        start_method="forkserver" if forked_worker else "spawn",
+        signals_to_handle=",".join(SIGNALS_TO_FORWARD),
+    )
+    command = worker_command(argv)
+    entrypoint, args = (forked_worker, (argv, SIGNALS_TO_FORWARD)) if forked_worker else (command[0], command[1:])
+    if forked_worker:
+        forked.quiet_agent_tracebacks()
+    stop_on_first_signal()
+    try:
+        elastic_launch(config, entrypoint=entrypoint)(*args)
+    except SignalException as err:  # this launcher was told to stop; workers saved and left
+        reported = read_exit_files(prefix)
+        return reported or (128 + int(err.sigval), f"stopped by {err.sigval.name}")
+    except ChildFailedError as err:
+        reported = read_exit_files(prefix)
+        if reported:
+            return reported
+        rank, failure = min(err.failures.items())
+        code = failure.exitcode if failure.exitcode > 0 else 1
+        return code, f"worker rank {rank} failed (exit {failure.exitcode}); see its log under the run dir's logs/"
     return 0, None

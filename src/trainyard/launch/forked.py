@@ -1,0 +1,95 @@
+"""Workers forked from one interpreter that imported the training stack, instead of one fresh interpreter each.
+
+A worker's imports (torch, transformers, the recipe) take seconds, and every worker paid them again: on a machine
+with fewer cores than workers they queue (4 workers on 2 cores import in twice the time of one), and a restart
+pays them once more. Here the launcher starts a fork server first, which imports the stack while the launcher
+imports torch's agent; torch's agent then forks each worker (and each restarted one) from it, imports done.
+
+The fork server is Python's own (multiprocessing's forkserver): one clean process with no threads and no
+device touched, so forking it is safe. It is used only with a torch build that has no GPU library: a process
+that initialised CUDA cannot be forked, and a GPU machine is not here to show which import would. There the
+workers start as fresh interpreters, as torchrun starts them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import signal
+from pathlib import Path
+
+from trainyard.config import JobConfig
+
+GPU_LIBRARIES = ("libtorch_cuda.so", "libtorch_hip.so", "libtorch_xpu.so")
+
+
+def forks_safely() -> bool:
+    """Whether this torch build can only run on the CPU (read from its files: `import torch` takes seconds)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    lib = Path(next(iter(spec.submodule_search_locations))) / "lib"
+    return lib.is_dir() and not any((lib / name).exists() for name in GPU_LIBRARIES)
+
+
+def modules_for(cfg: JobConfig | None) -> list[str]:
+    """What the job's workers import: the recipe, PEFT for LoRA, `datasets` unless the data is token shards."""
+    modules = ["trainyard.cli", "trainyard.train.recipe"]
+    if cfg is not None and cfg.lora.enabled:
+        modules.append("trainyard.model.lora")
+    if cfg is None or not cfg.data.mixture:
+        modules.append("datasets")
+    return modules
+
+
+def start_fork_server(modules: list[str], stop_signals: tuple[str, ...]) -> None:
+    """Start the fork server now: it imports `modules` beside this launcher, which goes on to import torch. It and
+    multiprocessing's resource tracker (started with it) ignore the stop signals: Slurm sends them to every process
+    of a step, and a server killed by one reads to torch's agent as every worker gone (exit 255), so the agent
+    would close the store under workers still saving."""
+    from multiprocessing import forkserver
+
+    ignored = {name: signal.signal(getattr(signal, name), signal.SIG_IGN) for name in stop_signals}
+    try:
+        forkserver.set_forkserver_preload(modules)
+        forkserver.ensure_running()
+    finally:
+        for name, handler in ignored.items():
+            signal.signal(getattr(signal, name), handler)
+
+
+def _without_traceback(record: logging.LogRecord) -> bool:
+    record.exc_info, record.exc_text = None, None
+    return True
+
+
+def quiet_agent_tracebacks() -> None:
+    """torch's agent logs a forked worker's non-zero exit with its own traceback (of the exception that told it);
+    the line "failed (exitcode: N)" says what a worker interpreter's exit says, and the worker's own report
+    follows. A user error then prints no traceback, as with worker interpreters."""
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if _without_traceback not in logger.filters:
+        logger.addFilter(_without_traceback)
+
+
+def stop_fork_server() -> None:
+    """End the fork server at once once the workers are done. Left to itself it tears down its imports at exit
+    (1.5 s for torch and transformers), holding this launcher's stdout open all the while: a caller reading the
+    launcher's output to its end waits for it. (multiprocessing has no public call for this; its pid is read from
+    the module's one server.)"""
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def restore_stop_signals(stop_signals: tuple[str, ...]) -> None:
+    """In a forked worker: the stop signals the server ignores act as in a fresh interpreter again."""
+    for name in stop_signals:
+        number = getattr(signal, name)
+        signal.signal(number, signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL)
