@@ -28,12 +28,22 @@ SEED = int(os.environ.get("TRAINYARD_TEST_SEED") or random.SystemRandom().randra
 SHARED_FIXTURES = {"world", "solo", "worlds", "hosts"}
 SERIAL_FILES = {"test_node_range.py", "test_diloco_ft.py"}
 """Single-process test files that bind fixed ports or launch ranks."""
+SECOND_LANE = {
+    "test_activation_checkpointing.py", "test_adapter_gather.py", "test_checkpoint_contents.py",
+    "test_checkpoint_errors.py", "test_checkpoint_export.py", "test_checkpoint_resume.py", "test_diloco.py",
+    "test_diloco_preemption.py", "test_doctor_dist.py", "test_download.py", "test_dpo.py",
+}
+"""tests/dist modules that `make test` runs in a second lane of `ranks` tests beside the first: they bind no fixed
+port, make no namespace host and start no cluster, and the shared reference runs they read (lora_reference,
+full_reference) are read by no module of the first (each lane has its own worlds and makes its own references).
+About half the first lane's time: a launch mostly waits (start-up, rendezvous, timeouts), on cores left idle."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`ranks`: the tests that start ranks, share a world or bind a fixed port. `make test` (tests/suite.py) runs
-    them one at a time in one process, the modules marked `worlds` (tasks on the shared worlds only: no launch, no
-    fixed port, no reference run) in a second, and the single-process tests in a third."""
+    them one at a time in two lanes (`lane2`: SECOND_LANE's), the modules marked `worlds` (tasks on the shared
+    worlds only: no launch, no fixed port, no reference run) in a third process, the single-process tests in a
+    fourth."""
     for item in items:
         if item.get_closest_marker("worlds"):
             continue
@@ -41,6 +51,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if folder in ("dist", "e2e", "gpu") or item.path.name in SERIAL_FILES or \
                 SHARED_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ranks)
+            if folder == "dist" and item.path.name in SECOND_LANE:
+                item.add_marker(pytest.mark.lane2)
 
 
 def trainyard(

@@ -132,9 +132,9 @@ def run_forked_worker(argv: list[str], stop_signals: tuple[str, ...]) -> None:
     """One worker forked by the local launcher (`launch.forked`). It returns on success: torch's agent counts a
     worker done when its function returns, and one that exits with 0 instead would leave the launcher waiting
     forever. Any other exit code leaves at once, as a worker interpreter does (`dist.exit_process`)."""
-    from trainyard.launch.forked import restore_stop_signals
+    from trainyard.launch.forked import as_fresh_interpreter
 
-    restore_stop_signals(stop_signals)
+    as_fresh_interpreter(stop_signals)
     try:
         code = run_command(argv)
     except SystemExit as stop:

@@ -72,7 +72,6 @@ def train(
                             fix=f"change what each line names, then run the dry run again{elsewhere}")
         return
     check_job_inputs(cfg)  # before torch is imported: bad input fails in seconds
-    from trainyard.cli.app import run_forked_worker
     from trainyard.launch.local import launched_by_torchrun, run_local, torchrun_equivalent
 
     if nproc > 1 and not launched_by_torchrun():
@@ -80,7 +79,7 @@ def train(
         err_console.print(
             redact_text(f"launching: {torchrun_equivalent(nproc, argv, max_restarts)}"), markup=False, soft_wrap=True
         )
-        code, message = run_local(nproc, argv, max_restarts, cfg, run_forked_worker)
+        code, message = run_local(nproc, argv, max_restarts, cfg)
         if code:
             _fail(code, message or "a worker failed")
         return
@@ -142,7 +141,6 @@ def eval_checkpoint(
     config_path, overrides = _config_and_overrides(args)
     cfg = config_room.load_config(config_path, overrides)
     check_job_inputs(cfg)
-    from trainyard.cli.app import run_forked_worker
     from trainyard.launch.local import launched_by_torchrun, run_local, torchrun_equivalent
 
     if nproc > 1 and not launched_by_torchrun():
@@ -150,7 +148,7 @@ def eval_checkpoint(
         err_console.print(
             redact_text(f"launching: {torchrun_equivalent(nproc, argv, 0)}"), markup=False, soft_wrap=True
         )
-        code, message = run_local(nproc, argv, cfg=cfg, forked_worker=run_forked_worker)
+        code, message = run_local(nproc, argv, cfg=cfg)
         if code:
             _fail(code, message or "a worker failed")
         return

@@ -13,15 +13,19 @@ workers start as fresh interpreters, as torchrun starts them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 from trainyard.config import JobConfig
 
 GPU_LIBRARIES = ("libtorch_cuda.so", "libtorch_hip.so", "libtorch_xpu.so")
+WORKER = ("trainyard.cli.app", "run_forked_worker")
+"""What a forked worker runs, `(argv, stop_signals)`: named, as a worker interpreter's `-m trainyard.cli` is."""
 
 
 def forks_safely() -> bool:
@@ -76,20 +80,34 @@ def quiet_agent_tracebacks() -> None:
 def stop_fork_server() -> None:
     """End the fork server at once once the workers are done. Left to itself it tears down its imports at exit
     (1.5 s for torch and transformers), holding this launcher's stdout open all the while: a caller reading the
-    launcher's output to its end waits for it. (multiprocessing has no public call for this; its pid is read from
-    the module's one server.)"""
+    launcher's output to its end waits for it. multiprocessing has no public call for this: its one server is
+    killed by pid, then its own `_stop` reaps it and forgets it, so a later launch in this process starts another."""
     from multiprocessing import forkserver
 
-    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    server = forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
     if pid:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    stop = getattr(server, "_stop", None)
+    if stop is not None:
+        stop()
 
 
-def restore_stop_signals(stop_signals: tuple[str, ...]) -> None:
-    """In a forked worker: the stop signals the server ignores act as in a fresh interpreter again."""
+def worker() -> Callable[[list[str], tuple[str, ...]], None]:
+    module, name = WORKER
+    return getattr(importlib.import_module(module), name)
+
+
+def as_fresh_interpreter(stop_signals: tuple[str, ...]) -> None:
+    """In a forked worker, what a fresh interpreter would have from its start: the stop signals the server ignores
+    act again, and OMP_NUM_THREADS as the agent set it for this worker (torchrun sets it after the server started,
+    and the OpenMP runtime reads it once, when torch loads: 4 workers on 2 cores each ran 2 threads, 10x slower)."""
     for name in stop_signals:
         number = getattr(signal, name)
         signal.signal(number, signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))

@@ -13,7 +13,6 @@ import signal
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 from trainyard.config import JobConfig
@@ -81,13 +80,12 @@ def read_exit_files(prefix: str) -> tuple[int, str] | None:
 
 
 def run_local(
-    nproc: int, argv: list[str], max_restarts: int = 0, cfg: JobConfig | None = None,
-    forked_worker: Callable[[list[str], tuple[str, ...]], None] | None = None,
+    nproc: int, argv: list[str], max_restarts: int = 0, cfg: JobConfig | None = None
 ) -> tuple[int, str | None]:
     """Start nproc workers running `trainyard <argv>` (the job `cfg`); return (exit code, error message). torch's
     agent is imported here: a worker reporting a user error, or a command that fails before launching, never needs
-    it. `forked_worker(argv, stop_signals)` runs a command in a worker forked from the fork server (`forked`), where
-    this torch build allows it; the workers' environment is complete before that server starts: they inherit it."""
+    it. Where this torch build allows it the workers are forked from a fork server (`forked`); their environment is
+    complete before that server starts: they inherit it."""
     with tempfile.TemporaryDirectory(prefix="trainyard-exit-") as tmp:
         prefix = str(Path(tmp) / "exit")
         os.environ[EXIT_FILE_ENV] = prefix
@@ -95,11 +93,11 @@ def run_local(
         os.environ.update(preload)
         # Each worker gets its share of the cores instead of all of them (oversubscription).
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-        fork = forked_worker is not None and forked.forks_safely()
+        fork = forked.forks_safely()
         if fork:
             forked.start_fork_server(forked.modules_for(cfg), SIGNALS_TO_FORWARD)
         try:
-            return _launch(nproc, argv, max_restarts, forked_worker if fork else None, prefix)
+            return _launch(nproc, argv, max_restarts, fork, prefix)
         finally:
             if fork:
                 forked.stop_fork_server()
@@ -107,9 +105,7 @@ def run_local(
                 os.environ.pop(name, None)
 
 
-def _launch(
-    nproc: int, argv: list[str], max_restarts: int, forked_worker: Callable | None, prefix: str
-) -> tuple[int, str | None]:
+def _launch(nproc: int, argv: list[str], max_restarts: int, fork: bool, prefix: str) -> tuple[int, str | None]:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -123,12 +119,12 @@ def _launch(
         rdzv_endpoint="localhost:0",
         max_restarts=max_restarts,
         monitor_interval=0.1,  # torchrun's own: a finished or failed worker group is seen at once
-        start_method="forkserver" if forked_worker else "spawn",
+        start_method="forkserver" if fork else "spawn",
         signals_to_handle=",".join(SIGNALS_TO_FORWARD),
     )
     command = worker_command(argv)
-    entrypoint, args = (forked_worker, (argv, SIGNALS_TO_FORWARD)) if forked_worker else (command[0], command[1:])
-    if forked_worker:
+    entrypoint, args = (forked.worker(), (argv, SIGNALS_TO_FORWARD)) if fork else (command[0], command[1:])
+    if fork:
         forked.quiet_agent_tracebacks()
     stop_on_first_signal()
     try:

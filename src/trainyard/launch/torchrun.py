@@ -24,13 +24,13 @@ from pathlib import Path
 from trainyard.batch import accumulation_steps
 from trainyard.config import DistConfig, JobConfig
 from trainyard.errors import ConfigError
-from trainyard.launch.local import EXIT_FILE_ENV, SIGNALS_TO_FORWARD, stop_on_first_signal
+from trainyard.launch.local import EXIT_FILE_ENV, SIGNALS_TO_FORWARD
 from trainyard.network import interface_ipv4, network_env
 
 PREEMPTED_EXIT_CODE = 75
 USER_ERROR_EXIT_CODE = ConfigError.exit_code
-AGENT_MODULE = "trainyard.launch.torchrun"
-"""Runs torchrun's agent (`agent_main`); takes exactly torchrun's flags."""
+AGENT_MODULE = "trainyard.launch.agent"
+"""Runs torchrun's agent (`agent.main`); takes exactly torchrun's flags."""
 DEFAULT_MASTER_PORT = 29500
 SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 NPROC_WORDS = ("auto", "cpu", "gpu")
@@ -304,8 +304,8 @@ def check_node_range(cfg: JobConfig, plan: LaunchPlan) -> None:
 
 
 def torchrun_argv(plan: LaunchPlan, config: str, overrides: list[str] | tuple[str, ...]) -> list[str]:
-    """`python -m trainyard.launch.torchrun ... -m trainyard.cli train CONFIG overrides`: torchrun's
-    own flags, run by `agent_main` below."""
+    """`python -m trainyard.launch.agent ... -m trainyard.cli train CONFIG overrides`: torchrun's
+    own flags, run by `agent.main`."""
     argv = [sys.executable, "-m", AGENT_MODULE, f"--nnodes={plan.nnodes}", f"--nproc-per-node={plan.nproc}"]
     if plan.nnodes == "1" and plan.rdzv == "static" and plan.master_addr is None:
         argv.append("--standalone")
@@ -424,38 +424,3 @@ def run_torchrun(
     if code != 0 and received:
         return 128 + received[0], f"stopped by signal {received[0]}"
     return code, None
-
-
-def agent_main(argv: list[str]) -> int:
-    """torchrun, except that a stop signal or workers preempted after a save end in an exit code.
-
-    Slurm signals every process of a step, the agent included, and torchrun answers a signal
-    with a SignalException traceback and workers that exit 75 with a ChildFailedError report,
-    although the workers saved and said so in their exit files. Workers that all exit 2 printed the
-    user's error and its fix; torchrun's report would bury it. Other failures keep torchrun's report.
-    """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
-
-    stop_on_first_signal()
-    # torch 2.13's c10d rendezvous shares one TCP store for the workers, made by the first round's rank 0 node, which
-    # never publishes its address under a later round's keys: a node that comes back after a host died waits for it
-    # until the store times out (DistStoreError in _assign_worker_ranks). Each round's own store avoids that.
-    os.environ.setdefault(SHARED_STORE_ENV, "1")
-    try:
-        torchrun_main(argv)
-    except SignalException as err:  # the agent stopped its workers; their exit files say how they ended
-        return 128 + int(err.sigval)
-    except ChildFailedError as err:
-        codes = {failure.exitcode for failure in err.failures.values()}
-        if codes == {PREEMPTED_EXIT_CODE}:
-            return PREEMPTED_EXIT_CODE
-        if codes == {USER_ERROR_EXIT_CODE}:  # bad input: the workers printed what to fix; no agent traceback
-            return USER_ERROR_EXIT_CODE
-        raise
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(agent_main(sys.argv[1:]))

@@ -29,7 +29,7 @@ from trainyard.launch.torchrun import (
 def test_static_command_is_one_line_per_node_from_flags() -> None:
     plan = resolve_plan(nnodes="2", node_rank=1, master="10.11.7.50:29600", nproc="8", env={})
     argv = torchrun_argv(plan, "job.yaml", ["train.lr=1e-4"])
-    assert argv[1:3] == ["-m", "trainyard.launch.torchrun"]  # torchrun's flags, its agent without the traceback
+    assert argv[1:3] == ["-m", "trainyard.launch.agent"]  # torchrun's flags, its agent without the traceback
     assert {
         "--nnodes=2",
         "--nproc-per-node=8",
