@@ -31,12 +31,14 @@ SERIAL_FILES = {"test_node_range.py", "test_diloco_ft.py"}
 SECOND_LANE = {
     "test_activation_checkpointing.py", "test_adapter_gather.py", "test_checkpoint_contents.py",
     "test_checkpoint_errors.py", "test_checkpoint_export.py", "test_checkpoint_resume.py", "test_diloco.py",
-    "test_diloco_preemption.py", "test_doctor_dist.py", "test_download.py", "test_dpo.py",
+    "test_diloco_preemption.py", "test_doctor_dist.py", "test_download.py", "test_dpo.py", "test_elastic_resume.py",
+    "test_mixture_resume.py",
 }
 """tests/dist modules that `make test` runs in a second lane of `ranks` tests beside the first: they bind no fixed
 port, make no namespace host and start no cluster, and the shared reference runs they read (lora_reference,
 full_reference) are read by no module of the first (each lane has its own worlds and makes its own references).
-About half the first lane's time: a launch mostly waits (start-up, rendezvous, timeouts), on cores left idle."""
+A launch mostly waits (start-up, rendezvous, timeouts), on cores the other lane uses; benchmarks/RESULTS.md has
+each lane's minutes."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

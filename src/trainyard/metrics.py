@@ -111,20 +111,21 @@ class MemoryTrend:
     all (an allocator settling in, and a fresh process's first steps, rise by a few MB on hundreds). The rate is
     the least-squares slope of memory over step across those windows, the run-out step where that line meets what
     the rank could still take. After an alarm the rank's count starts again: a leak that goes on is reported every
-    `windows` windows, not every window. Windows up to step `settle_steps` are not counted: a process's memory
-    settles in over its first tens of steps (the allocator's arenas, kernels for each new row length under bf16
-    on a CPU: the quickstart rises ~6% over steps 2-24 and raised the alarm at every log step), and no job runs
-    out of memory slowly in them."""
+    `windows` windows, not every window. Windows up to `settle_steps` past `start_step` (where this process took
+    over: 0, or the step it resumed at) are not counted: a process's memory settles in over its first tens of steps
+    (the allocator's arenas, kernels for each new row length under bf16 on a CPU: the quickstart rises ~6% over
+    steps 2-24 and raised the alarm at every log step), and no job runs out of memory slowly in them."""
 
-    def __init__(self, windows: int = 5, min_growth: float = 0.05, settle_steps: int = 50) -> None:
+    def __init__(self, windows: int = 5, min_growth: float = 0.05, settle_steps: int = 50, start_step: int = 0) -> None:
         self.windows = windows
         self.min_growth = min_growth
         self.settle_steps = settle_steps
+        self.start_step = start_step
         self.seen: dict[int, deque[tuple[int, float]]] = {}
 
     def observe(self, step: int, used: dict[int, float], available: dict[int, float]) -> MemoryGrowth | None:
         """One log window's memory (and what each rank could still take), by rank; the alarm, if any."""
-        if step <= self.settle_steps:
+        if step <= self.start_step + self.settle_steps:
             return None
         rising = {}
         for rank, memory in used.items():

@@ -181,6 +181,17 @@ def test_the_first_steps_settle_in_and_a_rise_after_them_is_reported() -> None:
     assert [alarm.step for alarm in later] == [start + 6, start + 11, start + 16, start + 21]
 
 
+def test_a_resumed_process_settles_in_from_the_step_it_resumed_at() -> None:
+    """A run resumed at step 1000 (or a DiLoCo site relaunched mid-run) is a fresh process: its first steps' rise is
+    not a leak there either."""
+    settle, rise = MemoryTrend().settle_steps, {step: 1.17 * GIB + step * 20 * 2**20 for step in range(2, 25)}
+    resumed = {1000 + step: memory for step, memory in rise.items()}
+    assert observe_all(MemoryTrend(start_step=1000), resumed) == []
+    assert observe_all(MemoryTrend(), resumed) != []  # counted from step 0, the same rise would be reported
+    later = observe_all(MemoryTrend(start_step=1000), {1000 + settle + step: m for step, m in rise.items()})
+    assert [alarm.step for alarm in later][:1] == [1000 + settle + 6]
+
+
 def test_the_rank_that_runs_out_first_is_the_one_reported() -> None:
     trend, alarm = MemoryTrend(settle_steps=0), None
     for step in range(1, 6):

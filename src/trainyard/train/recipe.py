@@ -66,6 +66,7 @@ def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
     routers = routing.find_routers(model)
     interval = LogWindow(info.device, job.comm_timer, device_peak_flops(info.device, job.precision.compute_dtype),
                          routing.ExpertLoad(routers, info.device) if routers else None, job.objective.figures)
+    interval.memory_trend.start_step = state.step  # a resumed process settles in like a fresh one
     run_eval = _evaluator(job)
     if cfg.eval.baseline and run_eval and state.step == 0:
         state.baseline_eval = run_eval(0)
