@@ -63,18 +63,22 @@ def start_fork_server(modules: list[str], stop_signals: tuple[str, ...]) -> None
             signal.signal(getattr(signal, name), handler)
 
 
-def _without_traceback(record: logging.LogRecord) -> bool:
-    record.exc_info, record.exc_text = None, None
+def _without_exit_traceback(record: logging.LogRecord) -> bool:
+    from torch.multiprocessing import ProcessExitedException
+
+    if record.exc_info and isinstance(record.exc_info[1], ProcessExitedException):
+        record.exc_info, record.exc_text = None, None
     return True
 
 
 def quiet_agent_tracebacks() -> None:
-    """torch's agent logs a forked worker's non-zero exit with its own traceback (of the exception that told it);
-    the line "failed (exitcode: N)" says what a worker interpreter's exit says, and the worker's own report
-    follows. A user error then prints no traceback, as with worker interpreters."""
+    """torch's agent logs a forked worker's non-zero exit with a traceback of its own (of the exception that told
+    it so); the line "failed (exitcode: N)" says all a worker interpreter's exit says, and the worker's own report
+    follows, so a user error prints no traceback, as with worker interpreters. A worker that raised keeps its
+    traceback: the agent's log is where it is printed (torch passes it up from the worker)."""
     logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    if _without_traceback not in logger.filters:
-        logger.addFilter(_without_traceback)
+    if _without_exit_traceback not in logger.filters:
+        logger.addFilter(_without_exit_traceback)
 
 
 def stop_fork_server() -> None:
