@@ -5,10 +5,14 @@ with fewer cores than workers they queue (4 workers on 2 cores import in twice t
 pays them once more. Here the launcher starts a fork server first, which imports the stack while the launcher
 imports torch's agent; torch's agent then forks each worker (and each restarted one) from it, imports done.
 
-The fork server is Python's own (multiprocessing's forkserver): one clean process with no threads and no
-device touched, so forking it is safe. It is used only with a torch build that has no GPU library: a process
-that initialised CUDA cannot be forked, and a GPU machine is not here to show which import would. There the
-workers start as fresh interpreters, as torchrun starts them.
+The fork server is Python's own (multiprocessing's forkserver): one process with no threads of its own and no
+device touched, so forking it is safe. A launcher that has started nothing yet (the command line, not a test
+calling in) forks that server from itself right after importing torch, which it needs for its agent anyway:
+torch is then imported once per launch instead of twice (2-3 s of CPU each time), and the server goes on to import
+the rest while the launcher starts its agent. Elsewhere the server is a fresh interpreter, as multiprocessing
+starts it. It is used only with a torch build that has no GPU library: a process that initialised CUDA cannot be
+forked, and a GPU machine is not here to show which import would. There the workers start as fresh interpreters,
+as torchrun starts them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import importlib.util
 import logging
 import os
 import signal
+import socket
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -57,10 +63,74 @@ def start_fork_server(modules: list[str], stop_signals: tuple[str, ...]) -> None
     ignored = {name: signal.signal(getattr(signal, name), signal.SIG_IGN) for name in stop_signals}
     try:
         forkserver.set_forkserver_preload(modules)
-        forkserver.ensure_running()
+        if forks_from_here():
+            _fork_server_from_here(modules)
+        else:
+            forkserver.ensure_running()
     finally:
         for name, handler in ignored.items():
             signal.signal(getattr(signal, name), handler)
+
+
+SERVER_MAIN_PARAMETERS = ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
+
+
+def forks_from_here() -> bool:
+    """Whether this process may become the fork server's parent: it has imported no torch and runs one thread (a
+    launcher fresh from its command line; not a test that calls in), its malloc is the workers' (the launcher adds
+    no LD_PRELOAD for them: a forked server would keep this process's), and multiprocessing's server is the one
+    this code knows (Python 3.10-3.13: a later one authenticates its clients)."""
+    import inspect
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    return (
+        "torch" not in sys.modules
+        and len(os.listdir("/proc/self/task")) == 1
+        and os.environ.get("LD_PRELOAD") == _started_with("LD_PRELOAD")
+        and list(inspect.signature(forkserver.main).parameters) == SERVER_MAIN_PARAMETERS
+        and sorted(vars(server)) == sorted(vars(forkserver.ForkServer()))
+        and server._forkserver_pid is None
+    )
+
+
+def _started_with(name: str) -> str | None:
+    """An environment variable as this process started with it (os.environ holds what was set since)."""
+    for item in Path("/proc/self/environ").read_bytes().split(b"\0"):
+        key, _, value = item.partition(b"=")
+        if key == name.encode():
+            return value.decode()
+    return None
+
+
+def _fork_server_from_here(modules: list[str]) -> None:
+    """What multiprocessing's `ensure_running` does, with a fork of this process, torch imported, in place of a new
+    interpreter: the server imports the rest of `modules` itself, beside this launcher. It leaves by `os._exit`,
+    never through the launcher's own code, and holds no write end of the pipe that tells it the launcher is gone."""
+    from multiprocessing import connection, forkserver, resource_tracker, util
+
+    import torch  # noqa: F401  the launcher's agent needs it too: imported once for both
+
+    resource_tracker.ensure_running()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(alive_w)
+            try:
+                forkserver.main(listener.fileno(), alive_r, modules)
+            finally:
+                os._exit(0)
+        os.close(alive_r)
+    server = forkserver._forkserver
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
 
 
 def _without_exit_traceback(record: logging.LogRecord) -> bool:
