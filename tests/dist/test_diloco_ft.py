@@ -1,8 +1,8 @@
 """Fault-tolerant DiLoCo (torchft) on localhost: two sites of one process, each its own `trainyard launch`, the
 lighthouse its own `trainyard lighthouse`. Site 1 is SIGKILLed mid-run and started again: site 0 never stops and
-syncs alone while site 1 is gone; site 1 heals from site 0 (its weights become site 0's) and the two average
-together again. Then the lighthouse is SIGKILLed: both sites go on alone, and once it is back one heals from the
-other, so they never average from different weights."""
+syncs alone while site 1 is gone; site 1 heals from site 0 (its weights and inner optimizer state become site 0's)
+and the two average together again. Then the lighthouse is SIGKILLed: both sites go on alone, and once it is back
+one heals from the other, so they never average from different weights."""
 
 from __future__ import annotations
 
@@ -151,6 +151,7 @@ def test_a_site_killed_mid_run_heals_from_the_live_one_which_never_stops(tmp_pat
     step = healed[0]["step"]
     assert by_step0[step]["outer_sites"] == 1, "site 1 healed at a sync of site 0 alone, adding nothing to it"
     assert healed[0]["outer_start_norm"] == by_step0[step]["outer_start_norm"], "site 1 took site 0's weights"
+    assert healed[0]["inner_fingerprint"] == by_step0[step]["inner_fingerprint"], "and site 0's inner optimizer state"
     after_heal = back[back.index(healed[0]):]
     going_on = [e["step"] for e in after_heal if e["kind"] == "train"]  # the healing step's own event first
     assert going_on == list(range(step, step + len(going_on))), "site 1 goes on from site 0's step"
@@ -169,6 +170,8 @@ def test_a_site_killed_mid_run_heals_from_the_live_one_which_never_stops(tmp_pat
     assert alone_norms[0][-1] != alone_norms[1][-1], "alone, the sites' weights part"
     reheal = [e for events in outages for e in events if e.get("event") == "healed"]
     assert len(reheal) == 1, "once the lighthouse is back, one site heals from the other"
+    lender = [{e["step"]: e for e in syncs(events)} for events in outages if reheal[0] not in events][0]
+    assert reheal[0]["inner_fingerprint"] == lender[reheal[0]["step"]]["inner_fingerprint"], "it took the other's"
     joined = [{e["step"]: e["outer_start_norm"] for e in rejoined(events)} for events in outages]
     shared = sorted(set(joined[0]) & set(joined[1]))
     assert shared and all(joined[0][k] == joined[1][k] for k in shared), f"the sites disagree after: {joined}"

@@ -1,16 +1,26 @@
 """Fault-tolerant DiLoCo's inputs: a site that is not told which it is, a reduction torchft cannot do, or a lighthouse
-asked of a job that is not fault-tolerant exit 2 naming the field; each site reads its own slice of the data. The
-sites themselves run in tests/dist/test_diloco_ft.py."""
+asked of a job that is not fault-tolerant exit 2 naming the field; each site reads its own slice of the data. A rank
+that heals takes its peer's inner optimizer state and steps on as the peer does. The sites themselves run in
+tests/dist/test_diloco_ft.py."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
+import torch.distributed as torch_dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from tests.conftest import TINY, run_cli
 from trainyard import config_file
-from trainyard.diloco.ft import data_slice
+from trainyard.config import JobConfig
+from trainyard.diloco.ft import data_slice, inner_fingerprint, inner_state, load_inner
+from trainyard.diloco.outer import _own
 from trainyard.dist import DistInfo
+from trainyard.train.optim import build_optimizer
 
 FT = ["dist.strategy=diloco", "diloco.fault_tolerant=true"]
 
@@ -55,3 +65,63 @@ def test_a_site_outside_torchrun_is_told_to_launch_it(tmp_path) -> None:
                      "diloco.lighthouse=127.0.0.1:29999")
     assert result.returncode == 2, result.stderr
     assert "trainyard launch" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.fixture
+def one_rank() -> Iterator[DeviceMesh]:
+    """A 1-rank gloo world and its mesh: FSDP2 on it makes every parameter (and moment) a DTensor."""
+    torch_dist.init_process_group("gloo", store=torch_dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def trained(steps: int, first_batch: int, mesh: DeviceMesh | None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A tiny model (sharded by FSDP2 on `mesh`) and its inner optimizer as the recipe builds it, after `steps`."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    if mesh is not None:
+        fully_shard(model, mesh=mesh)
+    optimizer, _ = build_optimizer(model, JobConfig())
+    for batch in range(first_batch, first_batch + steps):
+        inner_step(model, optimizer, batch)
+    return model, optimizer
+
+
+def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: int) -> None:
+    inputs = torch.randn(3, 4, generator=torch.Generator().manual_seed(batch))
+    model(inputs).pow(2).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "fsdp2"])
+@pytest.mark.parametrize(("peer_steps", "own_steps"), [(3, 0), (3, 1), (0, 2)],
+                         ids=["never-stepped", "stale-moments", "peer-never-stepped"])
+def test_a_healed_rank_steps_on_exactly_as_its_peer(request: pytest.FixtureRequest, sharded: bool, peer_steps: int,
+                                                    own_steps: int) -> None:
+    """The peer's state goes over the transport as plain tensors, copied on arrival; the healing rank's weights come
+    with the outer state. Its next step then gives the peer's weights and state, bit for bit, placed as the
+    peer's are."""
+    mesh = request.getfixturevalue("one_rank") if sharded else None
+    peer, peer_optimizer = trained(peer_steps, 0, mesh)
+    healing, optimizer = trained(own_steps, 100, mesh)
+    sent = inner_state(peer_optimizer)
+    assert all(type(value) is torch.Tensor for entry in sent for value in entry.values())
+    load_inner(optimizer, [{key: value.clone() for key, value in entry.items()} for entry in sent])
+    with torch.no_grad():
+        for mine, theirs in zip(healing.parameters(), peer.parameters(), strict=True):
+            _own(mine).copy_(_own(theirs))
+    assert inner_fingerprint(optimizer) == inner_fingerprint(peer_optimizer)
+
+    inner_step(peer, peer_optimizer, 200)
+    inner_step(healing, optimizer, 200)
+    for mine, theirs in zip(healing.parameters(), peer.parameters(), strict=True):
+        assert torch.equal(_own(mine), _own(theirs))
+        ours, peers = optimizer.state[mine], peer_optimizer.state[theirs]
+        assert ours.keys() == peers.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for key, value in ours.items():
+            assert type(value) is type(peers[key]) and value.device == peers[key].device, key
+            assert not isinstance(value, DTensor) or value.placements == peers[key].placements, key
+            assert torch.equal(_own(value), _own(peers[key])), key

@@ -9,9 +9,10 @@ the round-start weights, walked in chunks; the average is over the sites whose p
 A site that starts (fresh, restarted, or resumed from its own checkpoint) trains its round and meets the others
 at its first sync. Each manager's step is the loop's step, and torchft heals a replica behind the quorum's
 highest, so a site that returns to live peers heals there: its pseudo-gradient is left out (zeroed by torchft), the
-peer sends over the same process group the round-start weights, the outer momentum and the loop's step, data
-position and schedule, and the site takes the round's outer step with the others' average and trains the next
-round with them (the round it trained on its own is lost: at most one). Sites that start together, or resume
+peer sends over the same process group the round-start weights, the outer momentum, its inner optimizer state (each
+rank its counterpart's shard: sites have the same world size) and the loop's step, data position, schedule and
+random streams, and the site takes the round's outer step with the others' average and trains the next round as
+the peer would (the round it trained on its own is lost: at most one). Sites that start together, or resume
 together from their full checkpoints, meet at the same step: nobody heals, and a resume stays exact. Managers
 heartbeat from the start, so a sync waits (up to the lighthouse's join timeout) for a site that is alive but
 slower to reach it.
@@ -109,7 +110,11 @@ class FaultTolerantSync:
         self.cfg = cfg.diloco
         self.outer: OuterSync | None = None
         self.loop: Callable[[], dict[str, Any]] = dict
-        """What a returning site takes from this one besides the outer state (data position, schedule)."""
+        """What a returning site takes from this one besides the outer and inner optimizer state (data position,
+        schedule, random streams)."""
+        self.inner: torch.optim.Optimizer | None = None
+        """The site's inner optimizer: a returning site takes its state too, or its moments would be its own stale
+        ones (or none) where the peer's have moved on."""
         self.healed: dict[str, Any] | None = None
         """What this site took from a peer at the last sync, if it healed."""
         self.alone = False
@@ -134,21 +139,28 @@ class FaultTolerantSync:
             checkpoint_transport=PGTransport(self.across, timeout, torch.device("cpu")),
         )
 
-    def attach(self, outer: OuterSync, loop: Callable[[], dict[str, Any]]) -> None:
-        self.outer, self.loop = outer, loop
+    def attach(self, outer: OuterSync, loop: Callable[[], dict[str, Any]], inner: torch.optim.Optimizer) -> None:
+        self.outer, self.loop, self.inner = outer, loop, inner
 
     def sync(self, step: int) -> dict[str, float]:
         """The round's outer sync over the sites present: `outer_sites` of them added their pseudo-gradient."""
         started, self.step = time.monotonic(), step
         present, committed = self._round()
         return {"outer_sync_s": time.monotonic() - started, "outer_sites": present, "outer_committed": committed,
-                "outer_alone": self.alone, "outer_start_norm": self.start_norm()}
+                "outer_alone": self.alone, "outer_start_norm": self.start_norm(),
+                "inner_fingerprint": self.inner_fingerprint()}
 
     def start_norm(self) -> float:
         """The norm of this rank's round-start weights after the sync: equal on every site that took the same step
         (a check that the sites agree, read from the log)."""
         assert self.outer is not None
         return float(torch.stack([start.double().pow(2).sum() for start in self.outer.start]).sum().sqrt())
+
+    def inner_fingerprint(self) -> float:
+        """This rank's inner optimizer state in one number: a healed site's equals its peer's at the sync it healed
+        at (a check read from the log)."""
+        assert self.inner is not None
+        return inner_fingerprint(self.inner)
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
@@ -259,12 +271,56 @@ class FaultTolerantSync:
 
     def _state(self) -> dict[str, Any]:
         """What a healing peer takes from this rank (called by torchft at this site's sync, before its step)."""
-        assert self.outer is not None
-        return {"start": self.outer.start, "momentum": self.outer.momentum, "loop": {"step": self.step, **self.loop()}}
+        assert self.outer is not None and self.inner is not None
+        return {"start": self.outer.start, "momentum": self.outer.momentum, "inner": inner_state(self.inner),
+                "loop": {"step": self.step, **self.loop()}}
 
     def _load(self, state: dict[str, Any]) -> None:
-        assert self.outer is not None
+        assert self.outer is not None and self.inner is not None
         for own, theirs in zip(self.outer.start + self.outer.momentum, state["start"] + state["momentum"],
                                strict=True):
             own.copy_(theirs)
+        load_inner(self.inner, state["inner"])
         self.healed = state["loop"]
+
+
+def _inner_params(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+    """Each parameter with its group, in the optimizer's order: the same on every site (same model, same world)."""
+    return [(param, group) for group in optimizer.param_groups for param in group["params"]]
+
+
+def inner_state(optimizer: torch.optim.Optimizer) -> list[dict[str, torch.Tensor]]:
+    """This rank's inner optimizer state, one entry per parameter (empty before its first step), each value the
+    part this rank holds as a plain tensor: the transport sends tensors, not DTensors, and the peer's same rank
+    holds the same shard."""
+    return [{key: _own(value) for key, value in optimizer.state.get(param, {}).items()}
+            for param, _ in _inner_params(optimizer)]
+
+
+@torch.no_grad()
+def load_inner(optimizer: torch.optim.Optimizer, states: list[dict[str, torch.Tensor]]) -> None:
+    """Make a peer rank's `inner_state` this optimizer's own: copied into the state it has, made as it would make it
+    where it has none yet (it never stepped), dropped where the peer has none, so its next step is the peer's."""
+    for (param, group), theirs in zip(_inner_params(optimizer), states, strict=True):
+        mine = optimizer.state.pop(param, {})
+        if theirs:
+            optimizer.state[param] = {key: _holding(mine.get(key), value, param, group, key)
+                                      for key, value in theirs.items()}
+
+
+def _holding(mine: torch.Tensor | None, theirs: torch.Tensor, param: torch.Tensor, group: dict[str, Any],
+             key: str) -> torch.Tensor:
+    """A state value holding the peer's: this optimizer's own tensor, or a new one placed as torch's AdamW places
+    it: the step count on the parameter's device for fused or capturable kernels, else on the CPU; a moment like
+    the parameter (a DTensor of its placement under FSDP2)."""
+    if mine is None and key == "step":
+        return theirs.to(param.device if group.get("fused") or group.get("capturable") else "cpu", copy=True)
+    mine = torch.zeros_like(param) if mine is None else mine
+    _own(mine).copy_(theirs)
+    return mine
+
+
+def inner_fingerprint(optimizer: torch.optim.Optimizer) -> float:
+    """An optimizer's state on this rank in one number: equal where the state is."""
+    return float(sum(value.sum(dtype=torch.float64) * (1 + index % 7)
+                     for index, state in enumerate(inner_state(optimizer)) for value in state.values()))

@@ -249,8 +249,10 @@ def _size_by_epochs(job: Job, state: LoopState) -> None:
 
 
 def _loop_facts(job: Job) -> dict[str, object]:
-    """Fault-tolerant DiLoCo: what a site that heals from this one takes besides the outer state."""
-    return {"sampler": job.sampler.state_dict(), "scheduler": job.scheduler.state_dict()}
+    """Fault-tolerant DiLoCo: what a site that heals from this one takes besides the outer and inner optimizer
+    state: the data position, the schedule and this rank's random streams."""
+    return {"sampler": job.sampler.state_dict(), "scheduler": job.scheduler.state_dict(),
+            "rng": loop_state.rng_state()}
 
 
 def _evaluator(job: Job):
@@ -367,7 +369,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         job.facts["diloco_sites"] = job.outer.sites
         if across is not None:
             job.across = across
-            across.attach(job.outer, lambda: _loop_facts(job))
+            across.attach(job.outer, lambda: _loop_facts(job), job.optimizer)
     state = loop_state.resume(job)
     if cfg.train.epochs is not None:
         _size_by_epochs(job, state)

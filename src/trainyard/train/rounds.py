@@ -123,19 +123,20 @@ class SiteRounds:
         return agreed.data_ended > 0
 
     def _take_heal(self, state: LoopState, step: int) -> int:
-        """Fault-tolerant DiLoCo: a site that healed from a live peer at a sync took its weights and outer state
-        there; here it takes the peer's step, data position (global, so right for every site) and schedule. Its own
-        inner optimizer state stays. The step the loop goes on from."""
+        """Fault-tolerant DiLoCo: a site that healed from a live peer at a sync took its weights, outer and inner
+        optimizer state there; here it takes the peer's step, data position (global, so right for every site),
+        schedule and random streams, so it trains on as the peer would. The step the loop goes on from."""
         job = self.job
         healed = job.across.healed if job.across is not None else None
         if healed is None:
             return step
         job.sampler.load_state_dict(healed["sampler"])
         job.scheduler.load_state_dict(healed["scheduler"])
+        loop_state.set_rng_state(healed["rng"])
         for group, lr in zip(job.optimizer.param_groups, job.scheduler.get_last_lr(), strict=True):
             group["lr"] = lr
         job.sink.emit("system", step=healed["step"], event="healed", from_step=step,
-                      outer_start_norm=job.across.start_norm())
+                      outer_start_norm=job.across.start_norm(), inner_fingerprint=job.across.inner_fingerprint())
         state.step = healed["step"]
         return state.step
 

@@ -30,7 +30,7 @@ def main() -> None:
     mesh = dist.build_mesh(info, "diloco", None, sites=1)
     torch.manual_seed(0)  # the same start on both sites
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
-    across.attach(OuterSync(model, cfg.diloco, mesh, info), dict)
+    across.attach(OuterSync(model, cfg.diloco, mesh, info), dict, torch.optim.AdamW(model.parameters()))
     (out / f"ready-{site}").touch()
     deadline = time.monotonic() + 120
     while not all((out / f"ready-{s}").exists() for s in range(2)) and time.monotonic() < deadline:
