@@ -125,3 +125,54 @@ def test_a_healed_rank_steps_on_exactly_as_its_peer(request: pytest.FixtureReque
             assert type(value) is type(peers[key]) and value.device == peers[key].device, key
             assert not isinstance(value, DTensor) or value.placements == peers[key].placements, key
             assert torch.equal(_own(value), _own(peers[key])), key
+
+
+def _form(group_class: type, port: int, prefix: str, rank: int, results: dict, timeout_s: float = 3.0) -> None:
+    """One member of a cross-site group formed as torchft forms it at a quorum: configured on `prefix`, then one
+    all-reduce; what it summed (or the error) goes into `results[rank]`, the group into `results[("group", rank)]`."""
+    from datetime import timedelta
+
+    group = group_class(timeout=timedelta(seconds=timeout_s))
+    results[("group", rank)] = group
+    try:
+        group.configure(f"127.0.0.1:{port}/{prefix}", "site", rank, 2)
+        value = torch.tensor([float(rank + 1)])
+        group.allreduce([value], torch_dist.ReduceOp.SUM).wait()
+        results[rank] = float(value.item())
+    except Exception as err:  # noqa: BLE001 - the test reads what failed
+        results[rank] = repr(err)
+
+
+def _formation(group_class: type, port: int, prefix: str, stagger_s: float) -> dict:
+    """Two members of a group under `prefix`, the second `stagger_s` after the first; both groups aborted after."""
+    import threading
+    import time
+
+    results: dict = {}
+    first = threading.Thread(target=_form, args=(group_class, port, prefix, 0, results))
+    first.start()
+    time.sleep(stagger_s)
+    _form(group_class, port, prefix, 1, results)
+    first.join()
+    for rank in (0, 1):
+        results.pop(("group", rank)).abort(errored=False)
+    return results
+
+
+def test_a_group_formed_again_under_a_quorum_id_a_restarted_lighthouse_repeats_reads_no_old_member_s_address() -> None:
+    """A lighthouse restarted counts quorum ids from 0 again, so torchft forms the cross-site group again under a
+    store prefix an earlier formation used, whose members are gone. torchft's own gloo group then reads the old
+    member's address (its key is there before the new member overwrites it) and fails "Connection refused"; the
+    group trainyard gives it counts each formation in and uses keys of its own."""
+    from torch.distributed import TCPStore
+    from torchft.process_group import ProcessGroupGloo
+
+    from trainyard.diloco.formations import GlooOnFreshKeys
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for group_class, expect_reused_to_work in ((ProcessGroupGloo, False), (GlooOnFreshKeys, True)):
+        prefix = f"torchft/1/0/{group_class.__name__}"
+        assert _formation(group_class, store.port, prefix, stagger_s=0.0) == {0: 3.0, 1: 3.0}
+        again = _formation(group_class, store.port, prefix, stagger_s=1.0)  # the old members' ports are closed
+        assert (again == {0: 3.0, 1: 3.0}) is expect_reused_to_work, (group_class.__name__, again)
+    assert _formation(GlooOnFreshKeys, store.port, "torchft/2/0", stagger_s=0.5) == {0: 3.0, 1: 3.0}

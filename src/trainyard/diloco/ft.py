@@ -105,7 +105,8 @@ class FaultTolerantSync:
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's quorum chatter; before its library starts logging
         from torchft.checkpointing.pg_transport import PGTransport
         from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
+
+        from trainyard.diloco.formations import GlooOnFreshKeys
 
         self.cfg = cfg.diloco
         self.outer: OuterSync | None = None
@@ -126,7 +127,7 @@ class FaultTolerantSync:
         self.device = info.device
         self.lighthouse = lighthouse_url(cfg)
         timeout = timedelta(seconds=cfg.dist.timeout_s)
-        self.across = ProcessGroupGloo(timeout=timeout)
+        self.across = GlooOnFreshKeys(timeout=timeout)  # a restarted lighthouse's quorum ids repeat
         # The site's master address hosts its store and (rank 0) its manager server: other sites reach both there.
         self.manager = Manager(
             pg=self.across, load_state_dict=self._load, state_dict=self._state, min_replica_size=1,
