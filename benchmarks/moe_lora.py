@@ -65,13 +65,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--expert-parallel", action="store_true", help="FSDP2 against EP=2, both grouped")
+    parser.add_argument("--precision", default="fp32", help="train.precision of every run (bf16-mixed: bf16 products)")
     return parser.parse_args()
 
 
-def train(mode: str, steps: int, out: Path) -> dict[str, Any]:
+def train(mode: str, steps: int, out: Path, precision: str) -> dict[str, Any]:
     """One 2-process run of the job in `mode` (MODE_OVERRIDES): its figures."""
     overrides = [f"{key}={value}" for key, value in SHAPE.items()] + MODE_OVERRIDES[mode] + [
-        "lora.r=16", "lora.alpha=32", "train.precision=fp32", f"train.max_steps={steps}",
+        "lora.r=16", "lora.alpha=32", f"train.precision={precision}", f"train.max_steps={steps}",
         "train.micro_batch_size=3", "eval.every_steps=0", "checkpoint.every_steps=0", "log.every_steps=1",
         f"output_dir={out}", f"run_name={mode}",
     ]
@@ -114,6 +115,15 @@ def sample_rss(proc: subprocess.Popen, metrics: Path, every_s: float = 0.2) -> t
                 training = max(training, int(status.get("VmRSS", 0)) * 1024) if stepping else training
         time.sleep(every_s)
     return peak, training
+
+
+def import_floor() -> int:
+    """VmRSS of a fresh interpreter that imported what a rank of this job imports: the part of every rank's RSS
+    that no way of placing the experts changes (libraries, not tensors)."""
+    probe = ("import re, datasets, trainyard.train.recipe, trainyard.model.lora; from pathlib import Path; "
+             "print(re.search(r'VmRSS:\\s+(\\d+) kB', Path('/proc/self/status').read_text()).group(1))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return int(out.split()[-1]) * 1024
 
 
 def whole_step(mode: str) -> dict[str, Any]:
@@ -197,13 +207,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="moe-lora-") as tmp:
         for round_ in range(args.rounds):
             for mode in modes if round_ % 2 == 0 else reversed(modes):
-                result = train(mode, args.steps, Path(tmp) / f"round-{round_}")
+                result = train(mode, args.steps, Path(tmp) / f"round-{round_}", args.precision)
                 runs[mode].append(result)
                 print(json.dumps({**result, "round": round_, "load": loadavg()}), flush=True)
     fold, grouped = ({key: statistics.median(r[key] for r in runs[mode]) for key in
                       ("tokens_per_s", "s_per_step", "peak_rss_gb", "training_peak_rss_gb")} for mode in modes)
     losses = zip(runs[modes[0]][0]["losses"], runs[modes[1]][0]["losses"], strict=True)
+    floor = import_floor() / 1e9
     print(json.dumps({
+        "precision": args.precision, "import_floor_gb": round(floor, 3),
+        "training_peak_above_floor_x": round((grouped["training_peak_rss_gb"] - floor)
+                                             / (fold["training_peak_rss_gb"] - floor), 2),
         modes[0]: fold, modes[1]: grouped, "speed_x": round(grouped["tokens_per_s"] / fold["tokens_per_s"], 2),
         "peak_memory_x": round(grouped["peak_rss_gb"] / fold["peak_rss_gb"], 2),
         "training_peak_memory_x": round(grouped["training_peak_rss_gb"] / fold["training_peak_rss_gb"], 2),

@@ -177,7 +177,7 @@ def _export_lora(base: torch.nn.Module, step: Path, out: Path, merge: bool) -> N
     """Merged: one plain model. Unmerged: the base, and the adapter PEFT loads onto it."""
     if not merge:
         base.save_pretrained(out)  # before PEFT injects its layers into the same modules
-    with lora_room.fused_expert_rank_warnings_ignored():
+    with lora_room.known_peft_warnings_ignored():
         peft_model = PeftModel.from_pretrained(base, str(adapter_dir(step)))
     if merge:
         peft_model.merge_and_unload().save_pretrained(out)

@@ -44,7 +44,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int, reference: bo
         )
     torch.manual_seed(seed)
     try:
-        with fused_expert_rank_warnings_ignored():
+        with known_peft_warnings_ignored():
             keep_router_frozen(model, peft_config, cfg)
             peft_model = get_peft_model(model, peft_config)
     except ValueError as err:  # peft's "Target modules {...} not found", or a parameter adapter's own limits
@@ -150,11 +150,13 @@ def _stand_in(param: torch.nn.Parameter, dtype: torch.dtype) -> torch.nn.Paramet
 
 
 @contextlib.contextmanager
-def fused_expert_rank_warnings_ignored() -> Iterator[None]:
+def known_peft_warnings_ignored() -> Iterator[None]:
     """PEFT checks its rank/alpha patterns against adapted modules only: the doubled rank it gives fused
-    gate_up_proj experts (a parameter) does apply, yet it warns that the pattern was ignored."""
+    gate_up_proj experts (a parameter) does apply, yet it warns that the pattern was ignored. And PEFT 0.21 reads
+    transformers 5's deprecated `is_gradient_checkpointing`, whose FutureWarning is theirs to fix, not the user's."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The following (rank|alpha)_pattern keys did not match")
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         yield
 
 

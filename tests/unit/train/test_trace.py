@@ -22,23 +22,25 @@ GLM = str(REPO / "configs" / "glm45air-fsdp-lora.yaml")
 MISTRAL = str(REPO / "configs" / "mistral7b-lora-ddp.yaml")
 SCRATCH = str(REPO / "configs" / "scratch-1.5b.yaml")
 LAYERS = 2
-SEEDS = {  # the seed jobs' clusters (their files' headers): GPUs per node, nodes
-    "glm": (GLM, 8, 2),
-    "mistral": (MISTRAL, 8, 1),
-    "scratch": (SCRATCH, 4, 4),
+GLM_HSDP = ["dist.expert_parallel=1"]
+"""Seed 000 as it ran before expert parallelism: HSDP gathering every block's experts."""
+SEEDS = {  # the seed jobs' clusters (their files' headers): GPUs per node, nodes, overrides
+    "glm": (GLM, 8, 2, GLM_HSDP),
+    "mistral": (MISTRAL, 8, 1, []),
+    "scratch": (SCRATCH, 4, 4, []),
 }
 
 
 @pytest.fixture(scope="module")
 def traced() -> dict[str, trace.Trace]:
     """Each seed job's step, traced once for the module (a few seconds each)."""
-    return {name: trace.trace(load_config(path), estimate.Hardware("h100-80gb", per_node, nodes), LAYERS)
-            for name, (path, per_node, nodes) in SEEDS.items()}
+    return {name: trace.trace(load_config(path, overrides), estimate.Hardware("h100-80gb", per_node, nodes), LAYERS)
+            for name, (path, per_node, nodes, overrides) in SEEDS.items()}
 
 
-def units(path: str) -> list[list[torch.nn.Parameter]]:
+def units(path: str, overrides: list[str]) -> list[list[torch.nn.Parameter]]:
     """FSDP2's units of the job's model, as parallelize shards it: the root (what no block holds), then each block."""
-    cfg = load_config(path)
+    cfg = load_config(path, overrides)
     precision = estimate_memory.resolve_precision(cfg, hardware.gpu("h100-80gb"))
     model = trace.meta_model(cfg, trace.architecture(cfg, LAYERS), precision)
     blocks = [list(block.parameters()) for block in decoder_blocks(model)]
@@ -63,7 +65,7 @@ def test_hsdp_gathers_each_unit_by_its_shard_and_never_holds_more_than_the_unit_
     row and the folded expert weights outweigh 2 layers' weights; at full depth it is 48 GiB beside 199 GiB.)"""
     result = traced["glm"]
     shard = result.layout.shard
-    found = units(GLM)
+    found = units(GLM, GLM_HSDP)
     expected = [shard_bytes(unit, shard, 2) for unit in found]
     gathers = on(result, "shard", "all_gather")
     assert shard == 8 and result.mesh == "replicate 2 x shard 8"
@@ -79,7 +81,7 @@ def test_hsdp_only_the_gradient_all_reduce_crosses_nodes(traced) -> None:
     micro-batch only, whose bytes add up to what the formula gives: the trainable gradients (fp32) / shard group."""
     result = traced["glm"]
     across = on(result, "replicate")
-    trainable_units = [unit for unit in units(GLM) if any(p.requires_grad for p in unit)]
+    trainable_units = [unit for unit in units(GLM, GLM_HSDP) if any(p.requires_grad for p in unit)]
     assert {one.kind for one in across} == {"all_reduce"} and {one.ranks for one in across} == {2}
     assert len(across) == len(trainable_units)
     assert sum(one.bytes_in for one in across) == pytest.approx(result.formula.gradients, rel=1e-6)
