@@ -91,7 +91,7 @@ def main() -> None:
             subprocess.run(["git", "worktree", "remove", "--force", str(before_tree)], cwd=REPO, capture_output=True)
     medians = {key: round(statistics.median(values), 2) for key, values in figures.items()}
     torch_s = medians["import_torch_s"]
-    ratios = {key.replace("_s", "_x"): round(value / torch_s, 2) for key, value in medians.items() if "." in key}
+    ratios = {key.removesuffix("_s") + "_x": round(value / torch_s, 2) for key, value in medians.items() if "." in key}
     print(json.dumps({"medians": medians, "x_import_torch": ratios, "load_after": loadavg()}))
 
 
