@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from peft.tuners.lora import ParamWrapper
+from torch._subclasses.fake_tensor import FakeTensor
 from transformers.integrations.moe import _can_use_grouped_mm
 
 PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
@@ -102,12 +103,55 @@ def grouped_experts_forward(
     return final.to(hidden_states.dtype)
 
 
+ROW_BUCKET = 32
+"""Rows per expert are padded to a multiple of this where each new row count costs a kernel compilation."""
+
+
 def experts_on_sorted(
     experts: torch.nn.Module, adapters: dict[str, LowRank], tokens: torch.Tensor, expert_ids: torch.Tensor
 ) -> torch.Tensor:
     """Every expert of `experts` on its rows (`tokens` sorted by `expert_ids`, ids of this module's experts),
     before the routing weights: up/gate, activation, down, optional post-expert norm."""
-    offsets = torch.cumsum(expert_counts(expert_ids, experts.num_experts), dim=0, dtype=torch.int32)
+    counts = expert_counts(expert_ids, experts.num_experts)
+    if not _compiles_per_shape(experts, tokens):
+        return _experts_on_counts(experts, adapters, tokens, expert_ids, counts)
+    padded, padded_ids, padded_counts, rows = _bucketed(tokens, expert_ids, counts)
+    return _experts_on_counts(experts, adapters, padded, padded_ids, padded_counts)[rows]
+
+
+def _compiles_per_shape(experts: torch.nn.Module, tokens: torch.Tensor) -> bool:
+    """bf16 products on a CPU go to oneDNN, which compiles a kernel for each new shape: every expert's row count
+    changes every step, so unpadded they compile all the time (a tiny-moe step 4x slower than fp32's). Not for the
+    fake tensors of `estimate --trace`: the padding depends on the routing, which they do not hold."""
+    weight = experts.down_proj
+    real = not isinstance(tokens, FakeTensor)
+    return real and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+
+
+def _bucketed(
+    tokens: torch.Tensor, expert_ids: torch.Tensor, counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sorted rows with each expert's rows padded by zero rows to a multiple of ROW_BUCKET (a row's product
+    depends on that row alone, so the real rows' results are unchanged), their expert ids and counts, and where each
+    real row went."""
+    counts = counts.long()
+    padded_counts = (counts + ROW_BUCKET - 1) // ROW_BUCKET * ROW_BUCKET
+    padded_starts = torch.cumsum(padded_counts, 0) - padded_counts
+    starts = torch.cumsum(counts, 0) - counts
+    rows = padded_starts[expert_ids] + torch.arange(expert_ids.numel(), device=tokens.device) - starts[expert_ids]
+    padded = tokens.new_zeros(int(padded_counts.sum()), tokens.size(-1)).index_copy(0, rows, tokens)
+    padded_ids = torch.repeat_interleave(torch.arange(counts.numel(), device=tokens.device), padded_counts)
+    return padded, padded_ids, padded_counts, rows
+
+
+def _experts_on_counts(
+    experts: torch.nn.Module,
+    adapters: dict[str, LowRank],
+    tokens: torch.Tensor,
+    expert_ids: torch.Tensor,
+    counts: torch.Tensor,
+) -> torch.Tensor:
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     up_name = "gate_up_proj" if experts.has_gate else "up_proj"
     out = _project(experts, up_name, adapters.get(up_name), tokens, expert_ids, offsets)
     out = experts._apply_gate(out) if experts.has_gate else experts.act_fn(out)

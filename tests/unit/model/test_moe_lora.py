@@ -19,6 +19,7 @@ from peft import PeftModel
 from tests.unit.model.families import build, documents
 from trainyard.config import LoraConfig
 from trainyard.model.lora import apply_lora
+from trainyard.model import moe_lora
 from trainyard.model.moe_lora import GroupedExpertsLora
 
 RTOL = 2e-5
@@ -89,3 +90,45 @@ def test_the_adapter_file_is_pefts_and_merges_into_the_same_model(tmp_path: Path
         assert abs(loss_of(loaded).item() - expected) <= RTOL * expected
         merged = grouped.merge_and_unload()
         assert abs(loss_of(merged).item() - expected) <= RTOL * expected
+
+
+def bf16_loss_and_grads(family: str) -> tuple[float, dict[str, torch.Tensor]]:
+    """One bf16-mixed step as a CPU with bf16 units runs it: frozen weights stored bf16, products under autocast."""
+    model = adapted(family, "grouped")
+    for param in model.parameters():
+        if not param.requires_grad:
+            param.data = param.data.to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = loss_of(model)
+    loss.backward()
+    return loss.item(), {name: p.grad for name, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+
+
+@pytest.mark.parametrize("family", FUSED)
+def test_bf16_experts_on_rows_padded_per_expert_give_the_unpadded_loss_and_gradients(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 expert products on a CPU run on each expert's rows padded to ROW_BUCKET (oneDNN compiles a kernel per
+    new row count): the real rows' results are the unpadded ones."""
+    padded_loss, padded_grads = bf16_loss_and_grads(family)
+    calls = []
+    monkeypatch.setattr(moe_lora, "_bucketed", lambda *args: calls.append(1) or moe_lora._bucketed(*args))
+    monkeypatch.setattr(moe_lora, "_compiles_per_shape", lambda experts, tokens: False)
+    plain_loss, plain_grads = bf16_loss_and_grads(family)
+    assert not calls
+    assert abs(padded_loss - plain_loss) <= 1e-3 * abs(plain_loss)
+    assert padded_grads.keys() == plain_grads.keys() and any(".experts." in name for name in padded_grads)
+    for name, grad in plain_grads.items():
+        assert relative(padded_grads[name], grad) <= 1e-2, name
+
+
+def test_each_expert_s_rows_are_padded_with_zero_rows_to_a_multiple_of_the_bucket() -> None:
+    expert_ids = torch.tensor([0, 0, 0, 2, 3, 3])
+    tokens = torch.arange(1.0, 7.0)[:, None].repeat(1, 4)
+    counts = moe_lora.expert_counts(expert_ids, 4)
+    padded, padded_ids, padded_counts, rows = moe_lora._bucketed(tokens, expert_ids, counts)
+    bucket = moe_lora.ROW_BUCKET
+    assert padded_counts.tolist() == [bucket, 0, bucket, bucket]
+    assert torch.equal(padded[rows], tokens) and padded.shape == (3 * bucket, 4)
+    assert padded.abs().sum() == tokens.abs().sum()  # everything else is zero
+    assert torch.equal(padded_ids[rows], expert_ids) and padded_ids.tolist() == sorted(padded_ids.tolist())
