@@ -56,21 +56,43 @@ def model_cache_dir(cfg: ModelConfig) -> Path:
     return cache_dir
 
 
+GGUF_KEY_SAMPLES = 16
+"""Evenly spaced 64 KiB reads of a GGUF file, beside its size and header, make its cache key."""
+
+
 def _gguf_cache_key(gguf: Path) -> str:
-    stat = gguf.stat()
-    return hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    """What the file holds, not where it lies: the same model installed in another environment (every fresh
+    clone's .venv, every conda env) shares one converted folder instead of converting again (a minute for the
+    quickstart's) into another 0.5 GB copy. Size, the first MiB (header and tensor table) and samples across the
+    data, so that a multi-GB file is not read whole at every launch."""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(gguf, "rb") as handle:
+        digest.update(handle.read(2**20))
+        for sample in range(GGUF_KEY_SAMPLES):
+            handle.seek(size * sample // GGUF_KEY_SAMPLES)
+            digest.update(handle.read(2**16))
+    return digest.hexdigest()[:16]
 
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     """Dequantize a GGUF file once into a safetensors folder, shared by later runs.
 
     transformers refuses save_pretrained on a GGUF-loaded model, so the weights go into a
-    fresh model built from the same config without its quantization_config. The folder
-    appears by atomic rename, so concurrent converters never expose half a model.
+    fresh model built from the same config without its quantization_config. One process converts while the others
+    wait on a file lock, then find the folder; it appears by atomic rename, so no reader sees half a model.
     """
     target = cache_dir / f"{gguf.stem}-{_gguf_cache_key(gguf)}"
     if (target / "config.json").exists():
         return target
+    with exclusive_lock(target.with_name(f"{target.name}.lock"), timeout_s=None,
+                        done=lambda: (target / "config.json").exists()):
+        if not (target / "config.json").exists():
+            _convert_into(gguf, target)
+    return target
+
+
+def _convert_into(gguf: Path, target: Path) -> None:
     if target.is_dir():  # published folders are whole (renamed into place): this one lost files since, so redo it
         shutil.rmtree(target, ignore_errors=True)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -83,8 +105,7 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     tmp = temp_sibling(target)
     fresh.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    publish_folder(tmp, target)  # False: another process won the race, theirs is the same
-    return target
+    publish_folder(tmp, target)
 
 
 def is_hub_id(path: str) -> bool:

@@ -5,6 +5,7 @@ downloaded by one process at a time, under a lock the others wait on for at most
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,49 @@ def test_offline_a_hub_id_is_read_from_the_cache_without_a_lock(
     monkeypatch.setattr(source_room, "snapshot_download", lambda *_, **__: str(tmp_path))
     assert source_room.fetch_hub_model(ModelConfig(path="org/model")).path == str(tmp_path)
     assert not hub_cache.exists()  # a read-only cache works as before
+
+
+def test_a_gguf_file_s_cache_key_is_its_content_wherever_it_is_installed(tmp_path: Path) -> None:
+    """The quickstart's model in another environment (a fresh clone's .venv) reuses the folder converted before;
+    other content gets another folder."""
+    shipped = source_room.builtin_gguf_file("builtin:smollm2-135m-instruct")
+    here, there = tmp_path / "a" / shipped.name, tmp_path / "b" / shipped.name
+    for copy in (here, there):
+        copy.parent.mkdir()
+        shutil.copyfile(shipped, copy)
+    assert source_room._gguf_cache_key(here) == source_room._gguf_cache_key(there)
+    with open(there, "r+b") as handle:  # one byte of the tensor data, halfway in
+        handle.seek(there.stat().st_size // 2)
+        byte = handle.read(1)
+        handle.seek(-1, 1)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    assert source_room._gguf_cache_key(here) != source_room._gguf_cache_key(there)
+
+
+def test_processes_converting_one_gguf_at_once_convert_it_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second waits on the first's lock, then reads its folder (the conversion itself stood in for: a real one
+    takes a minute, and the suite makes one)."""
+    import threading
+    import time
+
+    converted = []
+
+    def convert_into(gguf: Path, target: Path) -> None:
+        converted.append(target)
+        time.sleep(1.0)
+        target.mkdir()
+        (target / "config.json").write_text("{}")
+
+    monkeypatch.setattr(source_room, "_convert_into", convert_into)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(4096))
+    (tmp_path / "cache").mkdir()
+    found: list[Path] = []
+    threads = [threading.Thread(target=lambda: found.append(source_room.convert_gguf(gguf, tmp_path / "cache")))
+               for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(converted) == 1 and found == [converted[0], converted[0]]
+    assert not list((tmp_path / "cache").glob("*.lock"))
