@@ -32,13 +32,39 @@ SECOND_LANE = {
     "test_activation_checkpointing.py", "test_adapter_gather.py", "test_checkpoint_contents.py",
     "test_checkpoint_errors.py", "test_checkpoint_export.py", "test_checkpoint_resume.py", "test_diloco.py",
     "test_diloco_preemption.py", "test_doctor_dist.py", "test_download.py", "test_dpo.py", "test_elastic_resume.py",
-    "test_mixture_resume.py",
+    "test_errors.py", "test_health.py", "test_mixture_resume.py",
 }
 """tests/dist modules that `make test` runs in a second lane of `ranks` tests beside the first: they bind no fixed
 port, make no namespace host and start no cluster, and the shared reference runs they read (lora_reference,
 full_reference) are read by no module of the first (each lane has its own worlds and makes its own references).
 A launch mostly waits (start-up, rendezvous, timeouts), on cores the other lane uses; benchmarks/RESULTS.md has
 each lane's minutes."""
+
+
+CPU_AT_START = pytest.StashKey[float]()
+
+
+def cpu_seconds() -> float:
+    """This process's CPU and its reaped children's (a launch's agent and workers once it ended)."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    item.stash[CPU_AT_START] = cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Each test's CPU seconds (setup to teardown) as a junit property: on a machine of 2 cores the suite's wall is
+    its CPU, so `tests/suite.py` lists the tests that use the most, beside the slowest (a test waiting on a timeout
+    is slow and cheap; one beside it then looks slow and costs nothing). Shared worlds' ranks outlive the test:
+    their CPU is not in it."""
+    outcome = yield
+    if call.when == "teardown" and CPU_AT_START in item.stash:
+        outcome.get_result().user_properties.append(("cpu_s", f"{cpu_seconds() - item.stash[CPU_AT_START]:.2f}"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

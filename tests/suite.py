@@ -46,11 +46,18 @@ def quiet_waits() -> dict[str, str]:
     return {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
 
 
-def durations(report: Path) -> list[tuple[float, str]]:
+def durations(report: Path, cpu: bool = False) -> list[tuple[float, str]]:
+    """Each test's seconds (wall, or CPU where `cpu`: tests/conftest.py records it) from a junit report."""
     if not report.is_file():
         return []
     cases = ElementTree.parse(report).getroot().iter("testcase")
-    return [(float(case.get("time", 0)), f"{case.get('classname', '')}::{case.get('name', '')}") for case in cases]
+    return [(_cpu_s(case) if cpu else float(case.get("time", 0)),
+             f"{case.get('classname', '')}::{case.get('name', '')}") for case in cases]
+
+
+def _cpu_s(case: ElementTree.Element) -> float:
+    found = [prop.get("value") for prop in case.iter("property") if prop.get("name") == "cpu_s"]
+    return float(found[0]) if found else 0.0
 
 
 def main(extra: list[str]) -> int:
@@ -61,10 +68,12 @@ def main(extra: list[str]) -> int:
         codes = {side: processes[side].wait() for side in SIDES}
         for side, log in logs.items():
             print(f"\n===== the {side} tests (run beside the ones above) =====\n{log.read_text()}")
-        slowest = sorted(sum((durations(work / f"{side}.xml") for side in SIDES), []), reverse=True)
-        print(f"===== the {SLOWEST} slowest tests of all (setup + call + teardown) =====")
-        for seconds, test in slowest[:SLOWEST]:
-            print(f"{seconds:8.2f}s {test}")
+        for cpu, what in ((False, "slowest tests of all (setup + call + teardown)"),
+                          (True, "tests that used the most CPU (their process and its children)")):
+            ranked = sorted(sum((durations(work / f"{side}.xml", cpu) for side in SIDES), []), reverse=True)
+            print(f"===== the {SLOWEST} {what}; {sum(s for s, _ in ranked) / 60:.1f} min in all =====")
+            for seconds, test in ranked[:SLOWEST]:
+                print(f"{seconds:8.2f}s {test}")
     # pytest's 5: no test selected (a marker or path that leaves one side empty) is not a failure here
     failed = {side: code for side, code in codes.items() if code not in (0, 5)}
     print(f"exit codes: {codes}" + ("" if not failed else f"; failed: {', '.join(failed)}"))
