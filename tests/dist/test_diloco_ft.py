@@ -77,7 +77,9 @@ def test_without_failures_the_outer_step_is_nesterov_sgd_on_the_average_as_in_on
     (Nesterov SGD on the mean of the sites' pseudo-gradients), the same on both sites."""
     from torchft.coordination import LighthouseServer
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000)
+    # both sites in every quorum: with 1, a site whose peer's heartbeat had not reached the lighthouse yet (its
+    # manager made, the ready file written) synced alone under a loaded suite, and the peer then healed from it
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=60_000)
     try:
         env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse.address()}
         sites = [subprocess.Popen(
@@ -185,11 +187,16 @@ def rejoined(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in together[alone[-1] + 1 if alone else 0 :] if e["outer_sites"] == 2]
 
 
-def test_sites_of_different_sizes_are_refused_at_their_first_sync_naming_both(tmp_path: Path) -> None:
+def test_a_site_of_another_size_joining_a_run_under_way_is_refused_with_it_naming_both(tmp_path: Path) -> None:
+    """Site 1 (1 process) syncs alone first; site 0 (2 processes) then joins behind it. Before the refusal came
+    when the group formed, torchft healed site 0 from site 1 first: gloo aborted site 0, and site 1 trained on."""
     lighthouse = free_port()
     tower = run_lighthouse(tmp_path, lighthouse)
-    sites = [launch(tmp_path, 0, lighthouse, "--nproc", "2"), launch(tmp_path, 1, lighthouse)]
+    sites = [launch(tmp_path, 1, lighthouse)]
     try:
+        wait_until(lambda: any(syncs(written_events(tmp_path / "tiny" / "site-1"))), [tower, *sites],
+                   "site 1 syncing alone", tmp_path)
+        sites.insert(0, launch(tmp_path, 0, lighthouse, "--nproc", "2"))
         codes = [site.wait(timeout=240) for site in sites]
     finally:
         for site in sites:

@@ -127,12 +127,14 @@ def test_a_healed_rank_steps_on_exactly_as_its_peer(request: pytest.FixtureReque
             assert torch.equal(_own(value), _own(peers[key])), key
 
 
-def _form(group_class: type, port: int, prefix: str, rank: int, results: dict, timeout_s: float = 3.0) -> None:
-    """One member of a cross-site group formed as torchft forms it at a quorum: configured on `prefix`, then one
-    all-reduce; what it summed (or the error) goes into `results[rank]`, the group into `results[("group", rank)]`."""
+def _form(group_class: type, port: int, prefix: str, rank: int, results: dict, timeout_s: float = 3.0,
+          site_world_size: int = 1) -> None:
+    """One member (site `rank`) of a cross-site group formed as torchft forms it at a quorum: configured on
+    `prefix`, then one all-reduce; what it summed (or the error) goes into `results[rank]`, the group into
+    `results[("group", rank)]`."""
     from datetime import timedelta
 
-    group = group_class(timeout=timedelta(seconds=timeout_s))
+    group = group_class(timeout=timedelta(seconds=timeout_s), site=rank, site_world_size=site_world_size)
     results[("group", rank)] = group
     try:
         group.configure(f"127.0.0.1:{port}/{prefix}", "site", rank, 2)
@@ -143,16 +145,18 @@ def _form(group_class: type, port: int, prefix: str, rank: int, results: dict, t
         results[rank] = repr(err)
 
 
-def _formation(group_class: type, port: int, prefix: str, stagger_s: float) -> dict:
-    """Two members of a group under `prefix`, the second `stagger_s` after the first; both groups aborted after."""
+def _formation(group_class: type, port: int, prefix: str, stagger_s: float, sizes: tuple[int, int] = (1, 1)) -> dict:
+    """Two members of a group under `prefix` (sites 0 and 1, of `sizes` processes), the second `stagger_s` after
+    the first; both groups aborted after."""
     import threading
     import time
 
     results: dict = {}
-    first = threading.Thread(target=_form, args=(group_class, port, prefix, 0, results))
+    first = threading.Thread(target=_form, args=(group_class, port, prefix, 0, results),
+                             kwargs={"site_world_size": sizes[0]})
     first.start()
     time.sleep(stagger_s)
-    _form(group_class, port, prefix, 1, results)
+    _form(group_class, port, prefix, 1, results, site_world_size=sizes[1])
     first.join()
     for rank in (0, 1):
         results.pop(("group", rank)).abort(errored=False)
@@ -176,3 +180,16 @@ def test_a_group_formed_again_under_a_quorum_id_a_restarted_lighthouse_repeats_r
         assert _formation(GlooOnFreshKeys, store.port, prefix, stagger_s=stagger_s) == {0: 3.0, 1: 3.0}
     assert PrefixStore(prefix, store).add("formations-of-2", 0) == 3 * 2
     assert _formation(GlooOnFreshKeys, store.port, "torchft/2/0", stagger_s=0.5) == {0: 3.0, 1: 3.0}
+
+
+def test_sites_of_different_sizes_are_refused_when_their_group_forms_before_gloo_connects() -> None:
+    """Whichever site came later (a site launched with another --nproc joining a run under way would otherwise heal
+    from the other first, and gloo aborts on the transfer): both members learn both sizes from the store."""
+    from torch.distributed import TCPStore
+
+    from trainyard.diloco.formations import GlooOnFreshKeys
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    results = _formation(GlooOnFreshKeys, store.port, "torchft/3/0", stagger_s=0.5, sizes=(2, 1))
+    for member in (0, 1):
+        assert "ConfigError" in results[member] and "site 0 has 2, site 1 has 1" in results[member], results

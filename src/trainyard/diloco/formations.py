@@ -9,13 +9,21 @@ Here each formation counts itself in: every member adds 1 to a counter under the
 member n of formation k reads k*size + n, so the members of one formation agree on k without talking, and k is new
 wherever the id is not. Only torchft's extension point for a group (`_create_pg`) is used; its store is the one
 torchft made for the prefix. Imported only by fault-tolerant jobs (torchft is optional).
+
+The members also tell each other their site and its world size there, before gloo connects: sites of different
+sizes are refused at the first formation that holds both, before torchft heals one from the other (whose transfer
+of one rank's state into another's shard aborts the process in gloo, while the other site never notices).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch.distributed import PrefixStore, Store
 from torch.distributed.distributed_c10d import ProcessGroup
 from torchft.process_group import ProcessGroupGloo
+
+from trainyard.errors import ConfigError
 
 
 def formation_store(store: Store, world_size: int) -> PrefixStore:
@@ -26,7 +34,28 @@ def formation_store(store: Store, world_size: int) -> PrefixStore:
 
 
 class GlooOnFreshKeys(ProcessGroupGloo):
-    """torchft's reconfigurable gloo group, each formation on keys no earlier one wrote."""
+    """torchft's reconfigurable gloo group, each formation on keys no earlier one wrote, of sites of one size."""
+
+    def __init__(self, *args: Any, site: int, site_world_size: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.site, self.site_world_size = site, site_world_size
+        self.refused: ConfigError | None = None
+        """Set where a formation held a site of another world size (torchft only logs what configure raises)."""
 
     def _create_pg(self, store: Store, rank: int, world_size: int) -> ProcessGroup:
-        return super()._create_pg(formation_store(store, world_size), rank, world_size)
+        fresh = formation_store(store, world_size)
+        fresh.set(f"site-of-{rank}", f"{self.site} {self.site_world_size}")
+        sizes = dict(_site_size(fresh.get(f"site-of-{member}")) for member in range(world_size))
+        if len(set(sizes.values())) > 1:
+            self.refused = ConfigError(
+                "the sites of a fault-tolerant DiLoCo job must have the same number of processes, and they differ: "
+                + ", ".join(f"site {site} has {size}" for site, size in sorted(sizes.items())),
+                fix="launch every site with the same --nproc (and --nnodes)",
+            )
+            raise self.refused
+        return super()._create_pg(fresh, rank, world_size)
+
+
+def _site_size(value: bytes) -> tuple[int, int]:
+    site, size = value.decode().split()
+    return int(site), int(size)

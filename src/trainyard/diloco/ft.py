@@ -26,7 +26,8 @@ Nor does a lost lighthouse stop them: a site that cannot reach it takes its roun
 again at the next sync. Sites that trained alone, or that disagree for any other reason (one committed a sync the
 other did not), would average pseudo-gradients of different round-start weights for the rest of the run: at each
 sync the sites compare a fingerprint of their round-start weights, and the sites that differ from the lowest site
-present heal from it in a second quorum. Sites of different world sizes are refused at their first quorum.
+present heal from it in a second quorum. Sites of different world sizes are refused at the first quorum that
+holds both, before any heal (formations.py).
 """
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ def _reachable(url: str, timeout_s: float = 2.0) -> bool:
             return True
     except OSError:
         return False
+
+
+def _not_a_refusal(record: logging.LogRecord) -> bool:
+    """torchft logs what the group's configure raised with its traceback; a refusal is trainyard's own error, which
+    the site prints as such (exit 2, no traceback)."""
+    return not (record.exc_info and isinstance(record.exc_info[1], ConfigError))
 
 
 def _same(a: float, b: float) -> bool:
@@ -127,7 +134,9 @@ class FaultTolerantSync:
         self.device = info.device
         self.lighthouse = lighthouse_url(cfg)
         timeout = timedelta(seconds=cfg.dist.timeout_s)
-        self.across = GlooOnFreshKeys(timeout=timeout)  # a restarted lighthouse's quorum ids repeat
+        # a restarted lighthouse's quorum ids repeat; a site of another size is refused before any heal
+        self.across = GlooOnFreshKeys(timeout=timeout, site=cfg.diloco.site, site_world_size=info.world_size)
+        logging.getLogger("torchft.manager").addFilter(_not_a_refusal)
         # The site's master address hosts its store and (rank 0) its manager server: other sites reach both there.
         self.manager = Manager(
             pg=self.across, load_state_dict=self._load, state_dict=self._state, min_replica_size=1,
@@ -209,6 +218,8 @@ class FaultTolerantSync:
             self.manager._quorum_future = None
             log.warning("the quorum failed (%s): this site takes its outer step alone", err)
             return False
+        if self.across.refused is not None:
+            raise self.across.refused
         return True
 
     def _site_agrees(self, fine: bool) -> bool:
@@ -227,20 +238,13 @@ class FaultTolerantSync:
 
     def _disagrees(self) -> bool:
         """Whether the sites present hold different round-start weights (and `_differs`: this site from the lowest
-        present). Each rank compares its fingerprint with its counterparts'; a site of another world size is
-        refused."""
+        present). Each rank compares its fingerprint with its counterparts' (sites of another world size were
+        refused when the group formed: formations.py)."""
         assert self.sites is not None and self.site is not None
         slots = torch.zeros(2 * self.sites, dtype=torch.float64)
-        slots[self.site], slots[self.sites + self.site] = self.fingerprint(), float(self.world_size)
+        slots[self.site], slots[self.sites + self.site] = self.fingerprint(), 1.0
         self.manager.allreduce(slots, reduce_op=ReduceOp.SUM).wait()
         present = [site for site in range(self.sites) if slots[self.sites + site] > 0]
-        sizes = {site: int(slots[self.sites + site]) for site in present}
-        if len(set(sizes.values())) > 1:
-            raise ConfigError(
-                "the sites of a fault-tolerant DiLoCo job must have the same number of processes, and they differ: "
-                + ", ".join(f"site {site} has {size}" for site, size in sizes.items()),
-                fix="launch every site with the same --nproc (and --nnodes)",
-            )
         if not present:
             self._differs = False
             return False

@@ -1,7 +1,7 @@
 """Run under torchrun as one site of 2 (one process, its own world): two rounds of the fault-tolerant outer sync
 (torchft, through the lighthouse named by TORCHFT_LIGHTHOUSE) on the small module diloco_outer_step.py uses, each
 site moving its weights by its own amount; writes what went in and came out for the test to recompute. Both sites'
-managers heartbeat before either asks for a quorum (a file each, waited for), so the first quorum holds both."""
+managers exist before either asks for a quorum (a file each, waited for), and the test's lighthouse wants both."""
 
 from __future__ import annotations
 
