@@ -60,8 +60,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     """Each test's CPU seconds (setup to teardown) as a junit property: on a machine of 2 cores the suite's wall is
     its CPU, so `tests/suite.py` lists the tests that use the most, beside the slowest (a test waiting on a timeout
-    is slow and cheap; one beside it then looks slow and costs nothing). Shared worlds' ranks outlive the test:
-    their CPU is not in it."""
+    is slow and cheap; one beside it then looks slow and costs nothing). A child counts once reaped: a shared
+    world's ranks, whole lives, in the test during which the world ends."""
     outcome = yield
     if call.when == "teardown" and CPU_AT_START in item.stash:
         outcome.get_result().user_properties.append(("cpu_s", f"{cpu_seconds() - item.stash[CPU_AT_START]:.2f}"))
