@@ -171,10 +171,11 @@ def test_a_site_killed_mid_run_heals_from_the_live_one_which_never_stops(tmp_pat
                                                                             for e in events), steps
     alone_norms = [[e["outer_start_norm"] for e in syncs(events) if e.get("outer_alone")] for events in outages]
     assert alone_norms[0][-1] != alone_norms[1][-1], "alone, the sites' weights part"
-    reheal = [e for events in outages for e in events if e.get("event") == "healed"]
-    assert len(reheal) == 1, "once the lighthouse is back, one site heals from the other"
-    lender = [{e["step"]: e for e in syncs(events)} for events in outages if reheal[0] not in events][0]
-    assert reheal[0]["inner_fingerprint"] == lender[reheal[0]["step"]]["inner_fingerprint"], "it took the other's"
+    reheal = [(site, e) for site, events in enumerate(outages) for e in events if e.get("event") == "healed"]
+    assert reheal, "once the lighthouse is back, a site heals from the other"
+    for site, healed_event in reheal:  # a restarted lighthouse may form a quorum of one site before the other's
+        lender = {e["step"]: e for e in syncs(outages[1 - site])}  # heartbeat: they part again, and heal again
+        assert healed_event["inner_fingerprint"] == lender[healed_event["step"]]["inner_fingerprint"], "took theirs"
     joined = [{e["step"]: e["outer_start_norm"] for e in rejoined(events)} for events in outages]
     shared = sorted(set(joined[0]) & set(joined[1]))
     assert shared and all(joined[0][k] == joined[1][k] for k in shared), f"the sites disagree after: {joined}"
