@@ -182,6 +182,26 @@ def test_a_group_formed_again_under_a_quorum_id_a_restarted_lighthouse_repeats_r
     assert _formation(GlooOnFreshKeys, store.port, "torchft/2/0", stagger_s=0.5) == {0: 3.0, 1: 3.0}
 
 
+def test_a_formation_a_member_never_reached_does_not_pair_later_members_apart() -> None:
+    """A site killed between its quorum and its group's formation leaves that formation a seat short (here: the
+    seat its peer took an hour ago, as the store holds it); when the quorum id comes round again (a lighthouse
+    restarted), the two members of the next formation must still meet. Counting alone put them in different
+    formations, each waiting for a peer that never came, at every formation of that id."""
+    import time
+
+    from torch.distributed import PrefixStore, TCPStore
+
+    from trainyard.diloco.formations import GlooOnFreshKeys
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    prefix = "torchft/4/0"
+    left = PrefixStore(prefix, store)
+    assert left.add("formations-of-2", 1) == 1  # the member that came, an hour ago; its peer never did
+    left.set("opened-2-0", repr(time.time() - 3600))
+    for stagger_s in (0.0, 0.5):
+        assert _formation(GlooOnFreshKeys, store.port, prefix, stagger_s=stagger_s) == {0: 3.0, 1: 3.0}
+
+
 def test_sites_of_different_sizes_are_refused_when_their_group_forms_before_gloo_connects() -> None:
     """Whichever site came later (a site launched with another --nproc joining a run under way would otherwise heal
     from the other first, and gloo aborts on the transfer): both members learn both sizes from the store."""

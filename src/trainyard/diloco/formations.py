@@ -7,8 +7,13 @@ that id's old members left in the same store, and whoever reads one before its n
 a process long gone ("Connection refused") and the sync is lost, then the next, for as long as the ids repeat.
 Here each formation counts itself in: every member adds 1 to a counter under the prefix (one per group size), and
 member n of formation k reads k*size + n, so the members of one formation agree on k without talking, and k is new
-wherever the id is not. Only torchft's extension point for a group (`_create_pg`) is used; its store is the one
-torchft made for the prefix. Imported only by fault-tolerant jobs (torchft is optional).
+wherever the id is not. A member that died between its quorum and here leaves its formation a seat short, and
+the count would then pair later members of different formations for as long as that id repeats (a site killed
+mid-run, then the lighthouse restarted: the sites' group never formed again). So the first member of each formation
+stamps when it opened, and a member whose seat is in a formation opened longer ago than the group's timeout takes
+the next seat instead, until it is in a formation opened since. Only torchft's extension point for a group
+(`_create_pg`) is used; its store is the one torchft made for the prefix. Imported only by fault-tolerant jobs
+(torchft is optional).
 
 The members also tell each other their site and its world size there, before gloo connects: sites of different
 sizes are refused at the first formation that holds both, before torchft heals one from the other (whose transfer
@@ -17,6 +22,8 @@ of one rank's state into another's shard aborts the process in gloo, while the o
 
 from __future__ import annotations
 
+import time
+from datetime import timedelta
 from typing import Any
 
 from torch.distributed import PrefixStore, Store
@@ -26,11 +33,31 @@ from torchft.process_group import ProcessGroupGloo
 from trainyard.errors import ConfigError
 
 
-def formation_store(store: Store, world_size: int) -> PrefixStore:
+def formation_store(store: Store, world_size: int, stale_after: timedelta) -> PrefixStore:
     """The keys of this formation of the group: the members that join it under one prefix, `world_size` of them,
-    count themselves in together, and a later formation under that prefix counts on from where they ended."""
-    arrived = store.add(f"formations-of-{world_size}", 1)
-    return PrefixStore(f"formation-{(arrived - 1) // world_size}", store)
+    count themselves in together, and a later formation under that prefix counts on from where they ended. A seat
+    in a formation opened more than `stale_after` ago (a member of it never came) is passed over."""
+    while True:
+        formation, seat = divmod(store.add(f"formations-of-{world_size}", 1) - 1, world_size)
+        opened = f"opened-{world_size}-{formation}"
+        if seat == 0:
+            store.set(opened, repr(time.time()))
+        if seat == 0 or _opened_since(store, opened, stale_after):
+            return PrefixStore(f"formation-{formation}", store)
+
+
+def _opened_since(store: Store, opened: str, stale_after: timedelta) -> bool:
+    """Whether the formation was opened within `stale_after` (its opener stamps it right after taking seat 0; one
+    that died in between never does)."""
+    try:
+        store.wait([opened], timedelta(seconds=OPENER_WAIT_S))
+    except (RuntimeError, TimeoutError):  # c10d's store timeout (DistStoreError is a RuntimeError)
+        return False
+    return time.time() - float(store.get(opened).decode()) <= stale_after.total_seconds()
+
+
+OPENER_WAIT_S = 5.0
+"""How long a member waits for its formation's opener to stamp it: the opener does right after taking its seat."""
 
 
 class GlooOnFreshKeys(ProcessGroupGloo):
@@ -43,7 +70,7 @@ class GlooOnFreshKeys(ProcessGroupGloo):
         """Set where a formation held a site of another world size (torchft only logs what configure raises)."""
 
     def _create_pg(self, store: Store, rank: int, world_size: int) -> ProcessGroup:
-        fresh = formation_store(store, world_size)
+        fresh = formation_store(store, world_size, self._timeout)
         fresh.set(f"site-of-{rank}", f"{self.site} {self.site_world_size}")
         sizes = dict(_site_size(fresh.get(f"site-of-{member}")) for member in range(world_size))
         if len(set(sizes.values())) > 1:
