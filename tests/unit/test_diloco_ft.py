@@ -138,6 +138,7 @@ def _form(group_class: type, port: int, prefix: str, rank: int, results: dict, t
     results[("group", rank)] = group
     try:
         group.configure(f"127.0.0.1:{port}/{prefix}", "site", rank, 2)
+        assert group.parent._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=timeout_s)
         value = torch.tensor([float(rank + 1)])
         group.allreduce([value], torch_dist.ReduceOp.SUM).wait()
         results[rank] = float(value.item())
@@ -213,3 +214,26 @@ def test_sites_of_different_sizes_are_refused_when_their_group_forms_before_gloo
     results = _formation(GlooOnFreshKeys, store.port, "torchft/3/0", stagger_s=0.5, sizes=(2, 1))
     for member in (0, 1):
         assert "ConfigError" in results[member] and "site 0 has 2, site 1 has 1" in results[member], results
+
+
+def test_a_member_that_never_connects_fails_the_formation_within_the_formation_timeout() -> None:
+    """Its peer took its seat and named its site, then never reached gloo's connect. Gloo waits 5x its timeout for a
+    pair, and under the group's own (dist.timeout_s: 600 s by default) a sync of both sites hung for 50 minutes; the
+    formation fails within FORMATION_TIMEOUT instead (its collectives keep the group's timeout: `_form` checks)."""
+    import time
+    from datetime import timedelta
+
+    from torch.distributed import PrefixStore, TCPStore
+
+    from trainyard.diloco.formations import FORMATION_TIMEOUT, GlooOnFreshKeys, formation_store
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    prefix = "torchft/5/0"
+    formation_store(PrefixStore(prefix, store), 2, timedelta(seconds=60)).set("site-of-1", "1 1")
+    results: dict = {}
+    started = time.monotonic()
+    _form(GlooOnFreshKeys, store.port, prefix, 0, results, timeout_s=600.0)
+    waited = time.monotonic() - started
+    results.pop(("group", 0)).abort(errored=False)
+    assert "imeout" in results[0] or "timed out" in results[0], results
+    assert FORMATION_TIMEOUT.total_seconds() <= waited < 600, waited

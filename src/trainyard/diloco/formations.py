@@ -18,6 +18,12 @@ the next seat instead, until it is in a formation opened since. Only torchft's e
 The members also tell each other their site and its world size there, before gloo connects: sites of different
 sizes are refused at the first formation that holds both, before torchft heals one from the other (whose transfer
 of one rank's state into another's shard aborts the process in gloo, while the other site never notices).
+
+Then gloo connects them, bounded by FORMATION_TIMEOUT rather than the group's timeout: gloo waits five times its
+timeout for a pair to connect, and every member is known to be there by then. A pair that never connected (seen in
+1 of 5 lighthouse restarts under load: both members in gloo's connect, neither socket opened) held both sites 5 x
+dist.timeout_s (50 minutes by default) instead of failing the sync; the sites' next quorum forms the group again
+(ft.py). The group's collectives keep the group's timeout.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+import torch
 from torch.distributed import PrefixStore, Store
 from torch.distributed.distributed_c10d import ProcessGroup
 from torchft.process_group import ProcessGroupGloo
@@ -58,6 +65,9 @@ def _opened_since(store: Store, opened: str, stale_after: timedelta) -> bool:
 
 OPENER_WAIT_S = 5.0
 """How long a member waits for its formation's opener to stamp it: the opener does right after taking its seat."""
+FORMATION_TIMEOUT = timedelta(seconds=10)
+"""How long a member waits for the others to name their sites, and gloo's rendezvous for their addresses (it waits 5x
+this for a pair to connect)."""
 
 
 class GlooOnFreshKeys(ProcessGroupGloo):
@@ -72,7 +82,9 @@ class GlooOnFreshKeys(ProcessGroupGloo):
     def _create_pg(self, store: Store, rank: int, world_size: int) -> ProcessGroup:
         fresh = formation_store(store, world_size, self._timeout)
         fresh.set(f"site-of-{rank}", f"{self.site} {self.site_world_size}")
-        sizes = dict(_site_size(fresh.get(f"site-of-{member}")) for member in range(world_size))
+        members = [f"site-of-{member}" for member in range(world_size)]
+        fresh.wait(members, FORMATION_TIMEOUT)  # the quorum told every member at once: a late one is not coming
+        sizes = dict(_site_size(fresh.get(member)) for member in members)
         if len(set(sizes.values())) > 1:
             self.refused = ConfigError(
                 "the sites of a fault-tolerant DiLoCo job must have the same number of processes, and they differ: "
@@ -80,7 +92,17 @@ class GlooOnFreshKeys(ProcessGroupGloo):
                 fix="launch every site with the same --nproc (and --nnodes)",
             )
             raise self.refused
-        return super()._create_pg(fresh, rank, world_size)
+        return self._connected(fresh, rank, world_size)
+
+    def _connected(self, store: Store, rank: int, world_size: int) -> ProcessGroup:
+        """torchft's gloo group on `store`, connected within FORMATION_TIMEOUT, its collectives on the group's own."""
+        timeout, self._timeout = self._timeout, min(self._timeout, FORMATION_TIMEOUT)
+        try:
+            group = super()._create_pg(store, rank, world_size)
+        finally:
+            self._timeout = timeout
+        group._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
+        return group
 
 
 def _site_size(value: bytes) -> tuple[int, int]:

@@ -22,12 +22,16 @@ sync whose peer died mid-way is not committed: the site keeps its weights, so it
 holds both rounds' progress. Each site decides its own stops (preemption, ended data, timed saves) at its syncs.
 The sync holds one model's worth of averaged pseudo-gradient until it commits, beyond OuterSync's state.
 
-Nor does a lost lighthouse stop them: a site that cannot reach it takes its round's outer step alone and asks
-again at the next sync. Sites that trained alone, or that disagree for any other reason (one committed a sync the
-other did not), would average pseudo-gradients of different round-start weights for the rest of the run: at each
-sync the sites compare a fingerprint of their round-start weights, and the sites that differ from the lowest site
-present heal from it in a second quorum. Sites of different world sizes are refused at the first quorum that
-holds both, before any heal (formations.py).
+Nor does a lost lighthouse stop them: a site that cannot reach it takes its round's outer step alone and asks again
+at the next sync. A quorum already asked when the lighthouse went away ends at diloco.quorum_timeout_s: torchft's
+manager server retries its lighthouse and does not answer its ranks when that fails; a retry that reaches the
+lighthouse once it is back may put the site in a quorum with the step it had then, so a peer may form the group with
+a site that is not forming it: the formation then fails within seconds (formations.py), the sync is not committed,
+and the group forms again at the next quorum. Sites that trained alone, or that disagree for any other reason (one
+committed a sync the other did not), would average pseudo-gradients of different round-start weights for the rest of
+the run: at each sync the sites compare a fingerprint of their round-start weights, and the sites that differ from
+the lowest site present heal from it in a second quorum. Sites of different world sizes are refused at the first
+quorum that holds both, before any heal (formations.py).
 """
 
 from __future__ import annotations
@@ -200,6 +204,9 @@ class FaultTolerantSync:
                 _own(param).copy_(start)
         if not committed:
             log.warning("outer sync not committed (a site left mid-sync): this site keeps its weights")
+            # torchft forms the group again only for a new quorum id, and the sites still there keep theirs: a group
+            # that failed to form (or broke) would fail every sync until a site came or went
+            self.manager._quorum_id = -1
         return sites, committed
 
     def _quorum(self, step: int) -> bool:
