@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import select
 import socket
 import subprocess
@@ -29,9 +30,19 @@ class TaskFailed(AssertionError):
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port for a process about to be started to listen on, below the kernel's ephemeral range: a port the kernel
+    handed out (bind to port 0) was free when asked, but under the suite's load another process's own port-0 bind
+    or outgoing connection took it before the launch bound it (EADDRINUSE in a site's relaunch). Below that range
+    only a port asked for by number can collide."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    while True:
+        port = random.randrange(10_000, max(low, 10_001))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
 
 
 class World:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 
 from tests.conftest import REPO, TINY
 from tests.dist.checkpoint_helpers import kill_tree, written_events
+from tests.world import free_port
 
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.dist
@@ -34,10 +34,6 @@ SITE = [
 """Sites that would train for hours: the test stops them once it has seen what it waits for."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def launch(out: Path, site: int, lighthouse: int, *flags: str) -> subprocess.Popen[bytes]:

@@ -13,14 +13,11 @@ import psutil
 import pytest
 
 from tests.conftest import trainyard
+from tests.world import free_port
 
 pytestmark = pytest.mark.dist
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def rows_of(stdout: str) -> dict[str, dict[str, Any]]:

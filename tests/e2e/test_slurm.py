@@ -25,6 +25,7 @@ import pytest
 
 from tests.conftest import TINY, events, run_cli, trainyard
 from tests.dist.checkpoint_helpers import last_step
+from tests.world import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -52,10 +53,6 @@ def _install_slurm() -> None:
             pytest.skip(f"could not install Slurm ({' '.join(command)}): {result.stderr[-500:]}")
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
 
 
 def _wait(predicate, timeout: float, what: str) -> None:
@@ -112,8 +109,8 @@ def _write_conf(root: Path, socket_path: Path) -> Path:
                 "GresTypes=gpu",
                 f"SlurmctldHost={host}",
                 "SlurmUser=root",
-                f"SlurmctldPort={_free_port()}",
-                f"SlurmdPort={_free_port()}",
+                f"SlurmctldPort={free_port()}",
+                f"SlurmdPort={free_port()}",
                 "AuthType=auth/munge",
                 "CredType=cred/munge",
                 f"AuthInfo=socket={socket_path},cred_expire={CRED_EXPIRE_S}",
@@ -320,7 +317,7 @@ def test_the_lighthouse_job_restarts_a_lighthouse_that_died_and_requeues_itself(
 ) -> None:
     """The script `trainyard slurm` writes for a fault-tolerant job's lighthouse: killed, it is restarted within the
     same job; the time limit's USR1 (to the batch shell, as --signal=B:USR1 sends it) requeues the job."""
-    port = _free_port()
+    port = free_port()
     job = [TINY, "dist.strategy=diloco", "diloco.fault_tolerant=true", "diloco.sites=2",
            f"diloco.lighthouse={socket.gethostname()}:{port}"]
     written = run_cli("slurm", *job, "--nodes", "1", "--gpus-per-node", "0", "--out", str(tmp_path / "job.sbatch"),

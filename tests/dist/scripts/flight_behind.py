@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -20,7 +21,10 @@ from trainyard.dist import exit_process, init
 
 def main() -> None:
     run_dir, mode = Path(sys.argv[1]), sys.argv[2]
-    info = init(DistConfig(timeout_s=4), run_dir=run_dir)
+    # the group forms under a timeout a loaded machine's slower rank meets (its imports can finish seconds after its
+    # peer's), then its collectives time out after 4 s
+    info = init(DistConfig(timeout_s=120), run_dir=run_dir)
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=4))
     tensor = torch.ones(3)
     for _ in range(3):
         dist.all_reduce(tensor)
