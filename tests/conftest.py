@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.world import World
+from tests.world import World, live_ranks_cpu_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -45,9 +45,10 @@ CPU_AT_START = pytest.StashKey[float]()
 
 
 def cpu_seconds() -> float:
-    """This process's CPU and its reaped children's (a launch's agent and workers once it ended)."""
+    """This process's CPU and its reaped children's (a launch's agent and workers once it ended), the shared worlds'
+    ranks counted as they go (tests/world.py: `live_ranks_cpu_seconds`)."""
     times = os.times()
-    return times.user + times.system + times.children_user + times.children_system
+    return times.user + times.system + times.children_user + times.children_system + live_ranks_cpu_seconds()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -60,8 +61,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     """Each test's CPU seconds (setup to teardown) as a junit property: on a machine of 2 cores the suite's wall is
     its CPU, so `tests/suite.py` lists the tests that use the most, beside the slowest (a test waiting on a timeout
-    is slow and cheap; one beside it then looks slow and costs nothing). A child counts once reaped: a shared
-    world's ranks, whole lives, in the test during which the world ends."""
+    is slow and cheap; one beside it then looks slow and costs nothing). A launch's processes count once reaped
+    (in the test that launched them); a shared world's ranks as their tasks run."""
     outcome = yield
     if call.when == "teardown" and CPU_AT_START in item.stash:
         outcome.get_result().user_properties.append(("cpu_s", f"{cpu_seconds() - item.stash[CPU_AT_START]:.2f}"))

@@ -45,6 +45,26 @@ def free_port() -> int:
             return port
 
 
+STARTED: list[World] = []
+"""Every world this process made: `live_ranks_cpu_seconds` reads their ranks."""
+
+
+def live_ranks_cpu_seconds() -> float:
+    """The CPU the worlds' ranks not yet reaped have used so far (and their own reaped children), from /proc. Once
+    reaped, a rank's CPU is this process's children's, whole: tests/conftest.py adds this to that, so each task's CPU
+    counts in the test that ran it, not all of a world's life in whichever test the world ended under."""
+    return sum(_cpu_of(rank.pid) for world in STARTED for rank in world.ranks if rank.returncode is None)
+
+
+def _cpu_of(pid: int) -> float:
+    """A process's CPU and its reaped children's, from /proc (0 where it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return sum(int(value) for value in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+
+
 class World:
     """`nproc` ranks that share one process group (formed by the first task that calls `dist.init`), or one
     process with no group at all (`nproc=1`: the single-process reference runs of trainyard)."""
@@ -53,6 +73,7 @@ class World:
         self.nproc, self.logs = nproc, logs
         self.ranks: list[subprocess.Popen[bytes]] = []
         self.starts = 0
+        STARTED.append(self)
 
     def start(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
