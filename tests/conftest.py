@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.world import World, live_ranks_cpu_seconds
+from tests.world import World, uncounted_cpu_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -45,10 +45,10 @@ CPU_AT_START = pytest.StashKey[float]()
 
 
 def cpu_seconds() -> float:
-    """This process's CPU and its reaped children's (a launch's agent and workers once it ended), the shared worlds'
-    ranks counted as they go (tests/world.py: `live_ranks_cpu_seconds`)."""
+    """This process's CPU and its reaped children's (a launch's agent and workers once it ended), with what those
+    miss (tests/world.py: `uncounted_cpu_seconds`): the shared worlds' ranks as they go, and killed process trees."""
     times = os.times()
-    return times.user + times.system + times.children_user + times.children_system + live_ranks_cpu_seconds()
+    return times.user + times.system + times.children_user + times.children_system + uncounted_cpu_seconds()
 
 
 @pytest.hookimpl(hookwrapper=True)
