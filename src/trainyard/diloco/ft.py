@@ -203,7 +203,8 @@ class FaultTolerantSync:
             for param, start in zip(self.outer.params, self.outer.start, strict=True):
                 _own(param).copy_(start)
         if not committed:
-            log.warning("outer sync not committed (a site left mid-sync): this site keeps its weights")
+            log.warning("outer sync not committed (a site left mid-sync, or the sites' group did not form): this site "
+                        "keeps its weights and forms the group again at the next sync")
             # torchft forms the group again only for a new quorum id, and the sites still there keep theirs: a group
             # that failed to form (or broke) would fail every sync until a site came or went
             self.manager._quorum_id = -1
