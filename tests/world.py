@@ -36,7 +36,7 @@ def free_port() -> int:
     only a port asked for by number can collide."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     while True:
-        port = random.randrange(10_000, max(low, 10_001))
+        port = random.randrange(min(10_000, low // 2), low)
         with socket.socket() as sock:
             try:
                 sock.bind(("", port))
@@ -53,12 +53,17 @@ def live_ranks_cpu_seconds() -> float:
     """The CPU the worlds' ranks not yet reaped have used so far (and their own reaped children), from /proc. Once
     reaped, a rank's CPU is this process's children's, whole: tests/conftest.py adds this to that, so each task's CPU
     counts in the test that ran it, not all of a world's life in whichever test the world ended under."""
-    return sum(_cpu_of(rank.pid) for world in STARTED for rank in world.ranks if rank.returncode is None)
+    return sum(cpu_with_reaped(rank.pid) for world in STARTED for rank in world.ranks if rank.returncode is None)
 
 
 KILLED_CPU_S = [0.0]
-"""The CPU of processes tests SIGKILLed together with their parents (tests/dist/checkpoint_helpers.py: kill_tree):
-init reaps them, so it never reaches this process's children's."""
+"""The CPU of processes tests SIGKILLed together with their parents (`count_killed`)."""
+
+
+def count_killed(pids: list[int]) -> None:
+    """Count the CPU of processes about to be SIGKILLed with their parent (tests/dist/checkpoint_helpers.py:
+    kill_tree): init reaps them, so it never reaches this process's children's."""
+    KILLED_CPU_S[0] += sum(cpu_with_reaped(pid) for pid in pids)
 
 
 def uncounted_cpu_seconds() -> float:
@@ -66,7 +71,7 @@ def uncounted_cpu_seconds() -> float:
     return live_ranks_cpu_seconds() + KILLED_CPU_S[0]
 
 
-def _cpu_of(pid: int) -> float:
+def cpu_with_reaped(pid: int) -> float:
     """A process's CPU and its reaped children's, from /proc (0 where it is gone)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.conftest import REPO, TINY
-from tests.world import KILLED_CPU_S
+from tests.world import count_killed
 from trainyard.parallel.expert_parallel import peft_layout
 
 STEPS = 24
@@ -97,7 +97,7 @@ def kill_tree(proc: subprocess.Popen[str]) -> None:
     except psutil.NoSuchProcess:
         tree = []
     # the launcher first, so that it reaps none of the others: init does, and their CPU would be lost to the tests'
-    KILLED_CPU_S[0] += sum(_cpu_with_reaped(process) for process in tree[1:])
+    count_killed([process.pid for process in tree[1:]])
     for process in tree:
         try:
             os.kill(process.pid, signal.SIGKILL)
@@ -105,14 +105,6 @@ def kill_tree(proc: subprocess.Popen[str]) -> None:
             pass
     proc.communicate()
     psutil.wait_procs(tree, timeout=10)
-
-
-def _cpu_with_reaped(process: psutil.Process) -> float:
-    try:
-        times = process.cpu_times()
-    except psutil.NoSuchProcess:
-        return 0.0
-    return times.user + times.system + times.children_user + times.children_system
 
 
 def resumed_events(run_dir: Path) -> list[dict[str, Any]]:
