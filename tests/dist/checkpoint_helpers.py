@@ -112,10 +112,13 @@ def resumed_events(run_dir: Path) -> list[dict[str, Any]]:
     return [e for e in events if e.get("event") == "resumed"]
 
 
-def events_after_last_resume(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+def events_of_last_run(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    """A rerun appends to metrics.jsonl: it begins at its `resumed` event or, when nothing was committed to resume
+    from (an async save still in flight at the kill), where the train steps start again from 1."""
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    starts = [i for i, e in enumerate(events) if e.get("event") == "resumed"]
-    return [e for e in events[(starts[-1] if starts else 0) :] if e["kind"] == kind]
+    fresh = [i for i, e in enumerate(events) if e["kind"] == "train" and e["step"] == 1]
+    starts = fresh + [i for i, e in enumerate(events) if e.get("event") == "resumed"]
+    return [e for e in events[max(starts, default=0) :] if e["kind"] == kind]
 
 
 def model_tensors(step_dir: Path) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ from tests.dist.checkpoint_helpers import (
     adapter_tensors,
     assert_same_tensors,
     dcp_adapter_tensors,
-    events_after_last_resume,
+    events_of_last_run,
     kill_tree,
     last_step,
     model_tensors,
@@ -100,7 +100,7 @@ def test_sigkill_at_a_random_step_then_rerun_ends_bitwise_identical(
     else:
         assert [e["path"] for e in resumed] == [str(saved)], context
         first_step = int(saved.name[5:]) + 1
-    train = events_after_last_resume(run_dir, "train")
+    train = events_of_last_run(run_dir, "train")
     assert [e["step"] for e in train] == list(range(first_step, STEPS + 1)), context
     assert_same_final_weights(run_dir, reference, lora)
     kept = [p.name for p in committed(checkpoints)]
@@ -108,7 +108,7 @@ def test_sigkill_at_a_random_step_then_rerun_ends_bitwise_identical(
     if saved is not None:  # rotation keeps 2, plus the one this run resumed from
         assert saved.name in kept and len(kept) <= 3, (context, kept)
     if mode.endswith("async"):  # async saves: reported at once, committed a step or two later, never lost
-        saves = events_after_last_resume(run_dir, "checkpoint")
+        saves = events_of_last_run(run_dir, "checkpoint")
         started = {e["step"] for e in saves if e.get("async_save")}
         assert started and started <= {e["step"] for e in saves if e.get("committed")}, saves
 
@@ -147,7 +147,7 @@ def test_sigterm_to_the_launcher_saves_exits_75_and_loses_no_step(
 
     result = trainyard(*args)
     assert_ok(result)
-    train = events_after_last_resume(run_dir, "train")
+    train = events_of_last_run(run_dir, "train")
     assert [e["step"] for e in train] == list(range(stopped + 1, STEPS + 1)), context
     summary = (run_dir / "summary.json").read_text()
     assert f'"steps": {STEPS}' in summary

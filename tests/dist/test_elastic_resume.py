@@ -23,7 +23,7 @@ from tests.dist.checkpoint_helpers import (
     EVERY,
     LORA_DDP,
     STEPS,
-    events_after_last_resume,
+    events_of_last_run,
     kill_tree,
     last_step,
     resumed_events,
@@ -102,7 +102,7 @@ def test_two_ranks_then_one_then_two_train_every_row_of_the_epoch_once(
     assert [e["step"] for e in resumed] == resumed_at[1:], context
     assert [e["saved_world_size"] for e in resumed] == worlds[:-1], context
     assert [e["accumulation"] for e in resumed] == [GLOBAL_BATCH // (8 * w) for w in worlds[1:]], context
-    assert [e["step"] for e in events_after_last_resume(run_dir, "train")] == list(range(resumed_at[-1] + 1, STEPS + 1))
+    assert [e["step"] for e in events_of_last_run(run_dir, "train")] == list(range(resumed_at[-1] + 1, STEPS + 1))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["steps"], summary["world_size"], summary["accumulation"]) == (STEPS, 2, 1), context
 

@@ -21,7 +21,7 @@ from tests.dist.checkpoint_helpers import (
     adapter_tensors,
     assert_same_tensors,
     dcp_adapter_tensors,
-    events_after_last_resume,
+    events_of_last_run,
     kill_tree,
     last_step,
     resumed_events,
@@ -97,7 +97,7 @@ def test_sigkill_then_rerun_ends_bitwise_identical_and_lite_saves_match(
     context = f"killed at step >= {kill_at} (saw {seen}, TRAINYARD_TEST_SEED={SEED}), last committed {saved}"
     assert [e["path"] for e in resumed_events(run_dir)] == ([str(saved)] if saved else []), context
     first_step = int(saved.name[5:]) + 1 if saved else 1
-    assert [e["step"] for e in events_after_last_resume(run_dir, "train")] == list(range(first_step, STEPS + 1))
+    assert [e["step"] for e in events_of_last_run(run_dir, "train")] == list(range(first_step, STEPS + 1))
     assert_same_final_weights(run_dir, moe_reference, lora=True)
     lite = [int(p.name[5:]) for p in committed(checkpoints, "lite")]
     assert lite == [s for s in range(KILLED_LITE_EVERY, STEPS, KILLED_LITE_EVERY) if s % KILLED_FULL_EVERY], context

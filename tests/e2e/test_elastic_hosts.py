@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY
-from tests.dist.checkpoint_helpers import events_after_last_resume, last_step, resumed_events
+from tests.dist.checkpoint_helpers import events_of_last_run, last_step, resumed_events
 from tests.dist.test_elastic_resume import attempts
 from tests.e2e.test_multihost import HOST_ADDRESSES, Host, _kill_namespace_processes, finish, launch_on
 from trainyard.checkpoint.save import latest_full
@@ -63,7 +63,7 @@ def test_a_host_lost_then_back_shrinks_and_grows_the_world_training_every_row_on
     assert [(e["saved_world_size"], e["world_size"], e["accumulation"]) for e in resumed] == [(4, 2, 2), (2, 4, 1)]
     resumed_at = [0, *(e["step"] for e in resumed)]
     assert 0 < resumed_at[1] <= trained_before_kill < resumed_at[2] < STEPS, (resumed_at, trained_before_kill)
-    assert [e["step"] for e in events_after_last_resume(run_dir, "train")] == list(range(resumed_at[2] + 1, STEPS + 1))
+    assert [e["step"] for e in events_of_last_run(run_dir, "train")] == list(range(resumed_at[2] + 1, STEPS + 1))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["steps"], summary["world_size"], summary["accumulation"]) == (STEPS, 4, 1)
     assert_every_row_trained_once(run_dir, [4, 2, 4], resumed_at)

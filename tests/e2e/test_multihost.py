@@ -28,7 +28,7 @@ from tests.dist.checkpoint_helpers import (
     adapter_tensors,
     assert_same_tensors,
     dcp_adapter_tensors,
-    events_after_last_resume,
+    events_of_last_run,
     last_step,
     resumed_events,
 )
@@ -276,7 +276,7 @@ def test_tiny_moe_lora_under_hsdp_across_two_hosts_saves_every_shard_and_resumes
     succeed(launch_both(killed, 29902))
     assert [e["path"] for e in resumed_events(killed / "tiny-moe")] == [str(was)], context
     resumed_at = int(was.name.removeprefix("step-"))
-    resumed = events_after_last_resume(killed / "tiny-moe", "train")
+    resumed = events_of_last_run(killed / "tiny-moe", "train")
     assert [e["step"] for e in resumed] == list(range(resumed_at + 1, 7)), context
     want = [(e["loss"], e["grad_norm"]) for e in uninterrupted[resumed_at:]]
     assert [(e["loss"], e["grad_norm"]) for e in resumed] == want, context
