@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/trainyard train
 
-# Two pytest processes side by side: the tests that start ranks one at a time in one, the single-process tests
-# in the other; then the 40 slowest of both (tests/suite.py).
+# Four pytest processes side by side (tests/suite.py): two lanes of the tests that start ranks, one at a time in
+# each; the tests on shared worlds; the single-process tests. Then the 40 slowest tests and the 40 that used the
+# most CPU.
 test: $(STAMP)
 	$(PY) tests/suite.py
 
