@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,17 +73,35 @@ def generate_answers(
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    output = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=pad,
-        eos_token_id=tokenizer.eos_token_id,
-        synced_gpus=lockstep,
-    )
+    with head_reads_contiguous(model):
+        output = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=tokenizer.eos_token_id,
+            synced_gpus=lockstep,
+        )
     eos = tokenizer.eos_token_id
     return [tokenizer.decode(_until_eos(ids.tolist(), eos), skip_special_tokens=True) for ids in output[:, width:]]
+
+
+@contextlib.contextmanager
+def head_reads_contiguous(model: torch.nn.Module) -> Iterator[None]:
+    """The output head's input made contiguous while generating. The first forward keeps one position per prompt
+    (`logits_to_keep=1`): a strided slice of the hidden states, which torch's CPU linear multiplies as a batch
+    against the head's weight copied once per prompt. For SmolLM2's head in bf16 (49k x 576) that took 4.5 s per
+    batch of 20 prompts against 15 ms for the same rows made contiguous (pytorch/pytorch#151934, open)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        yield
+        return
+    handle = head.register_forward_pre_hook(lambda _module, args: (args[0].contiguous(), *args[1:]))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _generations(
