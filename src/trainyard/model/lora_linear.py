@@ -25,7 +25,13 @@ class FusedLoraLinear(LoraLinear):
             return super().forward(x, *args, **kwargs)
         lora_A, lora_B = self.lora_A[adapter], self.lora_B[adapter]
         result = self.base_layer(x)
-        low = lora_A(self.lora_dropout[adapter](self._cast_input_dtype(x, lora_A.weight.dtype)))
+        dropout = self.lora_dropout[adapter]
+        if torch.is_autocast_enabled(x.device.type) and isinstance(dropout, torch.nn.Identity):
+            # autocast casts x for the product itself: PEFT's cast to the adapter's dtype first (fp32) is undone
+            # by it, exactly, and cost two copies of x forward and two of its gradient backward
+            low = lora_A(x)
+        else:
+            low = lora_A(dropout(self._cast_input_dtype(x, lora_A.weight.dtype)))
         second = lora_B.weight.t()
         if not torch.is_autocast_enabled(x.device.type) and not result.dtype == low.dtype == second.dtype:
             return (result + lora_B(low) * self.scaling[adapter]).to(result.dtype)

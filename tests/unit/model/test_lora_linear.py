@@ -84,3 +84,35 @@ def test_peft_forward_where_the_fused_one_would_differ(case: str) -> None:
         with context, peft.disable_adapter():
             assert all(m._plain_adapter() is None for m in modules)
             torch.testing.assert_close(fused(x), peft(x), rtol=1e-6, atol=1e-6)
+
+
+def test_under_autocast_the_adapter_reads_the_input_as_it_is_with_peft_s_cast_s_exact_result() -> None:
+    """bf16-mixed as trainyard trains it (frozen base bf16, adapters fp32, bf16 autocast): PEFT casts the input to the
+    adapter's fp32 and autocast casts it straight back, two copies of it each way. The fused forward skips that
+    cast; outputs and every gradient, the input's included, are bit for bit those of the cast path (taken here
+    through a zero dropout, which keeps PEFT's cast)."""
+    _, fused = pair()
+    for name, param in fused.named_parameters():
+        if "lora_" not in name:
+            param.data = param.data.to(torch.bfloat16)
+    casting = copy.deepcopy(fused)
+    for module in casting.modules():
+        if isinstance(module, FusedLoraLinear):
+            module.lora_dropout["default"] = torch.nn.Dropout(p=0.0)
+    casts: list[torch.dtype] = []
+    for module in fused.modules():
+        if isinstance(module, FusedLoraLinear):
+            module._cast_input_dtype = lambda x, dtype: casts.append(dtype) or x  # type: ignore[method-assign]
+    x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
+    results = []
+    for model in (fused, casting):
+        leaf = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, grads = run(model, leaf)
+        results.append((out, grads, leaf.grad))
+    (got, grads, x_grad), (expected, expected_grads, expected_x_grad) = results
+    assert casts == []
+    assert torch.equal(got, expected) and torch.equal(x_grad, expected_x_grad)
+    assert grads.keys() == expected_grads.keys() and len(grads) == 4
+    for name, grad in grads.items():
+        assert torch.equal(grad, expected_grads[name]), name
