@@ -54,9 +54,23 @@ def _auto(device: torch.device) -> tuple[str, str]:
             return "bf16-mixed", f"{torch.cuda.get_device_name(device)} computes in bf16"
         return "fp32", f"{torch.cuda.get_device_name(device)} has no bf16"
     unit = cpu_bf16_units()
-    if unit:
-        return "bf16-mixed", f"this CPU has {unit} matrix units"
-    return "fp32", "this CPU has no native bf16 matrix units (amx_bf16, avx512_bf16)"
+    if not unit:
+        return "fp32", "this CPU has no native bf16 matrix units (amx_bf16, avx512_bf16)"
+    if not torch_uses_bf16_units():
+        return "fp32", f"this CPU has {unit} matrix units, but torch's matrix library is held below them"
+    return "bf16-mixed", f"this CPU has {unit} matrix units"
+
+
+def torch_uses_bf16_units() -> bool:
+    """Whether torch's bf16 matrix products reach the CPU's bf16 units. Where oneDNN is held below them
+    (ONEDNN_MAX_CPU_ISA=AVX2, as on an avx2-only machine) they run on torch's fallback, ~80x slower than fp32 on
+    the same machine (a 512x1024x1024 product: 1.0 s against 13 ms), so bf16 would slow the job down. The check is
+    torch's own (a private op, read where the build has it)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(check()) if check is not None else True
+    except RuntimeError:  # an op this build declares but did not compile
+        return True
 
 
 def resolve(cfg: JobConfig, device: torch.device) -> Precision:

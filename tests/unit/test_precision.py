@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -36,8 +40,23 @@ def test_each_precision_keeps_masters_frozen_weights_and_compute_apart(
 
 def test_auto_on_cpu_follows_its_bf16_units() -> None:
     resolved = precision.resolve(load_config("tiny"), CPU)
-    assert resolved.name == ("bf16-mixed" if precision.cpu_bf16_units() else "fp32")
+    native = precision.cpu_bf16_units() and precision.torch_uses_bf16_units()
+    assert resolved.name == ("bf16-mixed" if native else "fp32")
     assert resolved.why
+
+
+def test_auto_trains_in_fp32_where_torch_s_matrix_library_is_held_below_the_bf16_units() -> None:
+    """As on an avx2-only machine, where bf16 products take torch's fallback: ~80x slower than fp32."""
+    script = (
+        "import torch; from trainyard import precision; from trainyard.config_file import load_config; "
+        "r = precision.resolve(load_config('tiny'), torch.device('cpu')); print(r.name, '|', r.why)"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+    name, why = out.strip().split(" | ")
+    assert name == "fp32", out
+    if precision.cpu_bf16_units():
+        assert "held below them" in why, out
 
 
 def test_float16_without_a_loss_scaler_is_refused() -> None:
