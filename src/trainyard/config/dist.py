@@ -46,6 +46,11 @@ class DilocoConfig(Section):
     quorum_timeout_s: float = Field(3600.0, gt=0)
     """fault_tolerant: how long a site waits at a sync for the quorum. A returning site waits in it for the others'
     next sync, so make it longer than a round."""
+    join_timeout_s: float = Field(60.0, gt=0)
+    """fault_tolerant: how long a sync waits for a site that is alive (it heartbeats) but has not reached the sync
+    yet; past it the sites present sync without it, and it heals from them at its own sync, losing its round. Make
+    it longer than the slowest site lags the fastest per round. A site gone (no heartbeat for 5 s) is never waited
+    for. The lighthouse reads it (`trainyard lighthouse` with the job's file)."""
 
     @model_validator(mode="after")
     def _fault_tolerant_needs_its_site(self) -> "DilocoConfig":
@@ -55,6 +60,12 @@ class DilocoConfig(Section):
             raise ValueError(
                 f"diloco.fault_tolerant needs diloco.site below diloco.sites (site {self.site}, sites {self.sites}): "
                 "set diloco.sites to the job's number of sites and diloco.site=S on each site's launch"
+            )
+        if self.join_timeout_s >= self.quorum_timeout_s:
+            raise ValueError(
+                f"diloco.join_timeout_s ({self.join_timeout_s:g}) must be below diloco.quorum_timeout_s "
+                f"({self.quorum_timeout_s:g}): a site would give up its quorum while the lighthouse still waits for a "
+                "slower site; raise diloco.quorum_timeout_s or lower diloco.join_timeout_s"
             )
         if self.pseudo_grad_dtype == "int8":
             raise ValueError(

@@ -18,8 +18,6 @@ from pathlib import Path
 from trainyard.config import JobConfig
 from trainyard.errors import ConfigError
 
-JOIN_TIMEOUT_MS = 60_000
-"""How long a quorum waits for sites that heartbeat but have not reached the sync yet (a slow site's round)."""
 HEARTBEAT_TIMEOUT_MS = 5_000
 """How long after its last heartbeat a site counts as gone: the survivors' first sync without it waits this long."""
 
@@ -52,7 +50,8 @@ def command(cfg: JobConfig) -> list[str]:
     if binary is None:
         raise ConfigError("torchft_lighthouse is not installed here", fix="pip install 'trainyard[ft]'")
     return [binary, "--bind", f"[::]:{port(cfg)}", "--min_replicas", "1",
-            "--join_timeout_ms", str(JOIN_TIMEOUT_MS), "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)]
+            "--join_timeout_ms", str(round(cfg.diloco.join_timeout_s * 1000)),
+            "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)]
 
 
 @contextmanager

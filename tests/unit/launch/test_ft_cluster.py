@@ -134,6 +134,22 @@ def test_reading_a_job_without_its_site() -> None:
     assert "diloco.sites" in err.value.render() and "diloco.site=0" not in err.value.render()
 
 
+def test_the_lighthouse_waits_for_a_slow_site_as_long_as_the_job_says() -> None:
+    """Sites of unequal speed: past diloco.join_timeout_s the sites present sync without the slow one."""
+    waits = [lighthouse.command(ft_cluster.load_job(TINY, (*FT, LIGHTHOUSE, *extra)))
+             for extra in ((), ("diloco.join_timeout_s=900",))]
+    assert [w[w.index("--join_timeout_ms") + 1] for w in waits] == ["60000", "900000"]
+
+
+def test_a_join_timeout_the_quorum_timeout_would_cut_short_is_exit_2(tmp_path: Path) -> None:
+    result = run_cli("lighthouse", TINY, *FT, "diloco.site=0", LIGHTHOUSE, "diloco.join_timeout_s=600",
+                     "diloco.quorum_timeout_s=300",
+                     cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "diloco.join_timeout_s (600) must be below diloco.quorum_timeout_s (300)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def k8s_documents(kind: str = "pytorchjob", *overrides: str) -> list[dict]:
     cfg = ft_cluster.load_job(TINY, (*FT, *overrides))
     job = K8sJob(nodes=2, gpus_per_node=8, image="img:1", kind=kind, namespace="ml")
