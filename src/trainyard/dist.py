@@ -79,6 +79,7 @@ def init(cfg: DistConfig, run_dir: Path | None = None, nic_where: str | None = N
     create_group = (world > 1 or launched_by_torchrun()) and not dist.is_initialized()
     if create_group:
         _before_group(cfg, run_dir, nic_where)
+        _thread_lock_for_progress_bars()
     local_rank = _env_int("LOCAL_RANK", 0)
     local_world = _env_int("LOCAL_WORLD_SIZE", world)
     if torch.cuda.is_available():
@@ -90,6 +91,18 @@ def init(cfg: DistConfig, run_dir: Path | None = None, nic_where: str | None = N
     if backend is not None:
         _create_group(backend, cfg, device)
     return DistInfo(rank, world, local_rank, local_world, device, backend, network, cfg.timeout_s)
+
+
+def _thread_lock_for_progress_bars() -> None:
+    """tqdm guards its bars (datasets makes one even where they are off) with a multiprocessing lock: a named
+    semaphore, which multiprocessing's resource tracker expects released at exit. A worker leaves by `os._exit`
+    (exit_process), which releases nothing, so every preempted run ended with the tracker's warning of "leaked
+    semaphore objects". The bars of one process need only a thread lock."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def _before_group(cfg: DistConfig, run_dir: Path | None, nic_where: str | None) -> None:

@@ -140,7 +140,9 @@ def test_sigterm_to_the_launcher_saves_exits_75_and_loses_no_step(
             kill_tree(proc)
     context = f"SIGTERM after step >= {stop_at} (TRAINYARD_TEST_SEED={SEED})"
     assert proc.returncode == 75, (context, stderr[-3000:])
-    assert "SIGTERM" in stderr and "Traceback" not in stderr, (context, stderr[-3000:])
+    assert "SIGTERM" in stderr, (context, stderr[-3000:])
+    if "Traceback" in stderr or "resource_tracker" in stderr:  # ("leaked semaphore objects" at exit)
+        pytest.fail(f"{context}: the launcher printed a traceback or the resource tracker's warning:\n{stderr}")
     stopped = last_step(run_dir)
     assert stopped < STEPS, context
     assert latest_full(checkpoints) == step_dir(checkpoints, stopped), f"{context}: not the last step trained"

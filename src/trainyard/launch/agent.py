@@ -7,7 +7,7 @@ import os
 import sys
 
 from trainyard.launch import forked
-from trainyard.launch.local import SIGNALS_TO_FORWARD, stop_on_first_signal
+from trainyard.launch.local import SIGNALS_TO_FORWARD, signal_behind, stop_on_first_signal
 from trainyard.launch.torchrun import DEFAULT_MASTER_PORT, PREEMPTED_EXIT_CODE, SHARED_STORE_ENV, USER_ERROR_EXIT_CODE
 
 
@@ -27,7 +27,6 @@ def main(argv: list[str]) -> int:
     fork = forked.forks_safely() and _runs_trainyard(argv)
     if fork:  # imports the workers' stack while this process imports torch's agent
         forked.start_fork_server(forked.modules_for(None), SIGNALS_TO_FORWARD)
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
@@ -37,8 +36,6 @@ def main(argv: list[str]) -> int:
             _run_forked(argv)
         else:
             torchrun_main(argv)
-    except SignalException as err:  # the agent stopped its workers; their exit files say how they ended
-        return 128 + int(err.sigval)
     except ChildFailedError as err:
         codes = {failure.exitcode for failure in err.failures.values()}
         if codes == {PREEMPTED_EXIT_CODE}:
@@ -46,6 +43,11 @@ def main(argv: list[str]) -> int:
         if codes == {USER_ERROR_EXIT_CODE}:  # bad input: the workers printed what to fix; no agent traceback
             return USER_ERROR_EXIT_CODE
         raise
+    except Exception as err:  # a stop signal: the agent stopped its workers; their exit files say how they ended
+        stop = signal_behind(err)
+        if stop is None:
+            raise
+        return 128 + int(stop.sigval)
     finally:
         if fork:
             forked.stop_fork_server()

@@ -14,9 +14,13 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainyard.config import JobConfig
 from trainyard.launch import allocator, forked
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
 
 EXIT_FILE_ENV = "TRAINYARD_EXIT_FILE"
 # The agent passes these to its workers instead of dying on them: Slurm's --signal
@@ -106,7 +110,6 @@ def run_local(
 
 
 def _launch(nproc: int, argv: list[str], max_restarts: int, fork: bool, prefix: str) -> tuple[int, str | None]:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -129,9 +132,6 @@ def _launch(nproc: int, argv: list[str], max_restarts: int, fork: bool, prefix: 
     stop_on_first_signal()
     try:
         elastic_launch(config, entrypoint=entrypoint)(*args)
-    except SignalException as err:  # this launcher was told to stop; workers saved and left
-        reported = read_exit_files(prefix)
-        return reported or (128 + int(err.sigval), f"stopped by {err.sigval.name}")
     except ChildFailedError as err:
         reported = read_exit_files(prefix)
         if reported:
@@ -139,4 +139,22 @@ def _launch(nproc: int, argv: list[str], max_restarts: int, fork: bool, prefix: 
         rank, failure = min(err.failures.items())
         code = failure.exitcode if failure.exitcode > 0 else 1
         return code, f"worker rank {rank} failed (exit {failure.exitcode}); see its log under the run dir's logs/"
+    except Exception as err:  # this launcher was told to stop; workers saved and left
+        stop = signal_behind(err)
+        if stop is None:
+            raise
+        reported = read_exit_files(prefix)
+        return reported or (128 + int(stop.sigval), f"stopped by {stop.sigval.name}")
     return 0, None
+
+
+def signal_behind(err: BaseException) -> SignalException | None:
+    """The stop signal an exception stands for: torch's agent raises SignalException wherever its main thread is,
+    and where that is the gap in torch's own timing wrapper before it notes the start, the wrapper's `finally`
+    raises UnboundLocalError over it (a preempted run then exited 1 with a traceback, not 75)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    seen: BaseException | None = err
+    while seen is not None and not isinstance(seen, SignalException):
+        seen = seen.__cause__ or seen.__context__
+    return seen
