@@ -21,9 +21,9 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/trainyard train
 
-# Four pytest processes side by side (tests/suite.py): three lanes of the tests that start ranks, one at a time in
-# each (the third after the tests on shared worlds); the single-process tests. Then the 40 slowest tests and the
-# 40 that used the most CPU.
+# Four pytest processes side by side (tests/suite.py): two lanes of the tests that start ranks, one at a time in
+# each; the tests on shared worlds; the single-process tests. Then the 40 slowest tests and the 40 that used the
+# most CPU.
 test: $(STAMP)
 	$(PY) tests/suite.py
 

@@ -30,7 +30,7 @@ SERIAL_FILES = {"test_node_range.py", "test_diloco_ft.py"}
 """Single-process test files that bind fixed ports or launch ranks."""
 SECOND_LANE = {
     "test_activation_checkpointing.py", "test_adapter_gather.py", "test_checkpoint_contents.py",
-    "test_checkpoint_export.py", "test_checkpoint_resume.py", "test_diloco.py",
+    "test_checkpoint_errors.py", "test_checkpoint_export.py", "test_checkpoint_resume.py", "test_diloco.py",
     "test_diloco_preemption.py", "test_doctor_dist.py", "test_download.py", "test_dpo.py", "test_elastic_resume.py",
     "test_errors.py", "test_gradient_reductions.py", "test_health.py", "test_mixture_resume.py",
     "test_preemption_notice.py",
@@ -40,11 +40,6 @@ port, make no namespace host and start no cluster, and the shared reference runs
 full_reference) are read by no module of the first (each lane has its own worlds and makes its own references).
 A launch mostly waits (start-up, rendezvous, timeouts), on cores the other lane uses; benchmarks/RESULTS.md has
 each lane's minutes."""
-THIRD_LANE = {"dist/test_diloco_ft.py", "e2e/test_quickstart.py"}
-"""Test files (under tests/) that `make test` runs in a third lane, after the `worlds` modules in their process
-(done in ~4 of the suite's minutes, it was then idle): the longest wait (sites that heartbeat, time out and come
-back) and the costliest launch (the real 135M model). They bind no fixed port, make no namespace host and read no
-shared reference run; the other lanes' minutes went down by theirs."""
 
 
 CPU_AT_START = pytest.StashKey[float]()
@@ -76,8 +71,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`ranks`: the tests that start ranks, share a world or bind a fixed port. `make test` (tests/suite.py) runs
-    them one at a time in three lanes (`lane2`: SECOND_LANE's; `lane3`: THIRD_LANE's, after the modules marked
-    `worlds`, tasks on the shared worlds only, in their process), the single-process tests in a fourth process."""
+    them one at a time in two lanes (`lane2`: SECOND_LANE's), the modules marked `worlds` (tasks on the shared
+    worlds only: no launch, no fixed port, no reference run) in a third process, the single-process tests in a
+    fourth."""
     for item in items:
         if item.get_closest_marker("worlds"):
             continue
@@ -87,8 +83,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.ranks)
             if folder == "dist" and item.path.name in SECOND_LANE:
                 item.add_marker(pytest.mark.lane2)
-            if f"{folder}/{item.path.name}" in THIRD_LANE:
-                item.add_marker(pytest.mark.lane3)
 
 
 def trainyard(

@@ -1,12 +1,11 @@
 """`make test`: the whole suite as four pytest processes side by side, then one report.
 
 Every test that starts ranks, shares a world or binds a fixed port is marked `ranks` (tests/conftest.py); those run
-one at a time, in file order, in three lanes: the tests/dist modules of SECOND_LANE (marked `lane2`) in one, the
-files of THIRD_LANE (`lane3`) in the process of the modules marked `worlds` (tasks on the shared worlds only, done in
-a few minutes), the other `ranks` tests in a third, each process with shared worlds of its own. The single-process
-tests run in a fourth: on the cores a launch leaves idle while it waits on start-up, rendezvous and timeouts.
-(pytest-xdist's `loadgroup` would do this, but its groups are lost under pytest 9.2: it renames items through an
-attribute pytest no longer reads.)
+one at a time, in file order, in two lanes: the tests/dist modules of SECOND_LANE (marked `lane2`) in one, the other
+`ranks` tests in another, each lane with shared worlds of its own. Modules marked `worlds` (tasks on the shared worlds
+only) run in a third process with worlds of their own, and the single-process tests in a fourth: on the cores a
+launch leaves idle while it waits on start-up, rendezvous and timeouts. (pytest-xdist's `loadgroup` would do this,
+but its groups are lost under pytest 9.2: it renames items through an attribute pytest no longer reads.)
 
 Usage: python tests/suite.py [pytest arguments, e.g. -x or tests/unit]"""
 
@@ -24,7 +23,7 @@ SLOWEST = 40
 
 
 SIDES = {
-    "ranks": "ranks and not lane2 and not lane3", "ranks-lane-2": "lane2", "worlds-and-lane-3": "worlds or lane3",
+    "ranks": "ranks and not lane2", "ranks-lane-2": "lane2", "worlds": "worlds",
     "single-process": "not ranks and not worlds",
 }
 """Each process's name and its marker expression; the first prints as it goes, the others when all have ended."""
