@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
@@ -67,6 +68,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     outcome = yield
     if call.when == "teardown" and CPU_AT_START in item.stash:
         outcome.get_result().user_properties.append(("cpu_s", f"{cpu_seconds() - item.stash[CPU_AT_START]:.2f}"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The test process's exit skips the collections over all it imported and made, as `trainyard.cli.exit_process`
+    does for the command's (seconds of CPU after hundreds of tests)."""
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -79,4 +80,6 @@ def _run_forked(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    gc.freeze()  # as `trainyard.cli.exit_process`: the exit's collections would walk every object torch made
+    sys.exit(code)
