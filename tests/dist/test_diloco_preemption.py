@@ -30,6 +30,9 @@ JOB = [
     "diloco.groups=2",
     f"diloco.sync_every={SYNC_EVERY}",
     "checkpoint.every_steps=0",
+    # An epoch of 128 steps: the positions compared below grow with the steps only until the data wraps (512 rows
+    # wrapped at step 16 when the signal landed after step 8 under a loaded suite, and every position read 0).
+    "data.synthetic_train_size=4096",
 ]
 NOTICE = re.compile(r"trainyard: preempted by SIG\w+ after step (\d+); checkpoint step-(\d{8}) committed")
 
@@ -80,5 +83,7 @@ def test_sigterm_mid_round_stops_every_site_at_the_next_sync_then_resumes(tmp_pa
 
 
 def _positions(step: Path) -> dict[int, int]:
-    """Each rank's data position as that rank saved it (rank-<r>.json in a full checkpoint)."""
-    return {r: json.loads((step / f"rank-{r}.json").read_text())["sampler"]["position"] for r in range(4)}
+    """Each rank's data position as that rank saved it (rank-<r>.json in a full checkpoint), in the first epoch."""
+    samplers = [json.loads((step / f"rank-{r}.json").read_text())["sampler"] for r in range(4)]
+    assert all(sampler["epoch"] == 0 for sampler in samplers), samplers
+    return {r: sampler["position"] for r, sampler in enumerate(samplers)}
