@@ -3,11 +3,12 @@ tokens/s, MFU and peak memory, one JSON line per run. The suite asserts only tha
 
     python benchmarks/gpu_suite.py                                   # ddp and fsdp, 12 steps each
     python benchmarks/gpu_suite.py --strategies fsdp --steps 30 --micro-batch 4
+    python benchmarks/gpu_suite.py --strategies fsdp --set model.attn_implementation=sdpa   # any job override
 
 Each run is `trainyard train configs/llama-1b.yaml` under `torchrun --nproc-per-node 1` (a 1-rank NCCL group),
 random init, packed 2048-token rows of builtin:text, bf16-mixed. Figures leave out step 1 (kernel selection and
-the allocator's first growth): tokens/s is summary.json's, MFU the median of the train events after step 1,
-peak memory the largest `torch.cuda.max_memory_allocated` they report. Run outputs go to
+the allocator's first growth): tokens/s is summary.json's, step time and MFU the medians of the train events
+after step 1, peak memory the largest `torch.cuda.max_memory_allocated` they report. Run outputs go to
 runs/benchmarks/gpu-suite-<utc time>/. No assertions: a benchmark, never run by the test suite.
 """
 
@@ -28,14 +29,15 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "llama-1b.yaml"
 
 
-def run(strategy: str, steps: int, micro_batch: int, out: Path) -> dict[str, Any]:
+def run(strategy: str, steps: int, micro_batch: int, out: Path, overrides: list[str]) -> dict[str, Any]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
                "-m", "trainyard.cli", "train", str(CONFIG), f"output_dir={out}", f"dist.strategy={strategy}",
-               "train.precision=bf16-mixed", f"train.max_steps={steps}", f"train.micro_batch_size={micro_batch}"]
+               "train.precision=bf16-mixed", f"train.max_steps={steps}", f"train.micro_batch_size={micro_batch}",
+               *overrides]
     started = time.monotonic()
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     figures: dict[str, Any] = {"strategy": strategy, "steps": steps, "micro_batch": micro_batch,
-                               "wall_s": round(time.monotonic() - started, 1)}
+                               "overrides": overrides, "wall_s": round(time.monotonic() - started, 1)}
     if result.returncode != 0:
         return {**figures, "error": f"exit {result.returncode}: {result.stderr[-2000:]}"}
     run_dir = out / "llama-1b"
@@ -44,12 +46,15 @@ def run(strategy: str, steps: int, micro_batch: int, out: Path) -> dict[str, Any
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steady = [e for e in events if e["kind"] == "train" and e["step"] > 1]
     mfus = [e["mfu"] for e in steady if e["mfu"] is not None]  # null on a device without a listed peak
+    seconds = [(e["tokens"] - before["tokens"]) / e["tokens_per_s"]
+               for before, e in zip(events, events[1:]) if e in steady and before["kind"] == "train"]
     return {
         **figures,
         "device": summary["device"],
         "params": summary["params"],
         "seq_len": job["data"]["max_length"],
         "tokens_per_s": summary["tokens_per_s"],
+        "s_per_step": round(statistics.median(seconds), 4) if seconds else None,
         "mfu": statistics.median(mfus) if mfus else None,
         "peak_memory_gib": max(e["peak_memory_bytes"] for e in steady) / 2**30,
         "torch": summary["torch"],
@@ -61,12 +66,13 @@ def main() -> None:
     parser.add_argument("--strategies", nargs="+", default=["ddp", "fsdp"], choices=["ddp", "fsdp", "hsdp"])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a job override (repeatable)")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2: step 1 is left out of the figures")
     out_dir = REPO / "runs" / "benchmarks" / time.strftime("gpu-suite-%Y%m%dT%H%M%SZ", time.gmtime())
     for strategy in args.strategies:
-        print(json.dumps(run(strategy, args.steps, args.micro_batch, out_dir / strategy)), flush=True)
+        print(json.dumps(run(strategy, args.steps, args.micro_batch, out_dir / strategy, args.set)), flush=True)
 
 
 if __name__ == "__main__":

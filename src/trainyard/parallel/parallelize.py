@@ -9,6 +9,7 @@ replicate. The strategy itself is plan.py's decision.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -78,10 +79,17 @@ def apply(
             model,
             device_ids=[info.local_rank] if info.device.type == "cuda" else None,
             process_group=mesh["local"].get_group() if strategy == "diloco" and mesh is not None else None,
-            forward_sync_buffers=False,  # no collective in eval forwards
             init_sync=False,  # every rank just read the same weights: no start-up broadcast (nor its memory)
+            **no_buffer_sync_in_forward(DistributedDataParallel),
         )
     return model
+
+
+def no_buffer_sync_in_forward(ddp: type) -> dict[str, bool]:
+    """DDP's argument that keeps eval forwards free of collectives: `forward_sync_buffers` from torch 2.13, which
+    deprecates `broadcast_buffers`, the only one before it (torch 2.11 refuses the new name)."""
+    renamed = "forward_sync_buffers" in inspect.signature(ddp).parameters
+    return {"forward_sync_buffers" if renamed else "broadcast_buffers": False}
 
 
 def materialize(model: torch.nn.Module, device: torch.device) -> None:
