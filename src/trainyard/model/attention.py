@@ -16,7 +16,9 @@ soft-capping or sinks run through that family's own eager attention (transformer
 causal (and windowed) mask of the document alone; on CUDA, auto runs those families through flex_attention
 instead (flex.py), which holds no [heads, L, L] scores. Measured on SmolLM2-135M + LoRA (4 documents of
 60-420 tokens, bf16 on one CPU core) a step took 2.2 s, against 2.7 s with sdpa's dense mask and
-6.2 s padded (benchmarks/RESULTS.md). Batches with an attention_mask (padded rows, generation) go
+6.2 s padded (benchmarks/RESULTS.md). On a GPU a row of many short documents instead runs as one sdpa call
+over a mask that keeps each document to itself (MASKED_CALL_DOCUMENTS): one call per document left the host's
+dispatch the bound there. Batches with an attention_mask (padded rows, generation) go
 to transformers' sdpa, or the family's eager attention where sdpa cannot honour the family.
 """
 
@@ -217,6 +219,9 @@ def varlen_attention(
     bounds = _bounds_of(position_ids)
     if len(bounds) == 1:  # position_ids [1, T] stand for every row
         bounds = bounds * query.shape[0]
+    if one_masked_call(query, bounds, kwargs):
+        mask = _documents_mask(position_ids, bounds, query.shape[2], kwargs.get("sliding_window"), query.device)
+        return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kwargs)[0], None
     for row, spans in enumerate(bounds):
         parts = [
             _document_attention(module, query[row : row + 1, :, a:b], key[row : row + 1, :, a:b],
@@ -225,6 +230,48 @@ def varlen_attention(
         ]
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
     return (rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)), None
+
+
+MASKED_CALL_DEVICES = ("cuda",)
+MASKED_CALL_DOCUMENTS = 4
+MASKED_CALL_ROW = 8192
+"""On a GPU, a row of at least MASKED_CALL_DOCUMENTS documents (on average over the batch) and at most
+MASKED_CALL_ROW tokens runs as one sdpa call over a mask that keeps each document to itself, instead of one call
+per document: with many short documents the loop is bound by the host's dispatch. Measured on an H100 (llama-1b.yaml,
+FSDP, bf16-mixed, rows of 2048 tokens holding ~26 documents of ~77 tokens): 1.84-2.0 s a step through the loop (py-spy:
+~90% of the forward inside its per-document sdpa calls) against 0.34 s through one masked call (benchmarks/RESULTS.md).
+The mask is [B, 1, T, T] booleans, 64 MiB a row at the bound; where the loop wins between 1 and 26 documents a row
+was not measured. Both compute the same per-document attention."""
+
+
+def one_masked_call(query: torch.Tensor, bounds: list[list[tuple[int, int]]], kwargs: dict[str, Any]) -> bool:
+    """Whether the row's documents run as one masked sdpa call (see MASKED_CALL_DOCUMENTS): on a GPU, many documents
+    in rows of moderate length, and a family sdpa keeps (no soft-capping or sinks)."""
+    if query.device.type not in MASKED_CALL_DEVICES or query.shape[2] > MASKED_CALL_ROW:
+        return False
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        return False
+    return sum(len(spans) for spans in bounds) >= MASKED_CALL_DOCUMENTS * len(bounds)
+
+
+_last_mask: tuple[Any, torch.Tensor | None] = (None, None)
+
+
+def _documents_mask(
+    position_ids: torch.Tensor, bounds: list[list[tuple[int, int]]], length: int, window: int | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """[B, 1, T, T] booleans: each token sees itself and the earlier tokens of its own document (within the
+    window, transformers' rule). Every layer of one forward asks for it: made once per position_ids and window."""
+    global _last_mask
+    made_for, mask = _last_mask
+    if mask is not None and made_for[0] is position_ids and made_for[1:] == (window, len(bounds)):
+        return mask
+    document = torch.tensor([[i for i, (a, b) in enumerate(spans) for _ in range(b - a)] for spans in bounds],
+                            device=device)
+    mask = ((document[:, :, None] == document[:, None, :]) & _keep(length, window, device)[0])[:, None]
+    _last_mask = ((position_ids, window, len(bounds)), mask)
+    return mask
 
 
 KNOWN_ARGUMENTS = frozenset({

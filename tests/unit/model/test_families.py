@@ -77,17 +77,30 @@ def _grad(param: torch.nn.Parameter) -> torch.Tensor:
     return param.grad if param.grad is not None else torch.zeros_like(param)
 
 
-@pytest.mark.parametrize("short_document", [attention.SHORT_DOCUMENT, 0], ids=["cpu-matmuls", "sdpa-kernel"])
+PATHS = {  # varlen's three ways through a padding-free row (the GPU's masked call forced here on the CPU)
+    "cpu-matmuls": {},
+    "sdpa-kernel": {"SHORT_DOCUMENT": 0},
+    "one-masked-call": {"MASKED_CALL_DEVICES": ("cpu",), "MASKED_CALL_DOCUMENTS": len(documents())},
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_default_attention_gives_the_family_s_losses_and_gradients(
-    family: str, short_document: int, monkeypatch: pytest.MonkeyPatch
+    family: str, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(attention, "SHORT_DOCUMENT", short_document)
+    for name, value in PATHS[path].items():
+        monkeypatch.setattr(attention, name, value)
+    monkeypatch.setattr(attention, "_last_mask", (None, None))
     ref, ref_loss = reference(family)
     chosen = attention.choose("auto", ref, CPU)
     assert chosen == attention.VARLEN
     loss_rel, grad_rel = differences(family, chosen, ref, ref_loss)
     assert loss_rel < TOLERANCE and grad_rel < TOLERANCE, (loss_rel, grad_rel)
+    sdpa_keeps_it = not {attention.SOFTCAP, attention.SINKS} & set(attention.features(ref))
+    row = sum(map(len, documents()))
+    made = attention._last_mask[1]
+    assert (made is not None and made.shape == (1, 1, row, row)) == (path == "one-masked-call" and sdpa_keeps_it)
     if attention.features(ref):  # the check can fail: dropping what the family adds changes the function
         assert max(differences(family, PLAIN, ref, ref_loss)) > 20 * TOLERANCE
 
