@@ -55,6 +55,7 @@ def run(strategy: str, steps: int, micro_batch: int, out: Path, overrides: list[
         "seq_len": job["data"]["max_length"],
         "tokens_per_s": summary["tokens_per_s"],
         "s_per_step": round(statistics.median(seconds), 4) if seconds else None,
+        "step_seconds": [round(s, 3) for s in seconds],  # summary's tokens/s is their mean's: a slow step shows here
         "mfu": statistics.median(mfus) if mfus else None,
         "peak_memory_gib": max(e["peak_memory_bytes"] for e in steady) / 2**30,
         "torch": summary["torch"],
