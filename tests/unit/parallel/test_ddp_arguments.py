@@ -1,4 +1,4 @@
-"""DDP's arguments across the torch versions trainyard supports (torch>=2.6): the one that keeps eval forwards free
+"""DDP's arguments across the torch versions trainyard supports (torch>=2.11): the one that keeps eval forwards free
 of buffer broadcasts was renamed in torch 2.13, and torch 2.11 refuses the new name (seen on a GPU)."""
 
 from __future__ import annotations
