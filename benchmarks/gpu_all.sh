@@ -1,0 +1,64 @@
+#!/bin/bash
+# Every GPU check in one command, for a short lease on one GPU: the GPU suite beside flex_attention's check and the
+# traces, then the timed benchmarks alone on the GPU. Each part has its own time limit and writes its own file, so
+# a part that hangs costs its limit and the rest still report.
+#
+#     bash benchmarks/gpu_all.sh OUT_DIR [PART ...]     # parts: suite flex trace bench attention moe (default: all)
+#
+# Needs a CUDA torch and trainyard importable (`pip install -e .`, or PYTHONPATH=src). ~8 minutes on one H100.
+set -u
+out=${1:?usage: bash benchmarks/gpu_all.sh OUT_DIR [PART ...]}; shift
+parts=" ${*:-suite flex trace bench attention moe} "
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+started=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - started ))s] $*"; }
+wanted() { [[ "$parts" == *" $1 "* ]]; }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import sys, torch, transformers, peft; print(sys.version.split()[0], torch.__version__, torch.version.cuda,
+transformers.__version__, peft.__version__, torch.cuda.get_device_capability())"
+git rev-parse --short HEAD 2>/dev/null
+
+background=()
+if wanted suite; then  # three pytest processes share the GPU: the suite checks results, not speed
+  ( timeout 420 python3 -m pytest -q -rs -p no:cacheprovider -n 3 --dist loadscope --durations=30 tests/gpu \
+      --junitxml="$out/gpu-junit.xml" > "$out/suite.txt" 2>&1; echo "pytest exit $?" >> "$out/suite.txt" ) &
+  background+=($!)
+fi
+if wanted flex; then
+  ( timeout 240 python3 benchmarks/flex_attention.py > "$out/flex.txt" 2>&1; echo "exit $?" >> "$out/flex.txt" ) &
+  background+=($!)
+fi
+if wanted trace; then  # the estimate's trace of the jobs the benchmarks below measure
+  moe=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from moe_lora import SHAPE
+print(" ".join(f"{k}={v}" for k, v in SHAPE.items()))')
+  grouped="lora.moe_adapter=grouped lora.r=16 lora.alpha=32 train.micro_batch_size=16"
+  ( for job in "configs/llama-1b.yaml" "src/trainyard/configs/tiny-moe.yaml $moe $grouped"; do
+      for precision in bf16-mixed fp32; do
+        echo "== $job train.precision=$precision"
+        timeout 120 python3 -m trainyard.cli estimate $job train.precision=$precision --trace --json --gpu h100-80gb
+      done
+    done > "$out/trace.txt" 2>&1 ) &
+  background+=($!)
+fi
+for pid in "${background[@]}"; do wait "$pid"; done
+stamp "suite, flex, trace done"
+
+if wanted bench; then  # alone on the GPU from here on
+  timeout 150 python3 benchmarks/gpu_suite.py --steps 12 > "$out/gpu_suite.txt" 2>&1
+  stamp "gpu_suite done"
+fi
+if wanted attention; then  # llama-1b under the other attention implementations (flex compiles first)
+  timeout 70 python3 benchmarks/gpu_suite.py --steps 12 --strategies fsdp --set model.attn_implementation=sdpa \
+    >> "$out/attention.txt" 2>&1
+  timeout 150 python3 benchmarks/gpu_suite.py --steps 12 --strategies fsdp \
+    --set model.attn_implementation=flex_attention >> "$out/attention.txt" 2>&1
+  stamp "attention done"
+fi
+if wanted moe; then
+  timeout 200 python3 benchmarks/moe_lora_cuda.py --steps 20 > "$out/moe.txt" 2>&1
+  stamp "moe done"
+fi
+tail -n 30 "$out/suite.txt" 2>/dev/null
+for part in flex trace gpu_suite attention moe; do echo "=== $part"; tail -c 3000 "$out/$part.txt" 2>/dev/null; done
