@@ -16,8 +16,8 @@ soft-capping or sinks run through that family's own eager attention (transformer
 causal (and windowed) mask of the document alone; on CUDA, auto runs those families through flex_attention
 instead (flex.py), which holds no [heads, L, L] scores. Measured on SmolLM2-135M + LoRA (4 documents of
 60-420 tokens, bf16 on one CPU core) a step took 2.2 s, against 2.7 s with sdpa's dense mask and
-6.2 s padded (benchmarks/RESULTS.md). On a GPU a row of many short documents instead runs as one sdpa call
-over a mask that keeps each document to itself (MASKED_CALL_DOCUMENTS): one call per document left the host's
+6.2 s padded (benchmarks/RESULTS.md). On a GPU a stretch of many short documents instead runs as one sdpa
+call over a mask that keeps each document to itself (MASKED_CALL_DOCUMENTS): one call per document left the host's
 dispatch the bound there. Batches with an attention_mask (padded rows, generation) go
 to transformers' sdpa, or the family's eager attention where sdpa cannot honour the family.
 """
@@ -215,19 +215,22 @@ def varlen_attention(
     refuse_unknown(module, kwargs)
     if attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2]:
         return _masked_attention(module, query, key, value, attention_mask, kwargs), None
-    rows = []
     bounds = _bounds_of(position_ids)
     if len(bounds) == 1:  # position_ids [1, T] stand for every row
         bounds = bounds * query.shape[0]
-    if one_masked_call(query, bounds, kwargs):
-        mask = _documents_mask(position_ids, bounds, query.shape[2], kwargs.get("sliding_window"), query.device)
-        return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kwargs)[0], None
+    masked = masked_calls(query, kwargs)
+    rows = []
     for row, spans in enumerate(bounds):
-        parts = [
-            _document_attention(module, query[row : row + 1, :, a:b], key[row : row + 1, :, a:b],
-                                value[row : row + 1, :, a:b], kwargs)
-            for a, b in spans
-        ]
+        parts = []
+        for segment in _segments(spans, MASKED_CALL_ROW) if masked else [[span] for span in spans]:
+            a, b = segment[0][0], segment[-1][1]
+            q, k, v = query[row : row + 1, :, a:b], key[row : row + 1, :, a:b], value[row : row + 1, :, a:b]
+            if masked and len(segment) >= MASKED_CALL_DOCUMENTS:
+                mask = _segment_mask(position_ids, segment, kwargs.get("sliding_window"), query.device)
+                parts.append(sdpa_attention_forward(module, q, k, v, mask, is_causal=False, **kwargs)[0])
+                continue
+            parts.extend(_document_attention(module, q[:, :, x - a : y - a], k[:, :, x - a : y - a],
+                                             v[:, :, x - a : y - a], kwargs) for x, y in segment)
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
     return (rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)), None
 
@@ -235,43 +238,56 @@ def varlen_attention(
 MASKED_CALL_DEVICES = ("cuda",)
 MASKED_CALL_DOCUMENTS = 4
 MASKED_CALL_ROW = 8192
-"""On a GPU, a row of at least MASKED_CALL_DOCUMENTS documents (on average over the batch) and at most
-MASKED_CALL_ROW tokens runs as one sdpa call over a mask that keeps each document to itself, instead of one call
-per document: with many short documents the loop is bound by the host's dispatch. Measured on an H100 (llama-1b.yaml,
-FSDP, bf16-mixed, rows of 2048 tokens holding ~26 documents of ~77 tokens): 1.84-2.0 s a step through the loop (py-spy:
-~90% of the forward inside its per-document sdpa calls) against 0.34 s through one masked call (benchmarks/RESULTS.md).
-The mask is [B, 1, T, T] booleans, 64 MiB a row at the bound; where the loop wins between 1 and 26 documents a row
-was not measured. Both compute the same per-document attention."""
+"""On a GPU, consecutive documents of a row, up to MASKED_CALL_ROW tokens together, run as one sdpa call over a mask
+that keeps each document to itself when there are at least MASKED_CALL_DOCUMENTS of them, instead of one call per
+document: with many short documents the loop is bound by the host's dispatch. Measured on an H100 (llama-1b.yaml,
+FSDP, bf16-mixed, rows of 2048 tokens holding ~26 documents of ~77 tokens): 1.84-2.0 s a step through the loop
+(py-spy: ~90% of the forward inside its per-document sdpa calls) against 0.34 s through one masked call per row
+batch (transformers' sdpa; benchmarks/RESULTS.md). A mask is [L, L] booleans for a stretch of L tokens, 64 MiB at
+the bound, made once per forward; the masked call also computes the scores between a stretch's documents, which the
+bound keeps to a share of the step. Where the loop wins between 1 and 26 documents a stretch was not measured.
+Both ways compute the same per-document attention."""
 
 
-def one_masked_call(query: torch.Tensor, bounds: list[list[tuple[int, int]]], kwargs: dict[str, Any]) -> bool:
-    """Whether the row's documents run as one masked sdpa call (see MASKED_CALL_DOCUMENTS): on a GPU, many documents
-    in rows of moderate length, and a family sdpa keeps (no soft-capping or sinks)."""
-    if query.device.type not in MASKED_CALL_DEVICES or query.shape[2] > MASKED_CALL_ROW:
-        return False
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        return False
-    return sum(len(spans) for spans in bounds) >= MASKED_CALL_DOCUMENTS * len(bounds)
+def masked_calls(query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """Whether stretches of documents may run as one masked sdpa call (MASKED_CALL_DOCUMENTS): on a GPU, for a family
+    sdpa keeps (no soft-capping or sinks, which go through the family's eager attention)."""
+    plain = kwargs.get("softcap") is None and kwargs.get("s_aux") is None
+    return query.device.type in MASKED_CALL_DEVICES and plain
 
 
-_last_mask: tuple[Any, torch.Tensor | None] = (None, None)
+def _segments(spans: list[tuple[int, int]], limit: int) -> list[list[tuple[int, int]]]:
+    """A row's documents in consecutive stretches of at most `limit` tokens (a longer document alone)."""
+    segments: list[list[tuple[int, int]]] = []
+    for a, b in spans:
+        if segments and b - segments[-1][0][0] <= limit:
+            segments[-1].append((a, b))
+        else:
+            segments.append([(a, b)])
+    return segments
 
 
-def _documents_mask(
-    position_ids: torch.Tensor, bounds: list[list[tuple[int, int]]], length: int, window: int | None,
-    device: torch.device,
+_masks: dict[tuple[Any, ...], torch.Tensor] = {}
+_masks_for: list[torch.Tensor | None] = [None]
+
+
+def _segment_mask(
+    position_ids: torch.Tensor, segment: list[tuple[int, int]], window: int | None, device: torch.device
 ) -> torch.Tensor:
-    """[B, 1, T, T] booleans: each token sees itself and the earlier tokens of its own document (within the
-    window, transformers' rule). Every layer of one forward asks for it: made once per position_ids and window."""
-    global _last_mask
-    made_for, mask = _last_mask
-    if mask is not None and made_for[0] is position_ids and made_for[1:] == (window, len(bounds)):
-        return mask
-    document = torch.tensor([[i for i, (a, b) in enumerate(spans) for _ in range(b - a)] for spans in bounds],
-                            device=device)
-    mask = ((document[:, :, None] == document[:, None, :]) & _keep(length, window, device)[0])[:, None]
-    _last_mask = ((position_ids, window, len(bounds)), mask)
-    return mask
+    """[1, 1, L, L] booleans over a stretch: each token sees itself and the earlier tokens of its own document
+    (within the window, transformers' rule). Every layer of one forward asks for the same ones: made once per
+    position_ids."""
+    if _masks_for[0] is not position_ids:
+        _masks.clear()
+        _masks_for[0] = position_ids
+    start = segment[0][0]
+    key = (tuple((a - start, b - start) for a, b in segment), window)
+    if key not in _masks:
+        lengths = torch.tensor([b - a for a, b in segment])
+        document = torch.repeat_interleave(torch.arange(len(segment)), lengths).to(device)
+        same = (document[:, None] == document[None, :])[None, None]
+        _masks[key] = same & _keep(int(lengths.sum()), window, device)
+    return _masks[key]
 
 
 KNOWN_ARGUMENTS = frozenset({

@@ -15,7 +15,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AttentionInterface, AutoModelForCausalLM
 
 from tests.conftest import TINY, run_cli, trainyard
-from tests.unit.model.families import FAMILIES, build, documents, settings
+from tests.unit.model.families import DOCUMENTS, FAMILIES, build, documents, settings
 from trainyard import dist, precision
 from trainyard.checkpoint import export
 from trainyard.config_file import load_config
@@ -77,11 +77,16 @@ def _grad(param: torch.nn.Parameter) -> torch.Tensor:
     return param.grad if param.grad is not None else torch.zeros_like(param)
 
 
-PATHS = {  # varlen's three ways through a padding-free row (the GPU's masked call forced here on the CPU)
+STRETCH = sum(DOCUMENTS[:2])
+PATHS = {  # varlen's ways through a padding-free row (the GPU's masked calls forced here on the CPU)
     "cpu-matmuls": {},
     "sdpa-kernel": {"SHORT_DOCUMENT": 0},
-    "one-masked-call": {"MASKED_CALL_DEVICES": ("cpu",), "MASKED_CALL_DOCUMENTS": len(documents())},
+    "one-masked-call": {"MASKED_CALL_DEVICES": ("cpu",), "MASKED_CALL_DOCUMENTS": len(DOCUMENTS)},
+    # the first two documents in one masked call, the third alone: rows longer than a stretch
+    "masked-stretches": {"MASKED_CALL_DEVICES": ("cpu",), "MASKED_CALL_DOCUMENTS": 2, "MASKED_CALL_ROW": STRETCH},
 }
+MASKS_MADE = {"one-masked-call": sum(DOCUMENTS), "masked-stretches": STRETCH}
+"""The side of the one mask each masked path makes for the row, where sdpa keeps the family."""
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -91,16 +96,16 @@ def test_default_attention_gives_the_family_s_losses_and_gradients(
 ) -> None:
     for name, value in PATHS[path].items():
         monkeypatch.setattr(attention, name, value)
-    monkeypatch.setattr(attention, "_last_mask", (None, None))
+    monkeypatch.setattr(attention, "_masks", {})
     ref, ref_loss = reference(family)
     chosen = attention.choose("auto", ref, CPU)
     assert chosen == attention.VARLEN
     loss_rel, grad_rel = differences(family, chosen, ref, ref_loss)
     assert loss_rel < TOLERANCE and grad_rel < TOLERANCE, (loss_rel, grad_rel)
     sdpa_keeps_it = not {attention.SOFTCAP, attention.SINKS} & set(attention.features(ref))
-    row = sum(map(len, documents()))
-    made = attention._last_mask[1]
-    assert (made is not None and made.shape == (1, 1, row, row)) == (path == "one-masked-call" and sdpa_keeps_it)
+    side = MASKS_MADE.get(path) if sdpa_keeps_it else None
+    windows = {key[1] for key in attention._masks}  # a family with windows on some layers makes a mask for each
+    assert [mask.shape for mask in attention._masks.values()] == ([(1, 1, side, side)] * len(windows) if side else [])
     if attention.features(ref):  # the check can fail: dropping what the family adds changes the function
         assert max(differences(family, PLAIN, ref, ref_loss)) > 20 * TOLERANCE
 
