@@ -237,16 +237,16 @@ def varlen_attention(
 
 MASKED_CALL_DEVICES = ("cuda",)
 MASKED_CALL_DOCUMENTS = 4
-MASKED_CALL_ROW = 8192
+MASKED_CALL_ROW = 2048
 """On a GPU, consecutive documents of a row, up to MASKED_CALL_ROW tokens together, run as one sdpa call over a mask
 that keeps each document to itself when there are at least MASKED_CALL_DOCUMENTS of them, instead of one call per
 document: with many short documents the loop is bound by the host's dispatch. Measured on an H100 (llama-1b.yaml,
 FSDP, bf16-mixed, rows of 2048 tokens holding ~26 documents of ~77 tokens): 1.84-2.0 s a step through the loop
-(py-spy: ~90% of the forward inside its per-document sdpa calls) against 0.34 s through one masked call per row
-batch (transformers' sdpa; benchmarks/RESULTS.md). A mask is [L, L] booleans for a stretch of L tokens, 64 MiB at
-the bound, made once per forward; the masked call also computes the scores between a stretch's documents, which the
-bound keeps to a share of the step. Where the loop wins between 1 and 26 documents a stretch was not measured.
-Both ways compute the same per-document attention."""
+(py-spy: ~90% of the forward inside its per-document sdpa calls) against 0.34 s through one masked call per row of
+2048 (transformers' sdpa; benchmarks/RESULTS.md). The bound is that measured stretch: the masked call computes
+every score of a stretch, cross-document ones included (its share of the step grows with the stretch: ~14% extra
+for llama-1b at 2048), and a stretch's mask is 4 MiB of booleans, made once per forward. Where the loop wins
+between 1 and 26 documents a stretch was not measured. Both ways compute the same per-document attention."""
 
 
 def masked_calls(query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
