@@ -1,5 +1,5 @@
 #!/bin/bash
-# Every GPU check in one command, for a short lease on one GPU: the GPU suite beside flex_attention's check and the
+# Every GPU check in one command, for a short time on one GPU: the GPU suite beside flex_attention's check and the
 # traces, then the timed benchmarks alone on the GPU. Each part has its own time limit and writes its own file, so
 # a part that hangs costs its limit and the rest still report.
 #
