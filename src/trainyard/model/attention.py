@@ -191,6 +191,8 @@ def document_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
 
 
 _last_bounds: tuple[torch.Tensor | None, list[list[tuple[int, int]]]] = (None, [])
+_masks: dict[tuple[Any, ...], torch.Tensor] = {}
+"""The stretches' masks of the forward whose bounds _bounds_of holds (it empties this when they change)."""
 
 
 def _bounds_of(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
@@ -198,6 +200,7 @@ def _bounds_of(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
     global _last_bounds
     if _last_bounds[0] is not position_ids:
         _last_bounds = (position_ids, document_bounds(position_ids))
+        _masks.clear()  # another forward's documents: the stretches' masks go with the bounds they were made for
     return _last_bounds[1]
 
 
@@ -226,7 +229,7 @@ def varlen_attention(
             a, b = segment[0][0], segment[-1][1]
             q, k, v = query[row : row + 1, :, a:b], key[row : row + 1, :, a:b], value[row : row + 1, :, a:b]
             if masked and len(segment) >= MASKED_CALL_DOCUMENTS:
-                mask = _segment_mask(position_ids, segment, kwargs.get("sliding_window"), query.device)
+                mask = _segment_mask(segment, kwargs.get("sliding_window"), query.device)
                 parts.append(sdpa_attention_forward(module, q, k, v, mask, is_causal=False, **kwargs)[0])
                 continue
             parts.extend(_document_attention(module, q[:, :, x - a : y - a], k[:, :, x - a : y - a],
@@ -267,19 +270,9 @@ def _segments(spans: list[tuple[int, int]], limit: int) -> list[list[tuple[int, 
     return segments
 
 
-_masks: dict[tuple[Any, ...], torch.Tensor] = {}
-_masks_for: list[torch.Tensor | None] = [None]
-
-
-def _segment_mask(
-    position_ids: torch.Tensor, segment: list[tuple[int, int]], window: int | None, device: torch.device
-) -> torch.Tensor:
+def _segment_mask(segment: list[tuple[int, int]], window: int | None, device: torch.device) -> torch.Tensor:
     """[1, 1, L, L] booleans over a stretch: each token sees itself and the earlier tokens of its own document
-    (within the window, transformers' rule). Every layer of one forward asks for the same ones: made once per
-    position_ids."""
-    if _masks_for[0] is not position_ids:
-        _masks.clear()
-        _masks_for[0] = position_ids
+    (within the window, transformers' rule). Every layer of one forward asks for the same ones: made once."""
     start = segment[0][0]
     key = (tuple((a - start, b - start) for a, b in segment), window)
     if key not in _masks:
