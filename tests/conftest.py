@@ -32,19 +32,15 @@ SERIAL_FILES = {"test_node_range.py", "test_diloco_ft.py"}
 SECOND_LANE = {
     "test_activation_checkpointing.py", "test_adapter_gather.py", "test_checkpoint_contents.py",
     "test_checkpoint_errors.py", "test_checkpoint_export.py", "test_checkpoint_resume.py", "test_diloco.py",
-    "test_doctor_dist.py", "test_download.py", "test_dpo.py", "test_elastic_resume.py", "test_errors.py",
-    "test_gradient_reductions.py", "test_mixture_resume.py",
+    "test_diloco_preemption.py", "test_doctor_dist.py", "test_download.py", "test_dpo.py", "test_elastic_resume.py",
+    "test_errors.py", "test_gradient_reductions.py", "test_health.py", "test_mesh_timeouts.py",
+    "test_mixture_resume.py", "test_preemption_notice.py",
 }
 """tests/dist modules that `make test` runs in a second lane of `ranks` tests beside the first: they bind no fixed
 port, make no namespace host and start no cluster, and the shared reference runs they read (lora_reference,
 full_reference) are read by no module of the first (each lane has its own worlds and makes its own references).
 A launch mostly waits (start-up, rendezvous, timeouts), on cores the other lane uses; benchmarks/RESULTS.md has
 each lane's minutes."""
-THIRD_LANE = {"test_diloco_ft.py", "test_quickstart.py"}
-"""tests/dist and tests/e2e modules run in a third lane, once the `worlds` tests have ended, in their process's
-place: the same rules as SECOND_LANE's, and they use no shared world either (that lane makes none). The DiLoCo sites
-mostly wait (quorums, a lighthouse's restart) and the quickstart trains alone: the suite's last minutes had only
-the two other lanes on two cores."""
 
 
 CPU_AT_START = pytest.StashKey[float]()
@@ -82,9 +78,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`ranks`: the tests that start ranks, share a world or bind a fixed port. `make test` (tests/suite.py) runs
-    them one at a time in three lanes (`lane2`: SECOND_LANE's, `lane3`: THIRD_LANE's), the modules marked `worlds`
-    (tasks on the shared worlds only: no launch, no fixed port, no reference run) in a process of their own before
-    the third lane, the single-process tests in another."""
+    them one at a time in two lanes (`lane2`: SECOND_LANE's), the modules marked `worlds` (tasks on the shared
+    worlds only: no launch, no fixed port, no reference run) in a third process, the single-process tests in a
+    fourth."""
     for item in items:
         if item.get_closest_marker("worlds"):
             continue
@@ -94,8 +90,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.ranks)
             if folder == "dist" and item.path.name in SECOND_LANE:
                 item.add_marker(pytest.mark.lane2)
-            if folder in ("dist", "e2e") and item.path.name in THIRD_LANE:
-                item.add_marker(pytest.mark.lane3)
 
 
 def trainyard(

@@ -1,11 +1,10 @@
-"""`make test`: the whole suite as five pytest processes, four side by side, then one report.
+"""`make test`: the whole suite as four pytest processes side by side, then one report.
 
 Every test that starts ranks, shares a world or binds a fixed port is marked `ranks` (tests/conftest.py); those run
-one at a time, in file order, in three lanes: the tests/dist modules of SECOND_LANE (marked `lane2`) in one, those
-of THIRD_LANE (`lane3`) in another, the other `ranks` tests in a third, each lane with shared worlds of its own.
-Modules marked `worlds` (tasks on the shared worlds only) run in a process with worlds of their own, and the third
-lane once it has ended; the single-process tests run in a fourth: on the cores a launch leaves idle while it waits
-on start-up, rendezvous and timeouts. (pytest-xdist's `loadgroup` would do this,
+one at a time, in file order, in two lanes: the tests/dist modules of SECOND_LANE (marked `lane2`) in one, the other
+`ranks` tests in another, each lane with shared worlds of its own. Modules marked `worlds` (tasks on the shared worlds
+only) run in a third process with worlds of their own, and the single-process tests in a fourth: on the cores a
+launch leaves idle while it waits on start-up, rendezvous and timeouts. (pytest-xdist's `loadgroup` would do this,
 but its groups are lost under pytest 9.2: it renames items through an attribute pytest no longer reads.)
 
 Usage: python tests/suite.py [pytest arguments, e.g. -x or tests/unit]"""
@@ -18,19 +17,16 @@ import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ElementTree
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 SLOWEST = 40
 
 
 SIDES = {
-    "ranks": "ranks and not lane2 and not lane3", "ranks-lane-2": "lane2", "worlds": "worlds",
-    "ranks-lane-3": "lane3", "single-process": "not ranks and not worlds",
+    "ranks": "ranks and not lane2", "ranks-lane-2": "lane2", "worlds": "worlds",
+    "single-process": "not ranks and not worlds",
 }
 """Each process's name and its marker expression; the first prints as it goes, the others when all have ended."""
-SLOTS = [["ranks"], ["ranks-lane-2"], ["worlds", "ranks-lane-3"], ["single-process"]]
-"""The processes side by side, each slot's one after another: the `worlds` tests end within minutes."""
 
 
 def pytest(side: str, work: Path, extra: list[str], output: Path | None) -> subprocess.Popen[bytes]:
@@ -41,17 +37,6 @@ def pytest(side: str, work: Path, extra: list[str], output: Path | None) -> subp
     ]
     stdout = open(output, "wb") if output else None  # noqa: SIM115 (closed when the process has ended)
     return subprocess.Popen(command, stdout=stdout, stderr=subprocess.STDOUT if output else None, env=quiet_waits())
-
-
-def run_in_turn(sides: list[str], work: Path, extra: list[str], logs: dict[str, Path]) -> dict[str, int]:
-    """One slot's pytest processes, one after another: each side's exit code. An interrupted side (pytest's 2, or a
-    signal) ends its slot there."""
-    codes: dict[str, int] = {}
-    for side in sides:
-        codes[side] = pytest(side, work, extra, logs.get(side)).wait()
-        if codes[side] == 2 or codes[side] < 0:
-            break
-    return codes
 
 
 def quiet_waits() -> dict[str, str]:
@@ -91,9 +76,8 @@ def main(extra: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="trainyard-suite-") as tmp:
         work = Path(tmp)
         logs = {side: work / f"{side}.log" for side in list(SIDES)[1:]}
-        with ThreadPoolExecutor(len(SLOTS)) as slots:
-            ran = [slots.submit(run_in_turn, slot, work, extra or ["tests"], logs) for slot in reversed(SLOTS)]
-            codes = {side: code for slot in ran for side, code in slot.result().items()}
+        processes = {side: pytest(side, work, extra or ["tests"], logs.get(side)) for side in reversed(SIDES)}
+        codes = {side: processes[side].wait() for side in SIDES}
         for side, log in logs.items():
             print(f"\n===== the {side} tests (run beside the ones above) =====\n{log.read_text()}")
         for cpu, what in ((False, "slowest tests of all (setup + call + teardown)"),
