@@ -71,8 +71,27 @@ def compiled_once() -> None:
         compileall.compile_dir(repo / folder, quiet=1)
 
 
+def cpu_ticks() -> tuple[int, int] | None:
+    """The machine's busy and total CPU ticks so far (Linux's /proc/stat), or None elsewhere."""
+    try:
+        ticks = [int(field) for field in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # all but idle and iowait
+
+
+def busy_share(start: tuple[int, int] | None) -> str:
+    """How busy the machine's cores were since `start`: near 100%, the suite's wall is its CPU over the cores (a
+    killed launch's workers, adopted by init, count here and in no test's CPU), and more lanes cannot shorten it."""
+    end = cpu_ticks()
+    if start is None or end is None or end[1] == start[1]:
+        return ""
+    return f"; the {os.cpu_count()} cores were {100 * (end[0] - start[0]) / (end[1] - start[1]):.0f}% busy"
+
+
 def main(extra: list[str]) -> int:
     compiled_once()
+    ticks = cpu_ticks()
     with tempfile.TemporaryDirectory(prefix="trainyard-suite-") as tmp:
         work = Path(tmp)
         logs = {side: work / f"{side}.log" for side in list(SIDES)[1:]}
@@ -88,7 +107,7 @@ def main(extra: list[str]) -> int:
                 print(f"{seconds:8.2f}s {test}")
     # pytest's 5: no test selected (a marker or path that leaves one side empty) is not a failure here
     failed = {side: code for side, code in codes.items() if code not in (0, 5)}
-    print(f"exit codes: {codes}" + ("" if not failed else f"; failed: {', '.join(failed)}"))
+    print(f"exit codes: {codes}" + ("" if not failed else f"; failed: {', '.join(failed)}") + busy_share(ticks))
     return max(failed.values(), default=0)
 
 
