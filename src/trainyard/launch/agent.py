@@ -8,7 +8,12 @@ import os
 import sys
 
 from trainyard.launch import forked
-from trainyard.launch.local import SIGNALS_TO_FORWARD, signal_behind, stop_on_first_signal
+from trainyard.launch.local import (
+    SIGNALS_TO_FORWARD,
+    ignore_keep_alive_self_join,
+    signal_behind,
+    stop_on_first_signal,
+)
 from trainyard.launch.torchrun import DEFAULT_MASTER_PORT, PREEMPTED_EXIT_CODE, SHARED_STORE_ENV, USER_ERROR_EXIT_CODE
 
 
@@ -48,6 +53,7 @@ def main(argv: list[str]) -> int:
         stop = signal_behind(err)
         if stop is None:
             raise
+        ignore_keep_alive_self_join()
         return 128 + int(stop.sigval)
     finally:
         if fork:

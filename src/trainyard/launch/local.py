@@ -12,9 +12,10 @@ import shlex
 import signal
 import sys
 import tempfile
+import traceback
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainyard.config import JobConfig
 from trainyard.launch import allocator, forked
@@ -143,6 +144,7 @@ def _launch(nproc: int, argv: list[str], max_restarts: int, fork: bool, prefix: 
         stop = signal_behind(err)
         if stop is None:
             raise
+        ignore_keep_alive_self_join()
         reported = read_exit_files(prefix)
         return reported or (128 + int(stop.sigval), f"stopped by {stop.sigval.name}")
     return 0, None
@@ -158,3 +160,31 @@ def signal_behind(err: BaseException) -> SignalException | None:
     while seen is not None and not isinstance(seen, SignalException):
         seen = seen.__cause__ or seen.__context__
     return seen
+
+
+def ignore_keep_alive_self_join() -> None:
+    """Keep one message of torch's out of a stopped launch's output. On a stop signal torch's agent leaves its
+    rendezvous open (other nodes may still scale) and its keep-alive thread beating; the thread holds the rendezvous
+    while it beats, so once this launcher lets go of it, the thread may be the one that frees it. The keep-alive
+    timer's finalizer then joins the thread it runs on, and Python prints "Exception ignored ... cannot join current
+    thread" with a traceback after the preemption notice. The finalizer has already told the thread to stop, so
+    nothing is lost but the traceback; any other unraisable exception still reaches the previous hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "trainyard_keep_alive", False):
+        return
+
+    def unless_keep_alive_self_join(unraisable: Any) -> None:
+        if not _is_keep_alive_self_join(unraisable):
+            previous(unraisable)
+
+    unless_keep_alive_self_join.trainyard_keep_alive = True  # type: ignore[attr-defined]
+    sys.unraisablehook = unless_keep_alive_self_join
+
+
+def _is_keep_alive_self_join(unraisable: Any) -> bool:
+    if not isinstance(unraisable.exc_value, RuntimeError) or "cannot join current thread" not in str(
+            unraisable.exc_value):
+        return False
+    frames = traceback.extract_tb(unraisable.exc_traceback)
+    return any(frame.name == "_stop_thread" and frame.filename.endswith(os.path.join("rendezvous", "utils.py"))
+               for frame in frames)
