@@ -3,12 +3,12 @@
 # traces, then the timed benchmarks alone on the GPU. Each part has its own time limit and writes its own file, so
 # a part that hangs costs its limit and the rest still report.
 #
-#     bash benchmarks/gpu_all.sh OUT_DIR [PART ...]     # parts: suite flex trace bench attention moe (default: all)
+#     bash benchmarks/gpu_all.sh OUT_DIR [PART ...]  # parts: suite flex trace bench attention mfu moe (default: all)
 #
 # Needs a CUDA torch and trainyard importable (`pip install -e .`, or PYTHONPATH=src). ~8 minutes on one H100.
 set -u
 out=${1:?usage: bash benchmarks/gpu_all.sh OUT_DIR [PART ...]}; shift
-parts=" ${*:-suite flex trace bench attention moe} "
+parts=" ${*:-suite flex trace bench attention mfu moe} "
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 started=$(date +%s)
@@ -21,8 +21,8 @@ transformers.__version__, peft.__version__, torch.cuda.get_device_capability())"
 git rev-parse --short HEAD 2>/dev/null
 
 background=()
-if wanted suite; then  # three pytest processes share the GPU: the suite checks results, not speed
-  ( timeout 420 python3 -m pytest -q -rs -p no:cacheprovider -n 3 --dist loadscope --durations=30 tests/gpu \
+if wanted suite; then  # four pytest processes share the GPU: the suite checks results, not speed
+  ( timeout 360 python3 -m pytest -q -rs -p no:cacheprovider -n 4 --dist loadgroup --durations=30 tests/gpu \
       --junitxml="$out/gpu-junit.xml" > "$out/suite.txt" 2>&1; echo "pytest exit $?" >> "$out/suite.txt" ) &
   background+=($!)
 fi
@@ -52,13 +52,17 @@ fi
 if wanted attention; then  # llama-1b under the other attention implementations (flex compiles first)
   timeout 70 python3 benchmarks/gpu_suite.py --steps 12 --strategies fsdp --set model.attn_implementation=sdpa \
     >> "$out/attention.txt" 2>&1
-  timeout 150 python3 benchmarks/gpu_suite.py --steps 12 --strategies fsdp \
+  timeout 170 python3 benchmarks/gpu_suite.py --steps 12 --strategies fsdp \
     --set model.attn_implementation=flex_attention >> "$out/attention.txt" 2>&1
   stamp "attention done"
+fi
+if wanted mfu; then  # a larger step: 8 rows of 2048 tokens
+  timeout 90 python3 benchmarks/gpu_suite.py --steps 8 --strategies fsdp --micro-batch 8 > "$out/mfu.txt" 2>&1
+  stamp "mfu done"
 fi
 if wanted moe; then
   timeout 200 python3 benchmarks/moe_lora_cuda.py --steps 20 > "$out/moe.txt" 2>&1
   stamp "moe done"
 fi
 tail -n 30 "$out/suite.txt" 2>/dev/null
-for part in flex trace gpu_suite attention moe; do echo "=== $part"; tail -c 3000 "$out/$part.txt" 2>/dev/null; done
+for part in flex trace gpu_suite attention mfu moe; do echo "=== $part"; tail -c 3000 "$out/$part.txt" 2>/dev/null; done

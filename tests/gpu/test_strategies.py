@@ -20,7 +20,10 @@ pytestmark = pytest.mark.gpu
 
 STRATEGIES = ["ddp", "fsdp", "hsdp"]
 TUNINGS = {"lora": ["lora.enabled=true"], "full": ["lora.enabled=false"]}
-MATRIX = [(strategy, tuning) for strategy in STRATEGIES for tuning in TUNINGS]
+# A (strategy, tuning)'s two tests read one reference run: under pytest-xdist's `--dist loadgroup` they stay on
+# one worker while the six pairs spread over the workers.
+MATRIX = [pytest.param(strategy, tuning, marks=pytest.mark.xdist_group(f"{strategy}-{tuning}"))
+          for strategy in STRATEGIES for tuning in TUNINGS]
 RESUME_AT = STEPS // 2
 # Eager attention: sdpa's fused CUDA backward kernels may accumulate in a varying order unless torch's
 # deterministic mode is on, which a job cannot ask for; eager attention is matmuls and a softmax.
