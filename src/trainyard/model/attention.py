@@ -245,8 +245,9 @@ MASKED_CALL_ROW = 2048
 that keeps each document to itself when there are at least MASKED_CALL_DOCUMENTS of them, instead of one call per
 document: with many short documents the loop is bound by the host's dispatch. Measured on an H100 (llama-1b.yaml,
 FSDP, bf16-mixed, rows of 2048 tokens holding ~26 documents of ~77 tokens): 1.84-2.0 s a step through the loop
-(py-spy: ~90% of the forward inside its per-document sdpa calls) against 0.34 s through one masked call per row of
-2048 (transformers' sdpa; benchmarks/RESULTS.md). The bound is that measured stretch: the masked call computes
+(py-spy: ~90% of the forward inside its per-document sdpa calls), 0.54 s through one masked call per row of 2048
+(this path), 0.29 s through transformers' sdpa (one call over both rows' dense mask) and 0.17 s through flex_attention
+after a 16 s compile (benchmarks/RESULTS.md, 2026-11-28). The bound is that measured stretch: the masked call computes
 every score of a stretch, cross-document ones included (its share of the step grows with the stretch: ~14% extra
 for llama-1b at 2048), and a stretch's mask is 4 MiB of booleans, made once per forward. Where the loop wins
 between 1 and 26 documents a stretch was not measured. Both ways compute the same per-document attention."""
