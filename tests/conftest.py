@@ -8,7 +8,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 import traceback
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests import warm
 from tests.world import World, uncounted_cpu_seconds
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,18 +93,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def trainyard(
-    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 600
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 600, fresh: bool = False
 ) -> subprocess.CompletedProcess[str]:
-    """Run the CLI as a user would, in a separate process."""
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "trainyard.cli", *args],
-        cwd=cwd or REPO,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """Run the CLI as a user would, in a separate process: forked from one that imported the stack (tests/warm.py),
+    or a fresh interpreter (`fresh`)."""
+    return warm.run(list(args), cwd or REPO, {**os.environ, **(env or {})}, timeout, fresh)
 
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests import warm
+
 REPO = Path(__file__).resolve().parents[1]
 RANK_MODULE = "tests.world_rank"
 
@@ -68,7 +70,7 @@ def count_killed(pids: list[int]) -> None:
 
 def uncounted_cpu_seconds() -> float:
     """The CPU this process's own and its reaped children's times miss: the worlds' live ranks, and killed trees."""
-    return live_ranks_cpu_seconds() + KILLED_CPU_S[0]
+    return live_ranks_cpu_seconds() + KILLED_CPU_S[0] + warm.CPU_S[0]
 
 
 def cpu_with_reaped(pid: int) -> float:

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -17,7 +16,8 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.conftest import REPO, TINY
+from tests import warm
+from tests.conftest import TINY
 from tests.world import count_killed
 from trainyard.parallel.expert_parallel import peft_layout
 
@@ -46,12 +46,9 @@ def train_args(out: Path, *overrides: str, nproc: int = 2, config: str = TINY) -
     return ["train", config, f"output_dir={out}", *COMMON, *overrides, "--nproc", str(nproc)]
 
 
-def start(args: list[str]) -> subprocess.Popen[str]:
+def start(args: list[str]) -> warm.Command | subprocess.Popen[str]:
     """The CLI in its own session, as a scheduler would start it."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "trainyard.cli", *args], cwd=REPO, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+    return warm.start(args, new_session=True)
 
 
 def last_step(run_dir: Path) -> int:

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_quickstart_learns_the_task_and_saves_a_peft_adapter(tmp_path: Path) -> None:
-    result = trainyard("train", f"output_dir={tmp_path}", timeout=1200)
+    result = trainyard("train", f"output_dir={tmp_path}", timeout=1200, fresh=True)  # as `make demo` runs it
     assert_ok(result)
     run_dir = tmp_path / "quickstart"
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -76,22 +76,28 @@ SERVER_MAIN_PARAMETERS = ["listener_fd", "alive_r", "preload", "main_path", "sys
 
 
 def forks_from_here() -> bool:
-    """Whether this process may become the fork server's parent: it has imported no torch and runs one thread (a
-    launcher fresh from its command line; not a test that calls in), its malloc is the workers' (the launcher adds
-    no LD_PRELOAD for them: a forked server would keep this process's), and multiprocessing's server is the one
-    this code knows (Python 3.10-3.13: a later one authenticates its clients)."""
+    """Whether this process may become the fork server's parent: it is the command line's own process (it has
+    imported no torch yet, or its main module is trainyard's CLI: a process forked with the stack imported, as the
+    test suite starts commands) and runs one thread (not a test that calls in), its malloc is the workers' (the
+    launcher adds no LD_PRELOAD for them: a forked server would keep this process's), and multiprocessing's server
+    is the one this code knows (Python 3.10-3.13: a later one authenticates its clients)."""
     import inspect
     from multiprocessing import forkserver
 
     server = forkserver._forkserver
     return (
-        "torch" not in sys.modules
+        ("torch" not in sys.modules or _main_is_the_cli())
         and len(os.listdir("/proc/self/task")) == 1
         and os.environ.get("LD_PRELOAD") == _started_with("LD_PRELOAD")
         and list(inspect.signature(forkserver.main).parameters) == SERVER_MAIN_PARAMETERS
         and sorted(vars(server)) == sorted(vars(forkserver.ForkServer()))
         and server._forkserver_pid is None
     )
+
+
+def _main_is_the_cli() -> bool:
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return getattr(spec, "name", None) == "trainyard.cli.__main__"
 
 
 def _started_with(name: str) -> str | None:
