@@ -62,3 +62,18 @@ def test_a_process_that_imported_torch_or_changed_the_workers_malloc_starts_a_ne
         assert seen["here"] is False, before
         assert "multiprocessing.forkserver" in seen["server_cmdline"], before
         assert seen["preloaded"] and not seen["alive"], before
+
+
+
+def test_the_cli_s_own_process_may_fork_the_server_though_torch_is_imported() -> None:
+    """As tests/warm.py starts commands: the stack imported, then `trainyard.cli` run as the main module."""
+    probe = ("import importlib.util, os, sys, torch\n"
+             "from trainyard.launch import forked\n"
+             "print(forked.forks_from_here(), flush=True)\n"
+             "if os.fork() == 0:  # one thread, as a process forked from tests/warm.py's server\n"
+             "    sys.modules['__main__'].__spec__ = importlib.util.find_spec('trainyard.cli.__main__')\n"
+             "    print(forked.forks_from_here(), flush=True)\n"
+             "    os._exit(0)\n"
+             "os.wait()\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert result.stdout.split() == ["False", "True"], result.stderr[-3000:]
