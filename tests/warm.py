@@ -7,7 +7,8 @@ forks a process per command, which runs `trainyard.cli` as `python -m trainyard.
 directory, environment, arguments and pipes, and leaves as an interpreter leaves (its atexit handlers, its exit
 code, a traceback where an exception escapes). The launcher it becomes forks its workers' server from itself, as a
 launcher fresh from its command line does (launch/forked.py). Workers, process groups and signals are as real as
-ever: only the interpreter's start is shared.
+ever: only the interpreter's start is shared. The shared worlds' ranks (tests/world.py) start the same way
+(`start_module`), as do the DiLoCo sites and their lighthouse.
 
 What a command could read at import time keeps a fresh interpreter: an environment that differs from the server's in
 a variable read when a library loads (FRESH_PREFIXES), a caller that asks for one (`fresh=True`), or a run with
@@ -37,15 +38,19 @@ from typing import Any
 STACK = ["trainyard.cli", "trainyard.train.recipe", "trainyard.model.lora", "datasets", "torch.utils.tensorboard"]
 """What the server imports: the CLI, a worker's stack (launch/forked.py modules_for) and rank 0's TensorBoard."""
 FRESH_PREFIXES = (
-    "PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP", "OPENBLAS", "TORCH", "PYTORCH", "CUDA", "NCCL_", "HF_",
-    "TRANSFORMERS", "DATASETS", "TOKENIZERS", "MALLOC", "GLIBC", "TRAINYARD_GPU",
+    "PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP", "OPENBLAS", "TORCH_", "TORCHINDUCTOR", "TORCHDYNAMO", "PYTORCH",
+    "CUDA", "NCCL_", "HF_", "TRANSFORMERS", "DATASETS", "TOKENIZERS", "MALLOC", "GLIBC", "TRAINYARD_GPU",
 )
 """Variables a library may read when it loads: a command whose environment changes one gets a fresh interpreter."""
+REAPPLIED = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED"}
+"""What a forked process applies itself, as the workers' fork server does (launch/forked.py as_fresh_interpreter)."""
 FRESH_SWITCH = "TRAINYARD_TESTS_FRESH"
 """Set to 1, every command gets a fresh interpreter (to compare, or to rule this module out)."""
 REPO = Path(__file__).resolve().parents[1]
 CPU_S = [0.0]
 """The CPU of the commands this process ran here: the server's forks are not this process's children."""
+COUNTED: set[int] = set()
+"""Commands whose CPU was counted as they were killed (tests/world.py count_killed)."""
 
 
 # -- the server --------------------------------------------------------------------------------------------------
@@ -73,7 +78,7 @@ def serve(address: str) -> dict[str, Any] | None:
         if sys.stdin in ready:
             os._exit(0)
         connection, _ = listener.accept()
-        message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+        message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 16)
         if os.fork() == 0:
             return wait_on_command(json.loads(message), connection, listener, fds)
         connection.close()
@@ -110,13 +115,20 @@ def wait_on_command(
 
 
 def run_command(request: dict[str, Any]) -> None:
-    """`python -m trainyard.cli ARGV` in this process, from the request's directory and environment."""
+    """`python -m MODULE ARGV` in this process, from the request's directory and environment."""
     os.chdir(request["cwd"])
     sys.path[0] = request["cwd"]  # what `python -m` puts first
     os.environ.clear()
     os.environ.update(request["env"])
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # read once, when torch loaded in the server
+        import torch
+
+        torch.set_num_threads(int(threads))
+    if os.environ.get("PYTHONUNBUFFERED"):
+        sys.stdout.reconfigure(write_through=True, line_buffering=True)  # type: ignore[union-attr]
     sys.argv = ["-m", *request["argv"]]
-    runpy.run_module("trainyard.cli", run_name="__main__", alter_sys=True)
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
 
 
 # -- the caller ----------------------------------------------------------------------------------------------------
@@ -136,8 +148,9 @@ class Server:
         self.ready = self.process.stdout.readline().strip() == b"ready"
 
     def serves(self, env: dict[str, str]) -> bool:
-        """Whether `env` differs from the server's only in variables read after the libraries have loaded."""
-        changed = {key for key in env.keys() | self.env.keys() if env.get(key) != self.env.get(key)}
+        """Whether `env` differs from the server's only in variables read after the libraries have loaded (or
+        applied again by the forked process: REAPPLIED)."""
+        changed = {key for key in env.keys() | self.env.keys() if env.get(key) != self.env.get(key)} - REAPPLIED
         return self.ready and self.process.poll() is None and not any(
             key.startswith(FRESH_PREFIXES) for key in changed)
 
@@ -155,24 +168,32 @@ class Command:
     """A command forked from the server, with what tests use of subprocess.Popen (text pipes for stdout and
     stderr)."""
 
-    def __init__(self, argv: list[str], cwd: Path, env: dict[str, str], new_session: bool) -> None:
-        self.args = ["trainyard", *argv]
+    def __init__(
+        self, argv: list[str], cwd: Path, env: dict[str, str], new_session: bool, module: str = "trainyard.cli",
+        fds: list[int] | None = None,
+    ) -> None:
+        """`fds`: the process's stdin, stdout, stderr and any more, in that order (the caller keeps and closes its
+        own); None: stdin from /dev/null, stdout and stderr piped to `communicate`."""
+        self.args = [module, *argv]
         self.returncode: int | None = None
         self._chunks: dict[int, list[bytes]] = {}
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        stdin = os.open(os.devnull, os.O_RDONLY)
+        self._open: dict[int, list[bytes]] = {}
+        ours = []
+        if fds is None:
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            ours = [os.open(os.devnull, os.O_RDONLY), out_w, err_w]
+            fds = ours
+            self._open, self._out, self._err = {out_r: [], err_r: []}, out_r, err_r
         self._status = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._status.connect(server().address)
-            request = {"argv": argv, "cwd": str(cwd), "env": env, "new_session": new_session}
-            socket.send_fds(self._status, [json.dumps(request).encode()], [stdin, out_w, err_w])
+            request = {"module": module, "argv": argv, "cwd": str(cwd), "env": env, "new_session": new_session}
+            socket.send_fds(self._status, [json.dumps(request).encode()], fds)
             self.pid = int(self._status.recv(64))
         finally:
-            for fd in (stdin, out_w, err_w):
+            for fd in ours:
                 os.close(fd)
-        self._open = {out_r: [], err_r: []}
-        self._out, self._err = out_r, err_r
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -196,7 +217,7 @@ class Command:
         self._status.close()
         code, cpu = json.loads(message) if message else (-signal.SIGKILL, 0.0)  # the waiter itself was killed
         self.returncode = code
-        if code != -signal.SIGKILL:  # a SIGKILLed tree's CPU is counted as it is killed (tests/world.py count_killed)
+        if self.pid not in COUNTED:
             CPU_S[0] += cpu
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
@@ -218,10 +239,10 @@ class Command:
                     os.close(key.fd)
                     self._chunks[key.fd] = self._open.pop(key.fd)
         self.wait(None if deadline is None else max(deadline - time.monotonic(), 0.001))
-        return self._text(self._out), self._text(self._err)
+        return self._text(getattr(self, "_out", -1)), self._text(getattr(self, "_err", -1))
 
     def _text(self, fd: int) -> str:
-        return b"".join(self._chunks[fd]).decode(errors="replace").replace("\r\n", "\n")
+        return b"".join(self._chunks.get(fd, [])).decode(errors="replace").replace("\r\n", "\n")
 
     def send_signal(self, number: int) -> None:
         if self.returncode is None:
@@ -237,17 +258,30 @@ class Command:
 
 def start(
     argv: list[str], cwd: Path = REPO, env: dict[str, str] | None = None, new_session: bool = False,
-    fresh: bool = False,
-) -> Command | subprocess.Popen[str]:
-    """`trainyard ARGV` in a new process, stdout and stderr piped as text: forked from the server where it serves the
-    environment, else a fresh interpreter."""
+    fresh: bool = False, output: int | None = None,
+) -> Command | subprocess.Popen[Any]:
+    """`trainyard ARGV` in a new process: forked from the server where it serves the environment, else a fresh
+    interpreter. stdout and stderr are text pipes for `communicate`, or both the file descriptor `output`."""
     env = dict(os.environ) if env is None else env
     if not (fresh or os.environ.get(FRESH_SWITCH) == "1") and server().serves(env):
-        return Command(argv, cwd, env, new_session)
-    return subprocess.Popen(
-        [sys.executable, "-m", "trainyard.cli", *argv], cwd=cwd, env=env, start_new_session=new_session,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+        if output is None:
+            return Command(argv, cwd, env, new_session)
+        with open(os.devnull, "rb") as stdin:
+            return Command(argv, cwd, env, new_session, fds=[stdin.fileno(), output, output])
+    command = [sys.executable, "-m", "trainyard.cli", *argv]
+    if output is not None:
+        return subprocess.Popen(command, cwd=cwd, env=env, start_new_session=new_session, stdout=output,
+                                stderr=subprocess.STDOUT)
+    return subprocess.Popen(command, cwd=cwd, env=env, start_new_session=new_session, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def start_module(module: str, env: dict[str, str], fds: list[int], new_session: bool = True) -> Command | None:
+    """`python -m MODULE` forked from the server with `fds` as its stdin, stdout, stderr and more; None where the
+    server does not serve `env` (the caller starts a fresh interpreter)."""
+    if os.environ.get(FRESH_SWITCH) == "1" or not server().serves(env):
+        return None
+    return Command([], REPO, env, new_session, module, fds)
 
 
 def run(

@@ -66,6 +66,7 @@ def count_killed(pids: list[int]) -> None:
     """Count the CPU of processes about to be SIGKILLed with their parent (tests/dist/checkpoint_helpers.py:
     kill_tree): init reaps them, so it never reaches this process's children's."""
     KILLED_CPU_S[0] += sum(cpu_with_reaped(pid) for pid in pids)
+    warm.COUNTED.update(pids)
 
 
 def uncounted_cpu_seconds() -> float:
@@ -82,13 +83,28 @@ def cpu_with_reaped(pid: int) -> float:
     return sum(int(value) for value in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
 
 
+def forked_rank(env: dict[str, str], log: int, result: int) -> warm.Command | None:
+    """A rank forked from the warm server (tests/warm.py), its imports done, in its own session: stdin a pipe, stdout
+    and stderr the log, the result pipe its fd 3; None where the server does not serve `env`."""
+    stdin_r, stdin_w = os.pipe()
+    try:
+        process = warm.start_module(RANK_MODULE, {**env, "TRAINYARD_WORLD_RESULT_FD": "3"}, [stdin_r, log, log, result])
+    finally:
+        os.close(stdin_r)
+    if process is None:
+        os.close(stdin_w)
+        return None
+    process.stdin = os.fdopen(stdin_w, "wb")  # type: ignore[attr-defined]
+    return process
+
+
 class World:
     """`nproc` ranks that share one process group (formed by the first task that calls `dist.init`), or one
     process with no group at all (`nproc=1`: the single-process reference runs of trainyard)."""
 
     def __init__(self, nproc: int, logs: Path) -> None:
         self.nproc, self.logs = nproc, logs
-        self.ranks: list[subprocess.Popen[bytes]] = []
+        self.ranks: list[subprocess.Popen[bytes] | warm.Command] = []
         self.starts = 0
         STARTED.append(self)
 
@@ -102,7 +118,7 @@ class World:
             # Each rank writes one JSON line per task to this pipe; its stdout and stderr go to its log file.
             env = {**os.environ, **self._rank_env(rank, port), "TRAINYARD_WORLD_RESULT_FD": str(write_end)}
             log = open(self.logs / f"world-{self.starts}-rank-{rank}.log", "wb")  # noqa: SIM115 (the rank owns it)
-            process = subprocess.Popen(
+            process = forked_rank(env, log.fileno(), write_end) or subprocess.Popen(
                 [sys.executable, "-m", RANK_MODULE], cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=log,
                 stderr=subprocess.STDOUT, pass_fds=(write_end,), start_new_session=True,
             )

@@ -19,6 +19,7 @@ import numpy as np
 import psutil
 import pytest
 
+from tests import warm
 from tests.conftest import REPO, TINY
 from tests.dist.checkpoint_helpers import kill_tree, written_events
 from tests.world import free_port
@@ -64,22 +65,20 @@ def in_background(site: subprocess.Popen[bytes]) -> None:
                 pass
 
 
-def launch(out: Path, site: int, lighthouse: int, *flags: str) -> subprocess.Popen[bytes]:
+def launch(out: Path, site: int, lighthouse: int, *flags: str) -> warm.Command | subprocess.Popen[bytes]:
     """One site's launch, its output appended to a file (a pipe nobody reads would fill and stall it)."""
     args = ["launch", TINY, "--nnodes", "1", "--node-rank", "0", "--master", f"127.0.0.1:{free_port()}",
             "--nproc", "1", f"output_dir={out}", *SITE, f"diloco.site={site}",
             f"diloco.lighthouse=127.0.0.1:{lighthouse}", *flags]
     with open(out / f"site-{site}.out", "ab") as sink:
-        return subprocess.Popen([sys.executable, "-m", "trainyard.cli", *args], cwd=REPO, start_new_session=True,
-                                stdout=sink, stderr=subprocess.STDOUT)
+        return warm.start(args, new_session=True, output=sink.fileno())
 
 
-def run_lighthouse(out: Path, lighthouse: int, *flags: str) -> subprocess.Popen[bytes]:
+def run_lighthouse(out: Path, lighthouse: int, *flags: str) -> warm.Command | subprocess.Popen[bytes]:
     """The job's lighthouse as its own process, as `trainyard lighthouse` runs it."""
     args = ["lighthouse", TINY, *SITE, "diloco.site=0", f"diloco.lighthouse=127.0.0.1:{lighthouse}", *flags]
     with open(out / "site-lighthouse.out", "ab") as sink:
-        return subprocess.Popen([sys.executable, "-m", "trainyard.cli", *args], cwd=REPO, start_new_session=True,
-                                stdout=sink, stderr=subprocess.STDOUT)
+        return warm.start(args, new_session=True, output=sink.fileno())
 
 
 def syncs(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tests import warm
 from tests.conftest import TINY
+from tests.world import World
 
 
 def test_a_warm_command_exits_and_writes_as_a_fresh_interpreter_does(tmp_path: Path) -> None:
@@ -32,9 +33,19 @@ def test_a_command_in_its_own_session_leads_it_and_a_kill_reads_as_popen_says_it
 
 
 def test_a_changed_variable_that_libraries_read_when_they_load_gets_a_fresh_interpreter() -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "7"}
+    env = {**os.environ, "HF_HOME": "/nonexistent"}  # huggingface_hub reads it when it loads
     assert not warm.server().serves(env)
     process = warm.start(["--help"], env=env)
     assert isinstance(process, subprocess.Popen)
     process.communicate(timeout=300)
     assert process.returncode == 0
+
+
+def test_a_forked_rank_runs_the_threads_its_environment_asks_for(tmp_path: Path) -> None:
+    """OMP_NUM_THREADS is read once, when torch loads in the server: the forked process applies it itself."""
+    world = World(1, tmp_path)  # its rank's environment sets OMP_NUM_THREADS=1
+    try:
+        assert world.run("torch:get_num_threads") == [1]
+        assert isinstance(world.ranks[0], warm.Command)
+    finally:
+        world.close()
