@@ -14,7 +14,7 @@ What a command could read at import time keeps a fresh interpreter: an environme
 a variable read when a library loads (FRESH_PREFIXES), a caller that asks for one (`fresh=True`), or a run with
 TRAINYARD_TESTS_FRESH=1. A failed start of the server falls back to fresh interpreters for the rest of the run.
 
-    python -m tests.warm SOCKET     # the server: pytest starts it (`command`, `start`), it leaves with its stdin
+    python -m tests.warm SOCKET     # the server: pytest starts it at its first command, it leaves with its stdin
 """
 
 from __future__ import annotations
