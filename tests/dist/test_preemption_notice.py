@@ -52,7 +52,11 @@ def test_sigterm_after_a_save_is_one_notice_line_not_an_error(tmp_path: Path, co
 
 
 def _signal_every_process(proc: psutil.Process, signum: int) -> None:
-    for process in [proc, *proc.children(recursive=True)]:
+    try:
+        children = proc.children(recursive=True)
+    except psutil.NoSuchProcess:  # the launcher has ended and been reaped since the caller last looked
+        return
+    for process in [proc, *children]:
         try:
             os.kill(process.pid, signum)
         except ProcessLookupError:
