@@ -33,8 +33,9 @@ SECOND_LANE = {
     "test_activation_checkpointing.py", "test_adapter_gather.py", "test_checkpoint_contents.py",
     "test_checkpoint_errors.py", "test_checkpoint_export.py", "test_checkpoint_resume.py", "test_diloco.py",
     "test_diloco_preemption.py", "test_doctor_dist.py", "test_download.py", "test_dpo.py", "test_elastic_resume.py",
-    "test_errors.py", "test_expert_load.py", "test_flight_record.py", "test_gradient_reductions.py", "test_health.py",
-    "test_mesh_timeouts.py", "test_mixture_resume.py", "test_moe.py", "test_network.py", "test_preemption_notice.py",
+    "test_errors.py", "test_expert_load.py", "test_expert_parallel_resume.py", "test_expert_parallel_training.py",
+    "test_flight_record.py", "test_gradient_reductions.py", "test_health.py", "test_mesh_timeouts.py",
+    "test_mixture_resume.py", "test_moe.py", "test_network.py", "test_preemption_notice.py",
     "test_sinks_and_secrets.py",
 }
 """tests/dist modules that `make test` runs in a second lane of `ranks` tests beside the first: they bind no fixed

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
+from tests import warm
 from tests.conftest import trainyard
 from tests.world import free_port
 
@@ -78,15 +77,7 @@ def test_two_nodes_on_one_host_find_a_dir_that_is_not_shared(tmp_path: Path) -> 
         cwd = tmp_path / f"node{rank}"
         (cwd / "local").mkdir(parents=True)
         args = [*common, "--node-rank", str(rank), "--dir", str(shared), "--dir", "local"]
-        workers.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "trainyard.cli", *args],
-                cwd=cwd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+        workers.append(warm.start(args, cwd=cwd))
     outputs = [worker.communicate(timeout=180) for worker in workers]
     assert [worker.returncode for worker in workers] == [1, 1], outputs[0][0][-3000:] + outputs[0][1][-3000:]
     rows = rows_of(outputs[0][0])
