@@ -39,7 +39,8 @@ STACK = ["trainyard.cli", "trainyard.train.recipe", "trainyard.model.lora", "dat
 """What the server imports: the CLI, a worker's stack (launch/forked.py modules_for) and rank 0's TensorBoard."""
 FRESH_PREFIXES = (
     "PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP", "OPENBLAS", "TORCH_", "TORCHINDUCTOR", "TORCHDYNAMO", "PYTORCH",
-    "CUDA", "NCCL_", "HF_", "TRANSFORMERS", "DATASETS", "TOKENIZERS", "MALLOC", "GLIBC", "TRAINYARD_GPU",
+    "CUDA", "NCCL_", "ATEN_", "ONEDNN_", "DNNL_", "HF_", "TRANSFORMERS", "DATASETS", "TOKENIZERS", "MALLOC", "GLIBC",
+    "TRAINYARD_GPU",
 )
 """Variables a library may read when it loads: a command whose environment changes one gets a fresh interpreter."""
 REAPPLIED = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED"}
