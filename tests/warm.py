@@ -19,12 +19,14 @@ TRAINYARD_TESTS_FRESH=1. A failed start of the server falls back to fresh interp
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import json
 import os
 import runpy
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -139,6 +141,7 @@ class Server:
 
     def __init__(self) -> None:
         self.folder = tempfile.mkdtemp(prefix="trainyard-warm-")
+        atexit.register(shutil.rmtree, self.folder, True)  # the socket's folder goes with this process
         self.address = os.path.join(self.folder, "socket")
         self.env = dict(os.environ)
         self.process = subprocess.Popen(
