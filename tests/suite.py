@@ -7,7 +7,8 @@ only) run in a third process with worlds of their own, and the single-process te
 launch leaves idle while it waits on start-up, rendezvous and timeouts. (pytest-xdist's `loadgroup` would do this,
 but its groups are lost under pytest 9.2: it renames items through an attribute pytest no longer reads.)
 
-Usage: python tests/suite.py [pytest arguments, e.g. -x or tests/unit]"""
+Usage: python tests/suite.py [pytest arguments, e.g. -x or tests/unit]
+TRAINYARD_SUITE_REPORTS=DIR keeps each process's junit report and log in DIR (each test's seconds, CPU and order)."""
 
 from __future__ import annotations
 
@@ -92,8 +93,10 @@ def busy_share(start: tuple[int, int] | None) -> str:
 def main(extra: list[str]) -> int:
     compiled_once()
     ticks = cpu_ticks()
+    kept = os.environ.get("TRAINYARD_SUITE_REPORTS")
     with tempfile.TemporaryDirectory(prefix="trainyard-suite-") as tmp:
-        work = Path(tmp)
+        work = Path(kept or tmp)
+        work.mkdir(parents=True, exist_ok=True)
         logs = {side: work / f"{side}.log" for side in list(SIDES)[1:]}
         processes = {side: pytest(side, work, extra or ["tests"], logs.get(side)) for side in reversed(SIDES)}
         codes = {side: processes[side].wait() for side in SIDES}

@@ -6,12 +6,13 @@ one heals from the other, so they never average from different weights."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,25 +45,65 @@ BACKGROUND = 10
 at full speed (~15 steps/s of a 90k-parameter model) took a core from the suite's other processes all that time.
 Niced, it trains as fast as spare cores allow and yields them to the rest; its start-up keeps the normal priority,
 as a relaunch's start is part of what the test times."""
+SHARE = 0.25
+"""And at most this share of a core (a cgroup's CPU quota, where the machine lets the tests make one): niced alone,
+two sites still spun both cores through every wait (~95 s of CPU in a 55 s test), training steps nothing waits for.
+A quarter of a core is ~4 steps/s: a sync every half second, and heartbeats late by at most 75 ms."""
 
 
-def in_background(site: subprocess.Popen[bytes]) -> None:
-    """Every thread of the site's process tree at BACKGROUND (Linux nices threads one by one; new threads inherit
-    their creator's niceness)."""
+@pytest.fixture
+def in_background() -> Iterator[Callable[[warm.Command | subprocess.Popen[bytes]], None]]:
+    """Puts a site's process tree in the background (BACKGROUND, SHARE); the cgroups go when the test ends."""
+    groups: list[Path] = []
+
+    def to_background(site: warm.Command | subprocess.Popen[bytes]) -> None:
+        try:
+            processes = [psutil.Process(site.pid), *psutil.Process(site.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        group = cpu_capped(f"trainyard-tests-{os.getpid()}-{site.pid}")
+        if group is not None:
+            groups.append(group)
+        for process in processes:
+            niced(process)
+            if group is not None:
+                with contextlib.suppress(OSError):  # a process gone since
+                    (group / "cgroup.procs").write_text(str(process.pid))
+
+    yield to_background
+    for group in groups:  # emptied: the test killed every site
+        with contextlib.suppress(OSError):
+            group.rmdir()
+
+
+def niced(process: psutil.Process) -> None:
+    """Every thread at BACKGROUND (Linux nices threads one by one; new threads inherit their creator's niceness)."""
     try:
-        processes = [psutil.Process(site.pid), *psutil.Process(site.pid).children(recursive=True)]
+        threads = process.threads()
     except psutil.NoSuchProcess:
         return
-    for process in processes:
-        try:
-            threads = process.threads()
-        except psutil.NoSuchProcess:
+    for thread in threads:
+        with contextlib.suppress(ProcessLookupError):
+            os.setpriority(os.PRIO_PROCESS, thread.id, BACKGROUND)
+
+
+def cpu_capped(name: str) -> Path | None:
+    """A new cgroup allowed SHARE of a core (cgroup v1's cpu controller or v2's cpu.max), or None where the tests
+    may not make one: the site is then only niced."""
+    period = 100_000
+    for root, limit, value in ((Path("/sys/fs/cgroup/cpu"), "cpu.cfs_quota_us", f"{int(SHARE * period)}"),
+                               (Path("/sys/fs/cgroup"), "cpu.max", f"{int(SHARE * period)} {period}")):
+        if not (root / "cgroup.procs").is_file():
             continue
-        for thread in threads:
-            try:
-                os.setpriority(os.PRIO_PROCESS, thread.id, BACKGROUND)
-            except ProcessLookupError:
-                pass
+        group = root / name
+        try:
+            group.mkdir()
+            (group / limit).write_text(value)
+            return group
+        except OSError:
+            with contextlib.suppress(OSError):
+                group.rmdir()
+    return None
 
 
 def launch(out: Path, site: int, lighthouse: int, *flags: str) -> warm.Command | subprocess.Popen[bytes]:
@@ -129,7 +170,9 @@ def test_without_failures_the_outer_step_is_nesterov_sgd_on_the_average_as_in_on
                 np.testing.assert_allclose(np.array(got), want, rtol=1e-6, atol=1e-7)
 
 
-def test_a_site_killed_mid_run_heals_from_the_live_one_which_never_stops(tmp_path: Path) -> None:
+def test_a_site_killed_mid_run_heals_from_the_live_one_which_never_stops(
+    tmp_path: Path, in_background: Callable[[warm.Command], None]
+) -> None:
     """One launch sequence proves both failures: a site lost and back, then the lighthouse lost and back."""
     lighthouse = free_port()
     tower = run_lighthouse(tmp_path, lighthouse, *SHORT_WAITS)
@@ -213,7 +256,9 @@ def rejoined(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in together[alone[-1] + 1 if alone else 0 :] if e["outer_sites"] == 2]
 
 
-def test_a_site_of_another_size_joining_a_run_under_way_is_refused_with_it_naming_both(tmp_path: Path) -> None:
+def test_a_site_of_another_size_joining_a_run_under_way_is_refused_with_it_naming_both(
+    tmp_path: Path, in_background: Callable[[warm.Command], None]
+) -> None:
     """Site 1 (1 process) syncs alone first; site 0 (2 processes) then joins behind it. Before the refusal came
     when the group formed, torchft healed site 0 from site 1 first: gloo aborted site 0, and site 1 trained on."""
     lighthouse = free_port()
