@@ -29,20 +29,26 @@ SEED = int(os.environ.get("TRAINYARD_TEST_SEED") or random.SystemRandom().randra
 SHARED_FIXTURES = {"world", "solo", "worlds", "hosts"}
 SERIAL_FILES = {"test_node_range.py", "test_diloco_ft.py"}
 """Single-process test files that bind fixed ports or launch ranks."""
-SECOND_LANE = {
+SHARED_LANE = {
     "test_activation_checkpointing.py", "test_adapter_gather.py", "test_checkpoint_contents.py",
     "test_checkpoint_errors.py", "test_checkpoint_export.py", "test_checkpoint_resume.py", "test_diloco.py",
-    "test_diloco_preemption.py", "test_doctor_dist.py", "test_download.py", "test_dpo.py", "test_elastic_resume.py",
-    "test_errors.py", "test_expert_load.py", "test_expert_parallel_resume.py", "test_expert_parallel_training.py",
-    "test_flight_record.py", "test_gradient_reductions.py", "test_health.py", "test_mesh_timeouts.py",
-    "test_mixture_resume.py", "test_moe.py", "test_network.py", "test_preemption_notice.py",
+    "test_diloco_ft.py", "test_diloco_preemption.py", "test_doctor_dist.py", "test_download.py", "test_dpo.py",
+    "test_elastic_resume.py", "test_errors.py", "test_expert_load.py", "test_expert_parallel_resume.py",
+    "test_expert_parallel_training.py", "test_flight_record.py", "test_gradient_reductions.py", "test_health.py",
+    "test_mesh_timeouts.py", "test_mixture_resume.py", "test_moe.py", "test_network.py", "test_preemption_notice.py",
     "test_sinks_and_secrets.py",
 }
-"""tests/dist modules that `make test` runs in a second lane of `ranks` tests beside the first: they bind no fixed
-port, make no namespace host and start no cluster, and the shared reference runs they read (lora_reference,
-full_reference) are read by no module of the first (each lane has its own worlds and makes its own references).
-A launch mostly waits (start-up, rendezvous, timeouts), on cores the other lane uses; benchmarks/RESULTS.md has
-each lane's minutes."""
+"""tests/dist modules that either lane of `ranks` tests may run under `make test` (marked `lane2`): they bind no
+fixed port, make no namespace host and start no cluster, so they may run beside any other ranks test. The first lane
+runs the other `ranks` tests first, then these in file order; the second runs these from the last module back; each
+module goes to the lane that reaches it first (CLAIMS), so the two lanes end together however the tests' times
+change. A launch mostly waits (start-up, rendezvous, timeouts), on cores the other lane uses. Each lane has worlds
+and reference runs of its own."""
+CLAIMS = "TRAINYARD_SUITE_CLAIMS"
+"""A folder shared by the two lanes (tests/suite.py sets it): a SHARED_LANE module's file there, made by the lane
+that runs it. Without it (plain pytest) a process runs every test it selects."""
+LANE = "TRAINYARD_SUITE_LANE"
+"""`2` for the second lane, which takes the SHARED_LANE modules from the last one back."""
 
 
 CPU_AT_START = pytest.StashKey[float]()
@@ -55,10 +61,29 @@ def cpu_seconds() -> float:
     return times.user + times.system + times.children_user + times.children_system + uncounted_cpu_seconds()
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+    """The CPU at the test's start; a SHARED_LANE module the other lane claimed is not run here, nor reported (True:
+    this hook did all there was to do)."""
     item.stash[CPU_AT_START] = cpu_seconds()
-    yield
+    folder = os.environ.get(CLAIMS)
+    if not folder or not item.get_closest_marker("lane2"):
+        return None
+    return None if claimed(Path(folder), item.path) else True
+
+
+CLAIMED: dict[Path, bool] = {}
+
+
+def claimed(folder: Path, module: Path) -> bool:
+    """Whether this process runs `module`: the first lane to reach it makes its file in `folder` (O_EXCL)."""
+    if module not in CLAIMED:
+        try:
+            os.close(os.open(folder / module.name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            CLAIMED[module] = True
+        except FileExistsError:
+            CLAIMED[module] = False
+    return CLAIMED[module]
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -80,9 +105,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`ranks`: the tests that start ranks, share a world or bind a fixed port. `make test` (tests/suite.py) runs
-    them one at a time in two lanes (`lane2`: SECOND_LANE's), the modules marked `worlds` (tasks on the shared
-    worlds only: no launch, no fixed port, no reference run) in a third process, the single-process tests in a
-    fourth."""
+    them one at a time in two lanes (`lane2`: SHARED_LANE's, which either may run), the modules marked `worlds`
+    (tasks on the shared worlds only: no launch, no fixed port, no reference run) in a third process, the
+    single-process tests in a fourth."""
     for item in items:
         if item.get_closest_marker("worlds"):
             continue
@@ -90,8 +115,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if folder in ("dist", "e2e", "gpu") or item.path.name in SERIAL_FILES or \
                 SHARED_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ranks)
-            if folder == "dist" and item.path.name in SECOND_LANE:
+            if folder == "dist" and item.path.name in SHARED_LANE:
                 item.add_marker(pytest.mark.lane2)
+    if os.environ.get(CLAIMS):
+        items[:] = lane_order(items, second=os.environ.get(LANE) == "2")
+
+
+def lane_order(items: list[pytest.Item], second: bool) -> list[pytest.Item]:
+    """The first lane: its own tests, then the shared modules in file order; the second: the shared modules from the
+    last back (each module's tests in their order), so the lanes meet in the middle."""
+    own = [item for item in items if not item.get_closest_marker("lane2")]
+    modules: dict[Path, list[pytest.Item]] = {}
+    for item in items:
+        if item.get_closest_marker("lane2"):
+            modules.setdefault(item.path, []).append(item)
+    shared = list(modules.values())
+    return own + [item for module in (shared[::-1] if second else shared) for item in module]
 
 
 def trainyard(

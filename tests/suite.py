@@ -1,8 +1,10 @@
 """`make test`: the whole suite as four pytest processes side by side, then one report.
 
 Every test that starts ranks, shares a world or binds a fixed port is marked `ranks` (tests/conftest.py); those run
-one at a time, in file order, in two lanes: the tests/dist modules of SECOND_LANE (marked `lane2`) in one, the other
-`ranks` tests in another, each lane with shared worlds of its own. Modules marked `worlds` (tasks on the shared worlds
+one at a time in two lanes, each with shared worlds of its own: the first runs the `ranks` tests that must not run
+beside another (fixed ports, namespace hosts, a cluster), then the tests/dist modules of SHARED_LANE (marked `lane2`)
+in file order; the second runs those from the last module back, and each module goes to the lane that reaches it
+first, so the lanes end together. Modules marked `worlds` (tasks on the shared worlds
 only) run in a third process with worlds of their own, and the single-process tests in a fourth: on the cores a
 launch leaves idle while it waits on start-up, rendezvous and timeouts. (pytest-xdist's `loadgroup` would do this,
 but its groups are lost under pytest 9.2: it renames items through an attribute pytest no longer reads.)
@@ -24,20 +26,24 @@ SLOWEST = 40
 
 
 SIDES = {
-    "ranks": "ranks and not lane2", "ranks-lane-2": "lane2", "worlds": "worlds",
+    "ranks": "ranks", "ranks-lane-2": "lane2", "worlds": "worlds",
     "single-process": "not ranks and not worlds",
 }
 """Each process's name and its marker expression; the first prints as it goes, the others when all have ended."""
 
 
 def pytest(side: str, work: Path, extra: list[str], output: Path | None) -> subprocess.Popen[bytes]:
-    """One pytest process over the tests of one side (its marker expression)."""
+    """One pytest process over the tests of one side (its marker expression); the two lanes of `ranks` tests share
+    a folder of claims on the SHARED_LANE modules (tests/conftest.py)."""
     command = [
         sys.executable, "-m", "pytest", "-q", "-rs", "-m", SIDES[side], f"--junitxml={work / side}.xml",
         f"--basetemp={work / side}", *(["-p", "no:cacheprovider"] if output else []), *extra,
     ]
     stdout = open(output, "wb") if output else None  # noqa: SIM115 (closed when the process has ended)
-    return subprocess.Popen(command, stdout=stdout, stderr=subprocess.STDOUT if output else None, env=quiet_waits())
+    lanes = {"TRAINYARD_SUITE_CLAIMS": str(work / "claims"),
+             "TRAINYARD_SUITE_LANE": "2" if side == "ranks-lane-2" else "1"}
+    env = {**quiet_waits(), **(lanes if side.startswith("ranks") else {})}
+    return subprocess.Popen(command, stdout=stdout, stderr=subprocess.STDOUT if output else None, env=env)
 
 
 def quiet_waits() -> dict[str, str]:
@@ -96,7 +102,7 @@ def main(extra: list[str]) -> int:
     kept = os.environ.get("TRAINYARD_SUITE_REPORTS")
     with tempfile.TemporaryDirectory(prefix="trainyard-suite-") as tmp:
         work = Path(kept or tmp)
-        work.mkdir(parents=True, exist_ok=True)
+        (work / "claims").mkdir(parents=True, exist_ok=True)
         logs = {side: work / f"{side}.log" for side in list(SIDES)[1:]}
         processes = {side: pytest(side, work, extra or ["tests"], logs.get(side)) for side in reversed(SIDES)}
         codes = {side: processes[side].wait() for side in SIDES}
