@@ -38,7 +38,7 @@ SHARED_LANE = {
     "test_mesh_timeouts.py", "test_mixture_resume.py", "test_moe.py", "test_network.py", "test_preemption_notice.py",
     "test_sinks_and_secrets.py",
 }
-"""tests/dist modules that either lane of `ranks` tests may run under `make test` (marked `lane2`): they bind no
+"""tests/dist modules that either lane of `ranks` tests may run under `make test` (marked `either_lane`): they bind no
 fixed port, make no namespace host and start no cluster, so they may run beside any other ranks test. The first lane
 runs the other `ranks` tests first, then these in file order; the second runs these from the last module back; each
 module goes to the lane that reaches it first (CLAIMS), so the two lanes end together however the tests' times
@@ -67,7 +67,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     this hook did all there was to do)."""
     item.stash[CPU_AT_START] = cpu_seconds()
     folder = os.environ.get(CLAIMS)
-    if not folder or not item.get_closest_marker("lane2"):
+    if not folder or not item.get_closest_marker("either_lane"):
         return None
     return None if claimed(Path(folder), item.path) else True
 
@@ -105,7 +105,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`ranks`: the tests that start ranks, share a world or bind a fixed port. `make test` (tests/suite.py) runs
-    them one at a time in two lanes (`lane2`: SHARED_LANE's, which either may run), the modules marked `worlds`
+    them one at a time in two lanes (`either_lane`: SHARED_LANE's, which either may run), the modules marked `worlds`
     (tasks on the shared worlds only: no launch, no fixed port, no reference run) in a third process, the
     single-process tests in a fourth."""
     for item in items:
@@ -116,7 +116,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 SHARED_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ranks)
             if folder == "dist" and item.path.name in SHARED_LANE:
-                item.add_marker(pytest.mark.lane2)
+                item.add_marker(pytest.mark.either_lane)
     if os.environ.get(CLAIMS):
         items[:] = lane_order(items, second=os.environ.get(LANE) == "2")
 
@@ -124,10 +124,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def lane_order(items: list[pytest.Item], second: bool) -> list[pytest.Item]:
     """The first lane: its own tests, then the shared modules in file order; the second: the shared modules from the
     last back (each module's tests in their order), so the lanes meet in the middle."""
-    own = [item for item in items if not item.get_closest_marker("lane2")]
+    own = [item for item in items if not item.get_closest_marker("either_lane")]
     modules: dict[Path, list[pytest.Item]] = {}
     for item in items:
-        if item.get_closest_marker("lane2"):
+        if item.get_closest_marker("either_lane"):
             modules.setdefault(item.path, []).append(item)
     shared = list(modules.values())
     return own + [item for module in (shared[::-1] if second else shared) for item in module]

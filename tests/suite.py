@@ -2,9 +2,9 @@
 
 Every test that starts ranks, shares a world or binds a fixed port is marked `ranks` (tests/conftest.py); those run
 one at a time in two lanes, each with shared worlds of its own: the first runs the `ranks` tests that must not run
-beside another (fixed ports, namespace hosts, a cluster), then the tests/dist modules of SHARED_LANE (marked `lane2`)
-in file order; the second runs those from the last module back, and each module goes to the lane that reaches it
-first, so the lanes end together. Modules marked `worlds` (tasks on the shared worlds
+beside another (fixed ports, namespace hosts, a cluster), then the tests/dist modules of SHARED_LANE (marked
+`either_lane`) in file order; the second runs those from the last module back, and each module goes to the lane that
+reaches it first, so the lanes end together. Modules marked `worlds` (tasks on the shared worlds
 only) run in a third process with worlds of their own, and the single-process tests in a fourth: on the cores a
 launch leaves idle while it waits on start-up, rendezvous and timeouts. (pytest-xdist's `loadgroup` would do this,
 but its groups are lost under pytest 9.2: it renames items through an attribute pytest no longer reads.)
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import compileall
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,7 +27,7 @@ SLOWEST = 40
 
 
 SIDES = {
-    "ranks": "ranks", "ranks-lane-2": "lane2", "worlds": "worlds",
+    "ranks": "ranks", "ranks-lane-2": "either_lane", "worlds": "worlds",
     "single-process": "not ranks and not worlds",
 }
 """Each process's name and its marker expression; the first prints as it goes, the others when all have ended."""
@@ -102,7 +103,8 @@ def main(extra: list[str]) -> int:
     kept = os.environ.get("TRAINYARD_SUITE_REPORTS")
     with tempfile.TemporaryDirectory(prefix="trainyard-suite-") as tmp:
         work = Path(kept or tmp)
-        (work / "claims").mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(work / "claims", ignore_errors=True)  # a kept folder's claims are an earlier run's
+        (work / "claims").mkdir(parents=True)
         logs = {side: work / f"{side}.log" for side in list(SIDES)[1:]}
         processes = {side: pytest(side, work, extra or ["tests"], logs.get(side)) for side in reversed(SIDES)}
         codes = {side: processes[side].wait() for side in SIDES}
