@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -184,30 +185,47 @@ def _expert_parallel_mesh(info: DistInfo, replicas: tuple[int, ...], shard: int,
     """("shard",) or ("replicate", "shard") as a view of a root mesh (["replicate",] "shard_mod_ep", "ep")."""
     outer = ("replicate",) if replicas else ()
     root = _mesh(info, (*replicas, shard // expert_parallel, expert_parallel), (*outer, "shard_mod_ep", "ep"))
-    options = timeout_options(info)
-    override = (info.backend, options) if options is not None else None
-    root["shard_mod_ep", "ep"]._flatten("shard", backend_override=override)
+    root["shard_mod_ep", "ep"]._flatten("shard", backend_override=group_backend(info))
     return root[(*outer, "shard")] if outer else root["shard"]
 
 
 def _mesh(info: DistInfo, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     """init_device_mesh gives the groups it splits off torch's default timeout (30 minutes), not the default
     group's: each dimension gets the job's timeout through its backend options."""
-    options = timeout_options(info)
-    override = {name: (info.backend, options) for name in names} if options is not None else None
+    configs = {name: group_backend(info) for name in names}
+    override = configs if all(configs.values()) else None
     return init_device_mesh(info.device.type, shape, mesh_dim_names=names, backend_override=override)
 
 
-def timeout_options(info: DistInfo):  # -> Backend.Options | None
-    """Backend options carrying dist.timeout_s, for the backend the default group uses."""
-    if info.timeout_s is None or info.backend not in ("gloo", "nccl"):
+def group_backend(info: DistInfo) -> tuple[str, Any] | None:
+    """(backend, options carrying dist.timeout_s) for a group split off the default one; None where torch's default
+    must do. Fresh options each call: torch writes each new group's name and ranks into the options it is given.
+
+    torch gives a subgroup the timeout of these options, and the options to the backend of their kind; a backend of
+    another kind in the same group ("cpu:gloo,cuda:nccl": Gloo beside NCCL) gets that timeout by itself. So the
+    options are NCCL's wherever the CUDA half is NCCL: with none, a CUDA job's groups waited torch's 30 minutes."""
+    kind = options_kind(info.backend)
+    if info.timeout_s is None or kind is None:
         return None
-    kind = dist.ProcessGroupGloo._Options if info.backend == "gloo" else getattr(dist, "ProcessGroupNCCL", None)
-    if kind is None:
-        return None
-    options = kind() if info.backend == "gloo" else kind.Options()
+    if kind == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif hasattr(dist, "ProcessGroupNCCL"):
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return None  # a torch built without NCCL cannot have made an NCCL group
     options._timeout = timedelta(seconds=info.timeout_s)
-    return options
+    return info.backend, options
+
+
+def options_kind(backend: str | None) -> str | None:
+    """Whose options a group of `backend` ("gloo", "nccl", or device:backend pairs) takes: "nccl" where any
+    device's half is NCCL, "gloo" where every half is Gloo, else None (a backend of another kind)."""
+    if not backend:
+        return None
+    halves = {part.rpartition(":")[2].strip() for part in backend.split(",")}
+    if "nccl" in halves:
+        return "nccl"
+    return "gloo" if halves == {"gloo"} else None
 
 
 def describe_mesh(mesh: DeviceMesh | None) -> str:

@@ -288,8 +288,7 @@ def _site_ranks_group(mesh: DeviceMesh, info: DistInfo) -> torch_dist.ProcessGro
     inner = within_site(mesh)
     if inner.ndim == 1:
         return inner.get_group()
-    options = dist.timeout_options(info)
-    return inner._flatten("site_ranks", backend_override=(info.backend, options) if options else None).get_group()
+    return inner._flatten("site_ranks", backend_override=dist.group_backend(info)).get_group()
 
 
 def _copies_within_site(inner: str) -> str | None:
