@@ -1,7 +1,9 @@
 """Writing files and folders so that readers see the old version or the new one, never half.
 
 One way to do it for every room: write beside the target under a temporary name, then
-rename over it (atomic on POSIX within one filesystem). And one way for processes that share a
+rename over it (atomic on POSIX within one filesystem). A folder written by many processes is sealed with a
+manifest (each file's size, and a checksum of the small ones) that tells, later, a folder still whole from one a
+full disk, a copy cut short or a lost flush damaged. And one way for processes that share a
 folder (the ranks of a node, or of every node) to take turns at filling it: a lock file that one
 of them creates, while the others wait on it with their own timeout, in no collective. Knows no
 other room.
@@ -17,11 +19,16 @@ import shutil
 import socket
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 LOCK_POLL_S = 0.2
+CHECKSUM_BUDGET_BYTES = 64 << 20
+"""A manifest checksums the folder's files smallest first while their total stays within this: the JSON files,
+DCP's .metadata and a LoRA adapter, never the bulk of a model's shards (their size alone is checked), so writing
+and checking a manifest reads at most this much."""
 
 
 def temp_sibling(target: Path) -> Path:
@@ -69,6 +76,64 @@ def publish_folder(built: Path, target: Path) -> bool:
         shutil.rmtree(built, ignore_errors=True)
         return False
     return True
+
+
+# ---------------------------------------------------------------- a folder sealed by its manifest
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_manifest(folder: Path, name: str, facts: dict[str, Any]) -> None:
+    """`folder/name`, written last and atomically: `facts` plus each other file's size (and crc32 within the
+    checksum budget), by path relative to the folder."""
+    found = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != name)
+    sizes = {str(p.relative_to(folder)): p.stat().st_size for p in found}
+    files: dict[str, dict[str, int]] = {rel: {"size": size} for rel, size in sizes.items()}
+    budget = CHECKSUM_BUDGET_BYTES
+    for rel, size in sorted(sizes.items(), key=lambda item: item[1]):
+        if size > budget:
+            break
+        files[rel]["crc32"] = _crc32(folder / rel)
+        budget -= size
+    write_atomically(folder / name, json.dumps({**facts, "files": files}))
+
+
+def manifest_damage(folder: Path, name: str) -> str | None:
+    """What differs between the folder and the manifest `folder/name` sealed it with, naming the file; None when
+    nothing does, or when there is no manifest to check against (an unsealed folder, or one sealed before manifests
+    listed files)."""
+    try:
+        files = json.loads((folder / name).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    problems = [problem for rel, sealed in sorted(files.items()) if (problem := _file_damage(folder / rel, sealed))]
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 1} more damaged files)" if len(problems) > 1 else ""
+    return problems[0] + more
+
+
+def _file_damage(path: Path, sealed: dict[str, int]) -> str | None:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return f"{path} is missing"
+    except OSError as err:
+        return f"{path} cannot be read ({err.strerror})"
+    if size != sealed["size"]:
+        how = "truncated" if size < sealed["size"] else "grown"
+        return f"{path} is {how}: {size:,} bytes, {sealed['size']:,} when it was written"
+    try:
+        garbled = "crc32" in sealed and _crc32(path) != sealed["crc32"]
+    except OSError as err:
+        return f"{path} cannot be read ({err.strerror})"
+    return f"{path} is garbled: its content differs from when it was written (crc32)" if garbled else None
 
 
 # ---------------------------------------------------------------- one process at a time

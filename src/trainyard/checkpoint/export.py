@@ -22,7 +22,16 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from trainyard.atomic import publish_folder, temp_sibling
-from trainyard.checkpoint.save import MARKER, STEP_DIR, committed_kind, latest_full, model_signature, read_trainer_state
+from trainyard.checkpoint.save import (
+    MARKER,
+    STEP_DIR,
+    check_intact,
+    committed,
+    committed_kind,
+    model_signature,
+    newest_intact,
+    read_trainer_state,
+)
 from trainyard.config import JobConfig
 from trainyard.config_file import load_config
 from trainyard.data.chat import tokenizer_as_trained
@@ -34,17 +43,18 @@ from trainyard.runs import layout as run_layout
 
 
 def find_checkpoint(path: Path) -> Path:
-    """A committed step folder as given, or a run dir's newest committed full checkpoint."""
+    """A committed step folder as given, or a run dir's newest committed full checkpoint; intact either way."""
     if not path.is_dir():
         raise CheckpointError(
             f"checkpoint {path} does not exist or is not a folder",
             fix="pass a run dir or one of its checkpoints/step-XXXXXXXX folders",
         )
     if STEP_DIR.match(path.name) is None and (path / run_layout.CHECKPOINTS).is_dir():
-        newest = latest_full(path / run_layout.CHECKPOINTS)
+        newest = newest_intact(path / run_layout.CHECKPOINTS)
         if newest is None:
+            damaged = " intact" if committed(path / run_layout.CHECKPOINTS) else ""
             raise CheckpointError(
-                f"run dir {path} has no committed full checkpoint",
+                f"run dir {path} has no{damaged} committed full checkpoint",
                 fix=f"pass one of {path / 'checkpoints'}/step-XXXXXXXX (lite ones too), "
                 "or train with checkpoint.at_end: true",
             )
@@ -54,6 +64,7 @@ def find_checkpoint(path: Path) -> Path:
             f"{path} is not a committed checkpoint (no {MARKER} marker: a partial or foreign folder)",
             fix="pass a run dir or a checkpoints/step-XXXXXXXX folder of a finished save",
         )
+    check_intact(path)
     return path
 
 

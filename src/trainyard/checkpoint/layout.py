@@ -1,7 +1,9 @@
 """Which checkpoint folders exist and which of them count: read from the disk alone.
 
 `checkpoints/step-00000100/` counts once its `COMMITTED` marker (JSON: its kind, full or
-lite) is there; it is written last, after every rank's files. `LATEST` names the newest
+lite, and each file's size and small files' crc32) is there; it is written last, after every rank's files. A
+committed checkpoint whose files no longer match its marker (a full disk, a copy cut short, a lost flush) is
+damaged: never loaded, never deleted here; `auto` goes back to the newest intact one. `LATEST` names the newest
 committed full one. Finding, cleaning, rotating, choosing the one to resume, and checking
 that it fits this job live here; writing and loading the tensors live in checkpoint.py.
 """
@@ -9,16 +11,17 @@ that it fits this job live here; writing and loading the tensors live in checkpo
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
-from trainyard.atomic import fsync_dir, write_atomically
+from trainyard.atomic import fsync_dir, manifest_damage, write_atomically, write_manifest
 from trainyard.errors import CheckpointError
 from trainyard.runs import layout as run_layout
 
-MARKER = "COMMITTED"
+MARKER = run_layout.COMMITTED
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -32,7 +35,7 @@ def write_marker(checkpoints: Path, path: Path, kind: str) -> None:
     if kind == "lite" and committed_kind(path) is not None:
         return
     fsync_dir(path)
-    write_atomically(path / MARKER, json.dumps({"kind": kind}))
+    write_manifest(path, MARKER, {"kind": kind})
     if kind == "full":
         write_atomically(checkpoints / "LATEST", path.name + "\n")
 
@@ -63,6 +66,47 @@ def latest_full(checkpoints: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def damage(path: Path) -> str | None:
+    """What is wrong with a committed checkpoint's files (the first damaged file named), or None when they are as
+    committed. Sizes of all, crc32 of the small ones: cheap enough for every resume, export, eval and status."""
+    return manifest_damage(path, MARKER)
+
+
+def check_intact(path: Path) -> None:
+    """A checkpoint named by the user must be whole: say which file is not, and how."""
+    if problem := damage(path):
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: {problem}",
+            fix="name an intact checkpoint (checkpoint.resume: auto skips damaged ones), or restore the file",
+        )
+
+
+def newest_intact(checkpoints: Path) -> Path | None:
+    """The newest committed full checkpoint (LATEST, or one older) whose files are as committed. Each damaged one
+    passed over is logged by name and left in place."""
+    latest = latest_full(checkpoints)
+    if latest is None:
+        return None
+    for path in reversed([p for p in committed(checkpoints, "full") if p.name <= latest.name]):
+        problem = damage(path)
+        if problem is None:
+            return path
+        logging.getLogger("trainyard").warning("skipping damaged checkpoint %s (left in place): %s", path, problem)
+    return None
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint out of the step names (step-00000100.damaged, .damaged-2, ...): kept for whoever
+    wants its files, never loaded, rotated or cleaned up, and its step free to be saved again."""
+    aside = path.with_name(f"{path.name}.damaged")
+    count = 1
+    while aside.exists():
+        count += 1
+        aside = path.with_name(f"{path.name}.damaged-{count}")
+    path.rename(aside)
+    return aside
+
+
 def remove_uncommitted(checkpoints: Path) -> list[Path]:
     """Partial checkpoints from a run that died mid-save: never loadable, so removed."""
     removed = []
@@ -88,19 +132,21 @@ def rotate(checkpoints: Path, keep_last: int, protected: Path | None) -> list[Pa
 
 
 def resolve_resume(resume: str, checkpoints: Path) -> Path | None:
-    """`auto`: the newest committed full checkpoint (or None); `never`; or an explicit path."""
+    """`auto`: the newest intact committed full checkpoint (or None); `never`; or an explicit path, which must be
+    intact."""
     if resume == "never":
         return None
     if resume == "auto":
-        return latest_full(checkpoints)
+        return newest_intact(checkpoints)
     path = Path(resume)
     if path.is_dir() and STEP_DIR.match(path.name) is None and (path / run_layout.CHECKPOINTS).is_dir():
-        path = latest_full(path / run_layout.CHECKPOINTS) or path  # a run dir: its newest checkpoint
+        path = newest_intact(path / run_layout.CHECKPOINTS) or path  # a run dir: its newest intact checkpoint
     if committed_kind(path) != "full":
         raise CheckpointError(
             f"checkpoint.resume: {path} is not a committed full checkpoint (no {MARKER} marker of kind full)",
             fix="point it at a checkpoints/step-XXXXXXXX folder of a finished save, or use auto",
         )
+    check_intact(path)
     return path
 
 

@@ -45,24 +45,27 @@ from trainyard.checkpoint.layout import (  # noqa: F401  (the checkpoint room's 
     MARKER,
     STEP_DIR,
     check_compatible,
+    check_intact,
     committed,
     committed_kind,
+    damage,
     latest_full,
+    newest_intact,
     read_trainer_state,
     remove_uncommitted,
     resolve_resume,
     rotate,
+    set_aside,
     step_dir,
     write_marker,
 )
+from trainyard.checkpoint.failure import DISK_FIX, plain, save_error, state_bytes
 from trainyard.config import CheckpointConfig
 from trainyard.dist import DistInfo, all_reduce_sum, broadcast_text
 from trainyard.errors import CheckpointError
 from trainyard.model.build import is_peft
 from trainyard.parallel import expert_parallel
 from trainyard.parallel.parallelize import unwrap
-
-DISK_FIX = "check free space and permissions of the checkpoint dir; the previous checkpoint is intact"
 
 
 # ---------------------------------------------------------------- lite
@@ -140,6 +143,8 @@ class PendingSave:
     path: Path
     step: int
     future: Future | None
+    needed: int = 0
+    """Bytes the whole save writes, for the message of a full disk."""
 
     def done_here(self) -> bool:
         return self.future is None or self.future.done()
@@ -165,7 +170,7 @@ def _write_shards(state: dict[str, Any], path: Path, async_save: bool, process_g
     try:
         dcp.save(state, checkpoint_id=str(path), process_group=process_group)
     except CheckpointException as err:  # a BaseException: turn it into an ordinary error
-        raise RuntimeError(str(err)) from None
+        raise RuntimeError(plain(err)) from err
     return None
 
 
@@ -189,7 +194,7 @@ def _write_own_files(
     except (OSError, SafetensorError) as err:  # safetensors' I/O errors are not OSErrors
         error = err
     if all_reduce_sum(torch.tensor([float(error is not None)], device=info.device)).item() > 0:
-        raise OSError(str(error) if error is not None else "another rank could not write its files")
+        raise OSError(str(error) if error is not None else "another rank could not write its files") from error
 
 
 def finish_save(pending: PendingSave) -> None:
@@ -197,8 +202,8 @@ def finish_save(pending: PendingSave) -> None:
     if pending.future is not None:
         try:
             pending.future.result()
-        except Exception as err:  # the writer thread's error, whatever it was
-            raise CheckpointError(f"writing checkpoint {pending.path} failed: {err}", fix=DISK_FIX) from None
+        except (Exception, CheckpointException) as err:  # the writer thread's error, whatever it was
+            raise save_error(pending.path, err, pending.needed) from None
 
 
 def _write_failure(pending: PendingSave) -> CheckpointError:
@@ -296,16 +301,17 @@ class Checkpointer:
         Async: started here, committed by a later `settle`. At most one save is in flight."""
         self.wait()
         path = step_dir(self.dir, step)
-        if committed_kind(path) == "full":
+        if self._saved_intact(path):
             return True  # this step is already saved (a preemption right after a save)
         started = time.monotonic()
+        parts = _state_dicts(model, optimizer, self.cfg.save_frozen)
+        state = self.arrange(*(expert_parallel.whole_stacks(model, part) for part in parts))
+        needed = state_bytes(state)
         try:
             _write_own_files(model, path, trainer_state, rank_state, self.info, self.tokenizer)
-            parts = _state_dicts(model, optimizer, self.cfg.save_frozen)
-            state = self.arrange(*(expert_parallel.whole_stacks(model, part) for part in parts))
-            pending = PendingSave(path, step, _write_shards(state, path, async_save, self.group))
+            pending = PendingSave(path, step, _write_shards(state, path, async_save, self.group), needed)
         except (OSError, RuntimeError) as err:
-            self._failed(step, CheckpointError(f"saving checkpoint {path} failed: {err}", fix=DISK_FIX))
+            self._failed(step, save_error(path, err, needed))
             return False
         stall = time.monotonic() - started
         self.last_stall_s, self.last_step = stall, step
@@ -314,6 +320,22 @@ class Checkpointer:
             self.emit("checkpoint", step=step, mode="full", path=str(path), async_save=True, stall_s=stall)
             return False
         return self._commit_or_report(pending, stall_s=stall)
+
+    def _saved_intact(self, path: Path) -> bool:
+        """A committed full checkpoint of this step whose files are as committed. Rank 0 reads them and decides for
+        every rank; a damaged one is moved aside (kept, never deleted) so that the step is saved again in its place.
+        Every rank sees the same marker here: only rank 0 writes one, after all ranks' files, in a collective."""
+        if committed_kind(path) != "full":
+            return False
+        problem = damage(path) if self.info.is_main else None
+        if not broadcast_text(problem or "", self.info.device):
+            return True
+        if self.info.is_main:
+            aside = set_aside(path)
+            logging.getLogger("trainyard").warning("checkpoint %s is damaged (%s): moved to %s, saving it again",
+                                                   path, problem, aside.name)
+        all_reduce_sum(torch.zeros(1, device=self.info.device))  # no rank writes into the folder before it moved
+        return False
 
     def save_lite(self, model: torch.nn.Module, step: int) -> None:
         """The adapter alone, committed at once: seconds, no optimizer, no base weights."""
@@ -324,7 +346,8 @@ class Checkpointer:
             if save_adapter(model, path / "adapter", self.info, self.tokenizer) is None:
                 return  # not a LoRA job: no rank has anything to save
         except (OSError, SafetensorError) as err:  # rank 0 writes; safetensors' I/O errors are not OSErrors
-            error = f"saving lite checkpoint {path} failed on rank 0: {err}"
+            trained = [p for p in unwrap(model).parameters() if p.requires_grad]
+            error = save_error(path, err, state_bytes(trained), "lite checkpoint").what + " (on rank 0)"
         try:
             if error := broadcast_text(error, self.info.device):
                 raise CheckpointError(error, fix=DISK_FIX)

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from trainyard.atomic import write_atomically
+from trainyard.atomic import manifest_damage, write_atomically
 from trainyard.errors import ConfigError
 from trainyard.runs import layout as run_layout
 
@@ -181,6 +181,13 @@ def _last_checkpoint(run_dir: Path) -> str | None:
         return None
 
 
+def _damaged_checkpoints(run_dir: Path) -> dict[str, str]:
+    """Committed checkpoints whose files no longer match their commit marker: name -> the damaged file and how."""
+    folder = run_dir / run_layout.CHECKPOINTS
+    steps = sorted(folder.glob("step-*")) if folder.is_dir() else []
+    return {step.name: problem for step in steps if (problem := manifest_damage(step, run_layout.COMMITTED))}
+
+
 def _state(finished: bool, train_events: list[dict[str, Any]], beats: list[dict[str, Any]]) -> str:
     """finished (summary.json), running, or not started: no rank ever logged a step or wrote a heartbeat (a run dir
     holding only its config.yaml, or a job still queued or loading)."""
@@ -225,6 +232,7 @@ def read_status(run_dir: Path | str, stale_after_s: float = STALE_AFTER_S, now: 
         "last_event_age_s": now - events[-1]["time"] if events and "time" in events[-1] else None,
         "last_eval": {k: v for k, v in evals[-1].items() if k not in ("kind", "time")} if evals else None,
         "last_checkpoint": _last_checkpoint(run_dir),
+        "damaged_checkpoints": _damaged_checkpoints(run_dir),
         "heartbeats": [{**beat, "age_s": round(now - float(beat.get("time", 0)), 1)} for beat in beats],
         "stale_ranks": [beat["rank"] for beat in stale],
         "stale_description": describe_ranks(stale, now) if stale else None,
@@ -269,6 +277,8 @@ def format_status(status: dict[str, Any]) -> str:
         shown = "  ".join(f"{k} {v:.4g}" for k, v in status["last_eval"].items() if isinstance(v, float))
         lines.append(f"  last eval (step {status['last_eval'].get('step')}): {shown}")
     lines.append(f"  last committed checkpoint: {status['last_checkpoint'] or 'none'}")
+    for name, problem in status["damaged_checkpoints"].items():
+        lines.append(f"  DAMAGED checkpoint {name} (resume: auto skips it): {problem}")
     if status["last_event_age_s"] is not None and not status["finished"]:
         lines.append(f"  last metrics event {status['last_event_age_s']:.0f} s ago")
     beats = status["heartbeats"]

@@ -160,7 +160,11 @@ def resume(job: Job) -> LoopState:
     dist.barrier()
     path = checkpoint.resolve_resume(job.cfg.checkpoint.resume, job.checkpoints)
     if path is None:
-        logger.info("starting fresh (checkpoint.resume: %s, no committed checkpoint)", job.cfg.checkpoint.resume)
+        if job.cfg.checkpoint.resume == "auto" and checkpoint.committed(job.checkpoints):
+            logger.warning("starting fresh: every committed checkpoint in %s is damaged (named above, left in place)",
+                           job.checkpoints)
+        else:
+            logger.info("starting fresh (checkpoint.resume: %s, no committed checkpoint)", job.cfg.checkpoint.resume)
         return LoopState()
     saved = checkpoint.read_trainer_state(path)
     world = job.info.world_size
