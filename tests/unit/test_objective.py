@@ -87,8 +87,8 @@ def test_the_dry_run_shows_the_objective_a_pair_with_its_trained_tokens_and_the_
 
 
 @pytest.mark.parametrize(("objective", "data", "says"), [
-    ("dpo", "builtin:dates", "train.objective is dpo but data.path builtin:dates holds no preference pairs"),
-    ("sft", "pairs", "holds preference pairs (chosen/rejected) but train.objective is sft"),
+    ("dpo", "builtin:dates", "builtin:dates:row 0: missing field: 'chosen' and 'rejected' are missing"),
+    ("sft", "pairs", "pairs.jsonl:1: this row is a preference pair"),
 ])
 def test_data_that_does_not_fit_the_objective_exits_2(tmp_path: Path, objective: str, data: str, says: str) -> None:
     path = pairs_file(tmp_path) if data == "pairs" else data

@@ -43,7 +43,7 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path) -> dict[str, object]:
             model_path = source_room.resolve_model_path(model_source)
         tokenizer = source_room.load_tokenizer(model_source, model_path)
     cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output_dir) / ".cache" / "data"
-    data = prepare_datasets(cfg.data, tokenizer, cache_root, log=log)
+    data = prepare_datasets(cfg.data, tokenizer, cache_root, log=log, objective=cfg.train.objective)
     if data.eval is None or len(data.eval) == 0:
         raise DataError(
             f"the job has no eval set (data.path {cfg.data.path})",

@@ -29,6 +29,7 @@ import jinja2
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from trainyard.config import DataConfig
+from trainyard.data.shapes import Objective
 from trainyard.errors import ConfigError, DataError
 
 IGNORE_INDEX = -100
@@ -133,13 +134,17 @@ def tokenizer_as_trained(tokenizer: Any, cfg: DataConfig) -> Any:
     return trained
 
 
-def check_chat_tokenizer(tokenizer: Any, template: ChatTemplate) -> None:
-    """Fail once, before the first row, when chat rows cannot be encoded with this tokenizer."""
+def check_chat_tokenizer(tokenizer: Any, template: ChatTemplate, objective: Objective = None) -> None:
+    """Fail once, before the first row, when chat rows (dpo: conversation pairs) cannot be encoded with this
+    tokenizer."""
     if not template.source(tokenizer):
+        rows = "the pairs are conversations" if objective == "dpo" else "the data is in chat format"
+        other = ("give the pairs as strings: `prompt` + `chosen` + `rejected`, each a string" if objective == "dpo"
+                 else "convert the data to alpaca (`instruction` + `output`) or `text`")
         raise DataError(
-            "the data is in chat format but the tokenizer has no chat template",
+            f"{rows} but the tokenizer has no chat template",
             fix="set data.chat_template to a known template (" + ", ".join(family_templates()) + ") or a .jinja "
-            "file, use an instruction-tuned model's tokenizer (model.tokenizer), or convert the data to alpaca or text",
+            f"file, use an instruction-tuned model's tokenizer (model.tokenizer), or {other}",
         )
     if not tokenizer.is_fast:
         raise DataError(

@@ -19,26 +19,24 @@ from typing import Any
 from trainyard.config import DataConfig
 from trainyard.data.chat import IGNORE_INDEX, BadRow, ChatTemplate, chat_template_for, check_chat_tokenizer, encode_chat
 from trainyard.data.preference import encode_pair, is_preference
-from trainyard.doctor.preflight import DATA_FIX, SNIFF_BYTES, check_text, parquet_file, parse_json
+from trainyard.data.shapes import Objective, format_for, pair_under_sft, row_fix, source_fix, unknown_shape_fix
+from trainyard.doctor.preflight import SNIFF_BYTES, check_text, parquet_file, parse_json
 from trainyard.errors import DataError
 
 __all__ = ["IGNORE_INDEX", "BadRow", "detect_format", "encode_row", "encode_rows", "read_rows"]
 
 FORMATS = ("preference", "chat", "alpaca", "text")
-SKIP_FIX = "fix or remove the row, or set data.on_bad_row: skip to skip bad rows (they are counted)"
-FORMAT_FIX = (
-    "give each row `messages` or `conversations` (chat), `instruction` + `output` (alpaca) or `text`, "
-    "or set data.format to chat, alpaca or text"
-)
 
 
 # ---------------------------------------------------------------- readers
 
 
-def read_rows(path: Path, field: str = "data.path") -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
+def read_rows(
+    path: Path, field: str = "data.path", objective: Objective = None
+) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
     """(location, row) for every row of a JSONL, JSON, Parquet or `save_to_disk` source."""
     if not path.exists():
-        raise DataError(f"{field}: data file {path} does not exist", fix=DATA_FIX.format(field=field))
+        raise DataError(f"{field}: data file {path} does not exist", fix=source_fix(field, objective))
     if path.is_dir():
         return _read_saved_dataset(path, field)
     suffix = path.suffix.lower()
@@ -141,9 +139,14 @@ def _read_saved_dataset(path: Path, field: str) -> Iterator[tuple[str, dict[str,
 # ---------------------------------------------------------------- format detection
 
 
-def detect_format(row: dict[str, Any], where: str) -> str:
-    """The format a row's keys announce; a shape we do not know is an error, not a guess."""
+def detect_format(row: dict[str, Any], where: str, objective: Objective = None) -> str:
+    """The format a row's keys announce; a shape we do not know is an error, not a guess. Under dpo every row is a
+    pair (one that is not says which of its fields is missing), under sft none is."""
+    if objective == "dpo":
+        return "preference"
     if is_preference(row):
+        if objective == "sft":
+            raise pair_under_sft(sorted(row), where)
         return "preference"
     if "messages" in row or "conversations" in row:
         return "chat"
@@ -154,7 +157,7 @@ def detect_format(row: dict[str, Any], where: str) -> str:
     raise DataError(
         f"cannot tell the data format from the keys {sorted(row)}",
         where=where,
-        fix=FORMAT_FIX,
+        fix=unknown_shape_fix(objective),
     )
 
 
@@ -298,13 +301,14 @@ def encode_rows(
     skipped: Counter[str],
     on_skip: Callable[[str, str], None] | None = None,
     truncation: Truncation | None = None,
+    objective: Objective = None,
 ) -> Iterator[dict[str, Any]]:
     """Encode rows in order; bad rows raise, or are skipped and counted by reason in `skipped` (and `on_skip` is
-    told where and why).
+    told where and why). Every error names `objective`'s row shapes.
 
-    The format is `cfg.format`, or what the first readable row's keys announce.
+    The format is `cfg.format`, or what the first readable row's keys announce (under dpo: pairs).
     """
-    fmt = None if cfg.format == "auto" else cfg.format
+    fmt = format_for(cfg.format, objective)
     template = chat_template_for(cfg)
     if fmt is not None:
         check_tokenizer_for(fmt, tokenizer, template)
@@ -313,7 +317,7 @@ def encode_rows(
             if isinstance(row, BadRow):
                 raise row
             if fmt is None:
-                fmt = detect_format(row, where)
+                fmt = detect_format(row, where, objective)
                 check_tokenizer_for(fmt, tokenizer, template)
             if fmt == "preference":
                 yield encode_pair(row, tokenizer, template, cfg.max_length)
@@ -329,7 +333,12 @@ def encode_rows(
             )
         except BadRow as bad:
             if cfg.on_bad_row == "error":
-                raise DataError(str(bad), where=where, fix=SKIP_FIX) from None
+                raise DataError(str(bad), where=where, fix=row_fix(objective)) from None
             skipped[bad.reason] += 1
             if on_skip is not None:
                 on_skip(where, bad.reason)
+        except DataError as err:  # the tokenizer cannot encode the rows: name the first it failed on
+            if err.where is None:
+                err.where = where
+                err.args = (err.render(),)
+            raise

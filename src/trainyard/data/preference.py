@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainyard.data.chat import IGNORE_INDEX, BadRow, ChatTemplate, encode_chat, renderer
+from trainyard.data.chat import IGNORE_INDEX, BadRow, ChatTemplate, check_chat_tokenizer, encode_chat, renderer
+from trainyard.data.shapes import PAIR_SHAPES, SFT_SHAPES
 from trainyard.errors import DataError
 
 PAIR_KEYS = ("chosen", "rejected")
@@ -28,20 +29,21 @@ def check_objective_fits(objective: str, pairs: bool, path: str) -> None:
     if objective == "dpo" and not pairs:
         raise DataError(
             f"train.objective is dpo but data.path {path} holds no preference pairs",
-            fix="give each row `chosen` and `rejected` (and `prompt`, or conversations that share their first turns)",
+            fix=f"give each row {PAIR_SHAPES}",
         )
     if objective == "sft" and pairs:
         raise DataError(
             f"data.path {path} holds preference pairs (chosen/rejected) but train.objective is sft",
-            fix="set train.objective: dpo, or train on rows with a single response",
+            fix=f"set train.objective: dpo, or give each row one response: {SFT_SHAPES}",
         )
 
 
 def split_pair(row: dict[str, Any]) -> tuple[Any, Any, Any]:
     """(prompt, chosen, rejected), the prompt taken from the shared first turns where the row has none."""
-    for key in PAIR_KEYS:
-        if key not in row or row[key] is None:
-            raise BadRow("missing field", f"'{key}' is missing")
+    missing = [f"'{key}'" for key in PAIR_KEYS if row.get(key) is None]
+    if missing:
+        verb = "is" if len(missing) == 1 else "are"
+        raise BadRow("missing field", f"{' and '.join(missing)} {verb} missing (the row has the keys {sorted(row)})")
     chosen, rejected = row["chosen"], row["rejected"]
     if not (isinstance(chosen, str) and isinstance(rejected, str)
             or isinstance(chosen, list) and isinstance(rejected, list)):
@@ -101,6 +103,8 @@ def encode_pair(row: dict[str, Any], tokenizer: Any, template: ChatTemplate, max
     """input_ids and labels of the chosen document then the rejected one, and seq_lens [chosen, rejected]. Each
     document is cut at max_length (TRL's keep_start); one left without a completion token is a bad row."""
     prompt, chosen, rejected = split_pair(row)
+    if isinstance(prompt, list):
+        check_chat_tokenizer(tokenizer, template, "dpo")
     _check_completion(chosen, "chosen")
     _check_completion(rejected, "rejected")
     if isinstance(prompt, str):

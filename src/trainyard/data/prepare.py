@@ -25,6 +25,8 @@ from trainyard.config import DataConfig
 from trainyard.data.cache import build_once
 from trainyard.data.chat import chat_template_for
 from trainyard.data.formats import IGNORE_INDEX, BadRow, Truncation, encode_rows, read_rows, truncation_warning
+from trainyard.data.preference import check_objective_fits
+from trainyard.data.shapes import Objective, no_rows_fix, source_fix
 from trainyard.data.synthetic import builtin_rows, is_builtin
 from trainyard.errors import DataError
 
@@ -69,17 +71,13 @@ def _hash_file(digest: Any, path: Path) -> None:
             digest.update(block)
 
 
-def source_hash(path: str, field: str = "data.path") -> str:
+def source_hash(path: str, field: str = "data.path", objective: Objective = None) -> str:
     """Content hash of a data file or folder (every file in it), so moving data keeps its cache."""
     if is_builtin(path):
         return path
     root = Path(path)
     if not root.exists():
-        raise DataError(
-            f"{field}: {path} does not exist",
-            fix=f"set {field} to a JSONL, JSON or Parquet file, a save_to_disk folder "
-            "or a built-in task such as builtin:dates",
-        )
+        raise DataError(f"{field}: {path} does not exist", fix=source_fix(field, objective))
     digest = hashlib.sha256()
     if root.is_file():
         _hash_file(digest, root)
@@ -105,12 +103,13 @@ def tokenizer_hash(tokenizer: Any) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def data_fingerprint(cfg: DataConfig, tokenizer: Any) -> str:
-    """The cache key: changes whenever the prepared tokens could change."""
+def data_fingerprint(cfg: DataConfig, tokenizer: Any, objective: Objective = None) -> str:
+    """The cache key: changes whenever the prepared tokens could change (not with the objective, which only decides
+    whether they are usable; prepare_datasets checks that)."""
     parts = {
         "code": CODE_VERSION,
-        "data": source_hash(cfg.path),
-        "eval_data": source_hash(cfg.eval_path, "data.eval_path") if cfg.eval_path else None,
+        "data": source_hash(cfg.path, "data.path", objective),
+        "eval_data": source_hash(cfg.eval_path, "data.eval_path", objective) if cfg.eval_path else None,
         "tokenizer": tokenizer_hash(tokenizer),
         "format": cfg.format,
         "max_length": cfg.max_length,
@@ -165,7 +164,7 @@ def _counted(rows: Source, counter: Counter[str]) -> Source:
         yield row
 
 
-def sources(cfg: DataConfig) -> tuple[Source, Source | None]:
+def sources(cfg: DataConfig, objective: Objective = None) -> tuple[Source, Source | None]:
     """(train rows, eval rows or None) with their locations."""
     train_rows: Source
     eval_rows: Source | None = None
@@ -176,9 +175,9 @@ def sources(cfg: DataConfig) -> tuple[Source, Source | None]:
         train_rows = [(f"{cfg.path}:row {i}", row) for i, row in enumerate(train)]
         eval_rows = [(f"{cfg.path}:eval row {i}", row) for i, row in enumerate(held_out)]
     else:
-        train_rows = read_rows(Path(cfg.path), "data.path")
+        train_rows = read_rows(Path(cfg.path), "data.path", objective)
     if cfg.eval_path:
-        eval_rows = read_rows(Path(cfg.eval_path), "data.eval_path")
+        eval_rows = read_rows(Path(cfg.eval_path), "data.eval_path", objective)
     return train_rows, eval_rows
 
 
@@ -190,10 +189,11 @@ def _encode(
     read: Counter[str],
     skipped: Counter[str],
     truncation: Truncation | None = None,
+    objective: Objective = None,
 ) -> datasets.Dataset:
     """Documents of one source; a source with no usable row is an error, not an empty run."""
     here: Counter[str] = Counter()
-    encoded = encode_rows(_counted(rows, read), tokenizer, cfg, here, truncation=truncation)
+    encoded = encode_rows(_counted(rows, read), tokenizer, cfg, here, truncation=truncation, objective=objective)
     first = next(encoded, None)
     features = _features(packed=first is not None and "seq_lens" in first)  # a preference pair: 2 documents
     docs = _dataset_from(itertools.chain([first] if first is not None else [], encoded), features)
@@ -202,7 +202,7 @@ def _encode(
         raise DataError(
             f"no usable rows (skipped: {dict(here) or 'none, the source is empty'})",
             where=where,
-            fix="check the file and data.format; every row needs a response to learn from",
+            fix=no_rows_fix(objective),
         )
     return docs
 
@@ -278,16 +278,18 @@ def _stats(
     }
 
 
-def tokenize_into(folder: Path, cfg: DataConfig, tokenizer: Any, fingerprint: str) -> None:
+def tokenize_into(
+    folder: Path, cfg: DataConfig, tokenizer: Any, fingerprint: str, objective: Objective = None
+) -> None:
     """Write train/, eval/ (when there is an eval split) and meta.json into `folder`."""
     read: Counter[str] = Counter()
     skipped: Counter[str] = Counter()
-    train_rows, eval_rows = sources(cfg)
+    train_rows, eval_rows = sources(cfg, objective)
     truncation = Truncation()
-    train = _encode(train_rows, cfg.path, tokenizer, cfg, read, skipped, truncation)
+    train = _encode(train_rows, cfg.path, tokenizer, cfg, read, skipped, truncation, objective)
     eval_docs = None
     if eval_rows is not None:
-        eval_docs = _encode(eval_rows, cfg.eval_path or cfg.path, tokenizer, cfg, read, skipped)
+        eval_docs = _encode(eval_rows, cfg.eval_path or cfg.path, tokenizer, cfg, read, skipped, objective=objective)
     elif cfg.eval_fraction > 0:
         train, eval_docs = hold_out(train, cfg.eval_fraction)
     documents = len(train)
@@ -332,26 +334,44 @@ def load_prepared(cache_dir: Path, tokenized_here: bool) -> PreparedData:
     )
 
 
+def _check_objective(prepared: PreparedData, cfg: DataConfig, tokenizer: Any, objective: Objective) -> None:
+    """A cache that a run of the other objective built from the same data and settings fails as a fresh prepare
+    would: at the first row, which decides the format, with this objective's shapes."""
+    if objective is None or prepared.train is None:
+        return
+    pairs = "seq_lens" in prepared.train.column_names and not cfg.packing
+    if pairs == (objective == "dpo"):
+        return
+    strict = cfg.model_copy(update={"on_bad_row": "error"})
+    rows, _ = sources(cfg, objective)
+    for _ in encode_rows(itertools.islice(rows, 1), tokenizer, strict, Counter(), objective=objective):
+        pass
+    check_objective_fits(objective, pairs, cfg.path)
+
+
 def prepare_datasets(
     cfg: DataConfig,
     tokenizer: Any,
     cache_root: Path,
     log: Callable[[str], None] = print,
+    objective: Objective = None,
 ) -> PreparedData:
-    """Tokenized train (and eval) datasets for this job, built once per cache folder.
+    """Tokenized train (and eval) datasets for this job, built once per cache folder; every data error names the
+    rows `objective` (train.objective) trains on.
 
     Safe to call from every rank at once, with a cache shared by all nodes or local to each.
     """
     cache_root = Path(cache_root)
     cache_root.mkdir(parents=True, exist_ok=True)
-    fingerprint = data_fingerprint(cfg, tokenizer)
+    fingerprint = data_fingerprint(cfg, tokenizer, objective)
     cache_dir = cache_root / fingerprint
     tokenized_here = build_once(
         cache_dir,
-        lambda folder: tokenize_into(folder, cfg, tokenizer, fingerprint),
+        lambda folder: tokenize_into(folder, cfg, tokenizer, fingerprint, objective),
         timeout_s=cfg.prepare_timeout_s,
     )
     prepared = load_prepared(cache_dir, tokenized_here)
+    _check_objective(prepared, cfg, tokenizer, objective)
     if tokenized_here:
         documents = prepared.stats["train_documents"] + prepared.stats["eval_rows"]
         log(f"tokenized {documents} rows into {cache_dir}")

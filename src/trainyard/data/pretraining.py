@@ -23,7 +23,7 @@ def prepare_pretraining(
         held_out = cfg.data.model_copy(
             update={"path": cfg.data.eval_path, "eval_path": None, "mixture": None, "format": "text", "packing": True}
         )
-        eval_rows = prepare_datasets(held_out, tokenizer, cache_root, log=log).train
+        eval_rows = prepare_datasets(held_out, tokenizer, cache_root, log=log, objective=cfg.train.objective).train
     stats = {
         "sources": [
             {"path": source.path, "documents": source.documents, "tokens": source.tokens} for source in shards.sources

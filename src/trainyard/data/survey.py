@@ -18,6 +18,7 @@ from trainyard.config import JobConfig
 from trainyard.data.formats import IGNORE_INDEX, BadRow, Truncation, detect_format, encode_rows, truncation_warning
 from trainyard.data.preference import check_objective_fits
 from trainyard.data.prepare import sources
+from trainyard.data.shapes import Objective, no_rows_fix
 from trainyard.errors import DataError
 
 SURVEY_ROWS = 20_000
@@ -64,12 +65,13 @@ def survey(cfg: JobConfig, tokenizer: Any) -> Survey:
     usable row, or a bad row under data.on_bad_row: error (named with its file:line, as training would)."""
     data = cfg.data
     found = Survey(path=data.path, format=data.format)
-    rows, _ = sources(data)
+    objective = cfg.train.objective
+    rows, _ = sources(data, objective)
     remaining = iter(rows)
-    head = _counted(islice(remaining, SURVEY_ROWS), found)
+    head = _counted(islice(remaining, SURVEY_ROWS), found, objective)
     first_at = found.first_dropped.setdefault
     encoded = encode_rows(head, tokenizer, data, found.dropped, on_skip=lambda where, why: first_at(why, where),
-                          truncation=found.truncation)
+                          truncation=found.truncation, objective=objective)
     for example in encoded:
         _add(found, example, tokenizer, data.max_length)
         check_objective_fits(cfg.train.objective, "seq_lens" in example, data.path)
@@ -79,17 +81,17 @@ def survey(cfg: JobConfig, tokenizer: Any) -> Survey:
                             for reason, count in found.dropped.items())
         raise DataError(
             f"data.path: {data.path} has no usable row ({reasons or 'it is empty'})",
-            fix="check the file and data.format; every row needs a response to learn from",
+            fix=no_rows_fix(objective),
         )
     return found
 
 
-def _counted(rows: Iterator[tuple[str, Any]], found: Survey) -> Iterator[tuple[str, Any]]:
+def _counted(rows: Iterator[tuple[str, Any]], found: Survey, objective: Objective) -> Iterator[tuple[str, Any]]:
     for where, row in rows:
         found.encoded += 1
         found.last_where = where
         if found.format == "auto" and not isinstance(row, BadRow):
-            found.format = detect_format(row, where)
+            found.format = detect_format(row, where, objective)
         yield where, row
 
 

@@ -318,7 +318,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         data, shards = prepare_pretraining(cfg, tokenizer, cache_root, logger.info, show_progress=info.is_main)
         sampler: ResumableSampler | MixtureStream = mixture_stream(cfg, shards, data_rank, data_world)
     else:
-        data = prepare_datasets(cfg.data, tokenizer, cache_root, log=logger.info)
+        data = prepare_datasets(cfg.data, tokenizer, cache_root, log=logger.info, objective=cfg.train.objective)
         sampler = ResumableSampler(len(data.train), seed=cfg.train.seed, rank=data_rank, world_size=data_world,
                                    first=_worst_batch(cfg, data.train, data_world))
 
