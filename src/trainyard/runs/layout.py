@@ -25,3 +25,9 @@ SAMPLES = "samples"
 TENSORBOARD = "tensorboard"
 MARKERS = (METRICS, ENV, CONFIG, HEARTBEATS, LOGS, CHECKPOINTS)
 """What only a run directory holds: one of them tells a run dir from any folder."""
+OBJECTIVE_FIGURES = {
+    "dpo": ("rewards/margins", "rewards/accuracies", "rewards/chosen", "rewards/rejected", "logps/chosen",
+            "logps/rejected"),
+}
+"""What each objective is judged by beside its loss, as metrics.jsonl names them (TRL's names): train events carry
+them as they are, eval events with `eval_` before them. SFT's are the loss and eval's accuracy and perplexity."""

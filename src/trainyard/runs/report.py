@@ -71,6 +71,34 @@ PLOTS = (
 )
 
 
+def _train_and_eval(name: str, label: str = "", styles: tuple[str, str] = ("-", "--o")) -> tuple[Line, Line]:
+    """A figure as train events carry it and as eval events do (`eval_` before its name)."""
+    return (Line("train", name, f"train {label}".strip(), styles[0]),
+            Line("eval", f"eval_{name}", f"eval {label}".strip(), styles[1]))
+
+
+def _chosen_and_rejected(group: str) -> tuple[Line, ...]:
+    """The chosen answers' figure (solid; eval dashed with dots) and the rejected ones' (dotted; eval with crosses)."""
+    rejected = _train_and_eval(f"{group}/rejected", "rejected", (":", "--x"))
+    return (*_train_and_eval(f"{group}/chosen", "chosen"), *rejected)
+
+
+OBJECTIVE_PLOTS = {
+    "dpo": (
+        Plot("dpo_margins.png", "DPO reward margin (chosen - rejected: rises as the policy learns the preference)",
+             "reward margin", _train_and_eval("rewards/margins")),
+        Plot("dpo_accuracies.png", "DPO reward accuracy (pairs whose chosen answer out-rewards the rejected one)",
+             "share of pairs", _train_and_eval("rewards/accuracies")),
+        Plot("dpo_rewards.png", "DPO rewards of the chosen and the rejected answers", "reward",
+             _chosen_and_rejected("rewards")),
+        Plot("dpo_logps.png", "DPO policy log-probabilities (both falling: the chosen answers are unlearnt too)",
+             "log-probability", _chosen_and_rejected("logps")),
+    ),
+}
+"""Each objective's own figures (runs.layout.OBJECTIVE_FIGURES), drawn for the runs that logged them."""
+ALL_PLOTS = (*PLOTS, *(plot for plots in OBJECTIVE_PLOTS.values() for plot in plots))
+
+
 # ---------------------------------------------------------------- reading
 
 
@@ -317,6 +345,27 @@ def experts_section(runs: list[Run]) -> list[str]:
     return ["## Experts", "", *lines] if lines else []
 
 
+def objective_section(runs: list[Run]) -> list[str]:
+    """Per objective, each run's latest own figures, train and eval (DPO: its rewards and log-probabilities)."""
+    lines = []
+    for objective, names in run_layout.OBJECTIVE_FIGURES.items():
+        rows = []
+        for run, kind in ((run, kind) for run in runs for kind in ("train", "eval")):
+            prefix = "eval_" if kind == "eval" else ""
+            last = [_last(run, kind, prefix + name) for name in names]
+            if any(value is not None for value in last):
+                rows.append(f"| {run.name} | {kind} | " + " | ".join(_fmt(value, ".4g") for value in last) + " |")
+        if rows:
+            lines += [f"## {objective.upper()}: the latest figures", "", f"| run | | {' | '.join(names)} |",
+                      "|---|---|" + "---|" * len(names), *rows, ""]
+    return lines
+
+
+def _last(run: Run, kind: str, field: str) -> float | None:
+    values = series(run.events, kind, field)[1]
+    return values[-1] if values else None
+
+
 def markdown(runs: list[Run], plots: list[Path]) -> str:
     lines = ["# trainyard report", ""]
     lines += [f"- `{run.name}`: {run.path}" for run in runs]
@@ -324,7 +373,7 @@ def markdown(runs: list[Run], plots: list[Path]) -> str:
     for run in runs:
         notes = notable_events(run)
         lines.append(f"- `{run.name}`: " + ("; ".join(notes) if notes else "nothing unusual"))
-    lines += ["", *experts_section(runs), *samples_section(runs), "## Plots", ""]
+    lines += ["", *objective_section(runs), *experts_section(runs), *samples_section(runs), "## Plots", ""]
     lines += [f"![{path.stem}]({path.name})" for path in plots]
     return "\n".join(lines) + "\n"
 
@@ -342,7 +391,7 @@ def check_out(out: Path, force: bool) -> None:
 
     if out.exists() and not out.is_dir():
         raise OptionError(f"--out {out} is a file, not a folder", fix="pass a folder for the PNGs and report.md")
-    taken = [name for name in (*(plot.file for plot in PLOTS), "report.md") if (out / name).exists()]
+    taken = [name for name in (*(plot.file for plot in ALL_PLOTS), "report.md") if (out / name).exists()]
     if taken and not force:
         raise OptionError(
             f"--out {out} already holds {', '.join(taken)}",
@@ -365,7 +414,7 @@ def write_report(run_dirs: list[Path], out: Path | None = None, force: bool = Fa
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise RunDirError(f"cannot create --out {out}: {err.strerror}", fix="pass a writable --out directory") from None
-    plots = [path for plot in PLOTS if (path := draw(runs, plot, out)) is not None]
+    plots = [path for plot in ALL_PLOTS if (path := draw(runs, plot, out)) is not None]
     report = out / "report.md"
     report.write_text(markdown(runs, plots))
     return [*plots, report]

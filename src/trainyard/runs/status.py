@@ -224,6 +224,7 @@ def read_status(run_dir: Path | str, stale_after_s: float = STALE_AFTER_S, now: 
         "step": last.get("step"),
         "max_steps": max_steps,
         "loss": last.get("loss"),
+        "objective_figures": objective_figures(last),
         "lr": last.get("lr"),
         "grad_norm": last.get("grad_norm"),
         "tokens_per_s": last.get("tokens_per_s"),
@@ -231,6 +232,7 @@ def read_status(run_dir: Path | str, stale_after_s: float = STALE_AFTER_S, now: 
         "eta_s": None,
         "last_event_age_s": now - events[-1]["time"] if events and "time" in events[-1] else None,
         "last_eval": {k: v for k, v in evals[-1].items() if k not in ("kind", "time")} if evals else None,
+        "eval_objective_figures": objective_figures(evals[-1], prefix="eval_") if evals else {},
         "last_checkpoint": _last_checkpoint(run_dir),
         "damaged_checkpoints": _damaged_checkpoints(run_dir),
         "heartbeats": [{**beat, "age_s": round(now - float(beat.get("time", 0)), 1)} for beat in beats],
@@ -253,6 +255,30 @@ def read_status(run_dir: Path | str, stale_after_s: float = STALE_AFTER_S, now: 
     return status
 
 
+def objective_figures(event: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """The objective's own figures an event carries (DPO's rewards and log-probabilities), named as logged: a loss
+    alone does not say whether a DPO run learns to prefer the chosen answers."""
+    names = (prefix + name for figures in run_layout.OBJECTIVE_FIGURES.values() for name in figures)
+    return {name: event[name] for name in names if isinstance(event.get(name), int | float)}
+
+
+def _figure_lines(figures: dict[str, float], where: str, prefix: str = "") -> list[str]:
+    """'  rewards (train): margins 0.312  accuracies 0.75', a line per group of figures (rewards/, logps/)."""
+    groups: dict[str, list[str]] = {}
+    for name, value in figures.items():
+        group, _, short = name.removeprefix(prefix).rpartition("/")
+        groups.setdefault(group, []).append(f"{short} {value:.4g}")
+    return [f"  {group} ({where}): {'  '.join(shown)}" for group, shown in groups.items()]
+
+
+def _rank_lines(beats: list[dict[str, Any]]) -> list[str]:
+    """'    host gpu7: rank 0 pid 4121, rank 1 pid 4122': where each rank runs, for `py-spy dump --pid` or a kill."""
+    hosts: dict[str, list[str]] = {}
+    for beat in beats:
+        hosts.setdefault(str(beat.get("host", "?")), []).append(f"rank {beat.get('rank')} pid {beat.get('pid', '?')}")
+    return [f"    host {host}: {', '.join(ranks)}" for host, ranks in hosts.items()]
+
+
 def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "unknown"
@@ -273,9 +299,14 @@ def format_status(status: dict[str, Any]) -> str:
             f"  loss {status['loss']:.4f}  lr {status['lr']:.2e}  {status['tokens_per_s'] or 0:.0f} tokens/s"
             + ("" if status["finished"] else f"  ETA {_duration(status['eta_s'])}")
         )
+        lines += _figure_lines(status["objective_figures"], "train")
     if status["last_eval"]:
-        shown = "  ".join(f"{k} {v:.4g}" for k, v in status["last_eval"].items() if isinstance(v, float))
+        own = status["eval_objective_figures"]
+        shown = "  ".join(
+            f"{k} {v:.4g}" for k, v in status["last_eval"].items() if isinstance(v, float) and k not in own
+        )
         lines.append(f"  last eval (step {status['last_eval'].get('step')}): {shown}")
+        lines += _figure_lines(own, f"eval, step {status['last_eval'].get('step')}", prefix="eval_")
     lines.append(f"  last committed checkpoint: {status['last_checkpoint'] or 'none'}")
     for name, problem in status["damaged_checkpoints"].items():
         lines.append(f"  DAMAGED checkpoint {name} (resume: auto skips it): {problem}")
@@ -284,6 +315,7 @@ def format_status(status: dict[str, Any]) -> str:
     beats = status["heartbeats"]
     if beats:
         lines.append(f"  heartbeats: {len(beats)} ranks, newest {min(beat['age_s'] for beat in beats):.0f} s old")
+        lines += [] if status["finished"] else _rank_lines(beats)
     if status["stale_ranks"]:
         lines.append(f"  SILENT: {status['stale_description']}")
     if status["flight_records"]:  # written only when a collective failed or timed out

@@ -11,8 +11,9 @@ import pytest
 from matplotlib.image import imread
 
 from tests.conftest import run_cli
+from tests.unit.runs.dpo_run import write_dpo_run
 from trainyard.errors import RunDirError
-from trainyard.runs.report import PLOTS, draw, load_run, series, write_report
+from trainyard.runs.report import OBJECTIVE_PLOTS, PLOTS, draw, load_run, series, write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 RUN_COLORS = {"baseline": (0x1F, 0x77, 0xB4), "high-lr": (0xFF, 0x7F, 0x0E)}  # matplotlib C0, C1
@@ -215,3 +216,28 @@ def test_report_shows_a_few_generations_of_the_last_evaluation(two_runs: list[Pa
     assert "| Rewrite 2021-03-00 \\| as words | March 3, 2021 | March 3, 2021 | no |" in section
     assert section.count("| Rewrite") == 5 and "June 1, 2024" not in section
     assert "`high-lr`: no generations kept" in section
+
+
+def test_a_dpo_run_gets_plots_of_its_own_figures_train_and_eval(tmp_path: Path) -> None:
+    """DPO is judged by its reward margin and accuracy, the chosen and rejected rewards: each a plot with the train
+    and the eval line, beside an SFT run that logged none of them (its colour stays off those plots)."""
+    dpo = write_dpo_run(tmp_path / "runs", steps=6, eval_every=3)
+    sft = tmp_path / "runs" / "sft"
+    write_run(sft, lr=0.003, finished=True)
+    out = tmp_path / "report"
+    written = {path.name for path in write_report([dpo, sft], out)}
+    own = {"dpo_margins.png", "dpo_accuracies.png", "dpo_rewards.png", "dpo_logps.png"}
+    assert own <= written
+    events = load_run(dpo).events
+    for plot in OBJECTIVE_PLOTS["dpo"]:
+        assert {line.kind for line in plot.lines} == {"train", "eval"}
+        for line in plot.lines:
+            steps, _ = series(events, line.kind, line.field)
+            assert steps == ([1, 2, 3, 4, 5, 6] if line.kind == "train" else [3, 6]), (plot.file, line.field)
+        image = imread(out / plot.file)
+        assert pixels_of(image, RUN_COLORS["baseline"]) > 200, plot.file  # the DPO run's colour, C0
+        assert pixels_of(image, RUN_COLORS["high-lr"]) == 0, plot.file  # the SFT run's, C1: not drawn
+    report = (out / "report.md").read_text()
+    assert "| dpo | train | 0.24 | 0.8 | 0.06 | -0.18 | -40.6 | -43.4 |" in report, report
+    assert "| dpo | eval | 0.216 | 0.72 | 0.054 | -0.162 | -36.54 | -39.06 |" in report, report
+    assert "| sft | train |" not in report and all(f"]({name})" in report for name in own)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,7 +14,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_cli
+from tests.unit.runs.dpo_run import pair_figures, write_dpo_run
 from trainyard.errors import ConfigError
+from trainyard.preference.loss import STATS
+from trainyard.runs import layout as run_layout
 from trainyard.runs.status import (
     BackgroundHeartbeat,
     describe_ranks,
@@ -181,3 +186,48 @@ def test_stopping_the_heartbeat_writes_a_last_beat_at_the_step_reached(tmp_path:
     heartbeat.stop()
     beats = read_heartbeats(tmp_path)
     assert [(b["rank"], b["step"]) for b in beats] == [(3, 41)]
+
+
+def test_each_rank_is_listed_with_its_host_and_pid(tmp_path: Path) -> None:
+    """Which PID is rank 3 of this job: the heartbeats say, and status lists them by host (this process's own
+    beat, as the trainer writes it, among ranks of another host)."""
+    now = time.time()
+    make_run(tmp_path, [1, 2], now - 10)
+    own = BackgroundHeartbeat(tmp_path, rank=0, interval_s=3600).start()
+    own.stop()
+    beat(tmp_path, 1, 2, now - 1, host="gpu8")
+    beat(tmp_path, 2, 2, now - 1, host="gpu8")
+    status = read_status(tmp_path, now=now)
+    assert [(b["rank"], b["host"], b["pid"]) for b in status["heartbeats"]] == [
+        (0, socket.gethostname(), os.getpid()), (1, "gpu8", 1001), (2, "gpu8", 1002)]
+    text = format_status(status)
+    assert f"    host {socket.gethostname()}: rank 0 pid {os.getpid()}\n" in text, text
+    assert "    host gpu8: rank 1 pid 1001, rank 2 pid 1002" in text, text
+
+
+def test_a_dpo_run_shows_its_latest_rewards_train_and_eval(tmp_path: Path) -> None:
+    """A DPO run is judged by its reward margin and accuracy, not its loss alone: status shows the newest train
+    event's and the newest evaluation's."""
+    run_dir = write_dpo_run(tmp_path, steps=6, eval_every=4)
+    status = read_status(run_dir)
+    train, held_out = pair_figures(6), pair_figures(4)
+    assert status["objective_figures"] == pytest.approx(train, rel=1e-6)
+    assert status["eval_objective_figures"] == pytest.approx(
+        {f"eval_{name}": 0.9 * value for name, value in held_out.items()}, rel=1e-6)
+    text = format_status(status)
+    assert "  rewards (train): margins 0.24  accuracies 0.8  chosen 0.06  rejected -0.18\n" in text, text
+    assert "  logps (train): chosen -40.6  rejected -43.4\n" in text, text
+    assert "  last eval (step 4): eval_loss 0.7\n" in text, text
+    assert "  rewards (eval, step 4): margins 0.144  accuracies 0.63  chosen 0.036  rejected -0.108\n" in text, text
+
+
+def test_an_sft_run_shows_no_objective_figures(tmp_path: Path) -> None:
+    make_run(tmp_path, [1, 2], time.time() - 10)
+    status = read_status(tmp_path)
+    assert status["objective_figures"] == {} and status["eval_objective_figures"] == {}
+    assert "rewards" not in format_status(status)
+
+
+def test_the_figures_status_and_report_read_are_those_dpo_logs() -> None:
+    """runs/ never imports torch, so it names DPO's figures itself: they must stay the ones the loss computes."""
+    assert set(run_layout.OBJECTIVE_FIGURES["dpo"]) == set(STATS)
