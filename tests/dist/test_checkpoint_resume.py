@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import SEED, assert_ok, events, trainyard
+from tests.conftest import SEED, TINY, assert_ok, events, run_cli, train_in, trainyard
 from tests.dist.checkpoint_helpers import (
+    COMMON,
     EVERY,
     FULL_FSDP,
     LORA_DDP,
@@ -28,7 +29,19 @@ from tests.dist.checkpoint_helpers import (
     train_args,
     wait_for_step,
 )
-from trainyard.checkpoint.save import MARKER, committed, latest_full, step_dir
+from tests.unit.checkpoint.test_layout import DAMAGE, garble
+from tests.world import World
+from trainyard.checkpoint.save import (
+    MARKER,
+    committed,
+    damage,
+    latest_full,
+    resolve_resume,
+    step_dir,
+    write_marker,
+)
+from trainyard.errors import CheckpointError
+from trainyard.runs.status import read_status
 
 pytestmark = pytest.mark.dist
 
@@ -204,3 +217,80 @@ def test_resuming_with_another_lora_rank_or_data_fails_naming_both(tmp_path: Pat
     assert "lora:checkpointhas" in message and "'r':16" in message and "'r':8" in message
     assert "data_fingerprint:checkpointhas" in message
     assert (run_dir / "config.yaml").read_text() == config_before, "a rejected resume rewrote the run's config.yaml"
+
+
+DAMAGED_MODES = {"ddp": ("lora_reference", LORA_DDP), "fsdp2": ("fsdp_lora_reference", LORA_FSDP)}
+
+
+def copy_last_two(reference: Path, run_dir: Path) -> tuple[Path, Path]:
+    """The reference run dir with its two newest full checkpoints (what keep_last: 2 leaves): older, newest."""
+    keep = {p.name for p in committed(reference / "checkpoints")[-2:]}
+
+    def older_steps(folder: str, names: list[str]) -> list[str]:
+        return [n for n in names if Path(folder).name == "checkpoints" and n.startswith("step-") and n not in keep]
+
+    shutil.copytree(reference, run_dir, ignore=older_steps)
+    older, newest = committed(run_dir / "checkpoints")
+    return older, newest
+
+
+@pytest.mark.parametrize("mode", DAMAGED_MODES)
+def test_every_kind_of_damage_to_a_real_checkpoint_is_named_and_passed_over(
+    tmp_path: Path, mode: str, request: pytest.FixtureRequest
+) -> None:
+    """Each kind of damage done to the newest checkpoint of a real 2-rank run: auto resumes from the one before,
+    naming the file; a named resume, export and eval refuse it (exit 2) naming the file; status marks it. The same
+    for a lite checkpoint whose adapter is damaged."""
+    reference: Path = request.getfixturevalue(DAMAGED_MODES[mode][0])
+    for kind, (name, hurt, how) in DAMAGE.items():
+        run_dir = tmp_path / kind.replace(" ", "-") / "tiny"
+        older, newest = copy_last_two(reference, run_dir)
+        hurt(newest / name)
+        problem = damage(newest)
+        assert damage(older) is None and problem and str(newest / name) in problem and how in problem, (kind, problem)
+        assert resolve_resume("auto", run_dir / "checkpoints") == older, kind
+        with pytest.raises(CheckpointError, match="is damaged"):
+            resolve_resume(str(newest), run_dir / "checkpoints")
+        exported = run_cli("export", str(newest), "--out", str(run_dir.parent / "export"))
+        assert exported.returncode == 2 and str(newest / name) in "".join(exported.stderr.split()), exported.stderr
+        assert list(read_status(run_dir)["damaged_checkpoints"]) == [newest.name], kind
+
+    lite = step_dir(run_dir / "checkpoints", int(newest.name[5:]) + 1)
+    shutil.copytree(older / "adapter", lite / "adapter")
+    write_marker(run_dir / "checkpoints", lite, "lite")
+    garble(lite / "adapter" / "adapter_model.safetensors")
+    for argv in (["export", str(lite), "--out", str(tmp_path / "lite")],
+                 ["eval", str(run_dir / "config.yaml"), "--checkpoint", str(lite)]):
+        result = run_cli(*argv)
+        message = "".join(result.stderr.split())
+        assert result.returncode == 2 and "adapter_model.safetensorsisgarbled" in message, (argv, result.stderr)
+
+
+def test_auto_resumes_from_the_newest_intact_checkpoint_and_leaves_the_damaged_one(
+    world: World, tmp_path: Path, lora_reference: Path
+) -> None:
+    """DDP: a shard of the newest checkpoint cut short. Today's main crashed in DCP's load (exit 1)."""
+    older, newest = copy_last_two(lora_reference, tmp_path / "tiny")
+    shard = newest / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    train_in(world, TINY, f"output_dir={tmp_path}", *COMMON, *LORA_DDP, f"train.max_steps={int(older.name[5:]) + 1}")
+    assert [e["path"] for e in resumed_events(tmp_path / "tiny")] == [str(older)]
+    log = (tmp_path / "tiny" / "logs" / "rank-0.log").read_text()
+    assert f"skipping damaged checkpoint {newest}" in log and f"{shard} is truncated" in log, log[-3000:]
+    assert shard.stat().st_size == 100 and (newest / MARKER).is_file(), "the damaged checkpoint was not left in place"
+
+
+def test_a_damaged_step_is_set_aside_and_saved_again_as_the_uninterrupted_run_saved_it(
+    world: World, tmp_path: Path, fsdp_lora_reference: Path
+) -> None:
+    """FSDP2: a rank file of the newest checkpoint garbled (today: "does not match this job", exit 2). The resumed
+    run trains through that step again; its new save there is intact, the damaged one kept beside it."""
+    older, newest = copy_last_two(fsdp_lora_reference, tmp_path / "tiny")
+    garble(newest / "rank-1.json")
+    train_in(world, TINY, f"output_dir={tmp_path}", *COMMON, *LORA_FSDP)
+    run_dir = tmp_path / "tiny"
+    assert [e["path"] for e in resumed_events(run_dir)] == [str(older)]
+    aside = newest.with_name(f"{newest.name}.damaged")
+    assert "rank-1.json is garbled" in (damage(aside) or ""), damage(aside)
+    assert damage(newest) is None and latest_full(run_dir / "checkpoints") == newest
+    assert_same_final_weights(run_dir, fsdp_lora_reference, lora=True)
