@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -84,6 +85,7 @@ def test_full_disk_stops_naming_the_dir_or_continues_when_asked(
     assert stopped.returncode != 0
     message = "".join(stopped.stderr.split())  # the console wraps long lines anywhere
     assert str(step_dir(checkpoints, 2 * EVERY)) in message and "Nospaceleftondevice" in message, stopped.stderr[-3000:]
+    assert re.search(r"[\d,]+bytesfreeonitsfilesystem,thesaveneedsabout[\d,]+bytes", message), stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
     assert latest_full(checkpoints) == first and committed(checkpoints) == [first]
     assert digest(first) == before
