@@ -3,7 +3,9 @@ steps train.epochs makes over the rows. Shared by the trainer, the plan and the 
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections.abc import Iterable
 from fractions import Fraction
 
 from trainyard.config import JobConfig
@@ -19,6 +21,19 @@ def steps_for_epochs(cfg: JobConfig, rows: int, world_size: int, saved_samples: 
         raise ValueError("steps_for_epochs needs train.epochs")
     samples = cfg.train.micro_batch_size * world_size * accumulation_steps(cfg, world_size, saved_samples)
     return math.ceil(Fraction(str(cfg.train.epochs)) * rows / samples)
+
+
+def largest_micro_batch(rows: Iterable[int], cfg: JobConfig) -> tuple[int, int]:
+    """The tokens a rank's largest micro-batch computes as the job collates it (padding included), and its longest
+    row, from the rows' token lengths: packed rows each fill data.max_length (as many as the documents fill);
+    padding-free rows are summed; padded rows each take the longest one's length. The dry run, the estimate and the
+    trainer's fit check all use it."""
+    micro, data = cfg.train.micro_batch_size, cfg.data
+    if data.packing:
+        tokens = min(micro * data.max_length, sum(rows))
+        return tokens, min(data.max_length, tokens)
+    top = heapq.nlargest(micro, rows)
+    return (sum(top) if data.padding_free else top[0] * len(top)), top[0]
 
 
 def accumulation_steps(cfg: JobConfig, world_size: int, saved_samples: int | None = None) -> int:

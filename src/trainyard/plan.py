@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,7 @@ def _lora_words(cfg: JobConfig, model: torch.nn.Module | None) -> str:
     return f"{words} on {lora_room.describe_lora_reach(model)}" if model is not None else words
 
 
+MIXTURE_ROWS = "a mixture's rows are packed to data.max_length"
 # AdamW keeps two fp32 moments per trainable parameter.
 _ADAM_BYTES_PER_PARAM = 8
 # Replicated state may use at most this share of a device; the rest is activations.
@@ -102,13 +104,15 @@ def choose_strategy(requested: str, model: torch.nn.Module, info: DistInfo, cfg:
 
 
 def auto_strategy(
-    model: torch.nn.Module | None, info: DistInfo, cfg: JobConfig | None = None, device: int | None = None
+    model: torch.nn.Module | None, info: DistInfo, cfg: JobConfig | None = None, device: int | None = None,
+    lengths: Lengths = Lengths(),
 ) -> tuple[str, str]:
     """(strategy, why) for `dist.strategy: auto`: none alone; else the first of ddp, hsdp (several nodes:
     only gradients cross the slow link) and fsdp whose estimated peak per rank (weights, gradients, optimizer,
     activations, buffers: estimate.py) fits the device. Without a job the estimate can model, the replicated
     training state decides: ddp while it fits half a device. `device`: bytes per rank of the target when it is
-    not this machine (a dry run for another cluster)."""
+    not this machine (a dry run for another cluster). `lengths`: the data's, whose largest micro-batch the peaks
+    are for (unread: every row fills data.max_length)."""
     if info.world_size == 1:
         return "none", "one process"
     device = device or device_memory_bytes(info)
@@ -116,8 +120,9 @@ def auto_strategy(
     if cfg is not None:
         try:
             peaks: list[tuple[str, int]] = []
+            batch = lengths.largest_micro_batch(cfg)
             for candidate in ["ddp", *(["hsdp"] if nodes > 1 else []), "fsdp"]:
-                peak = estimate.planned_peak(cfg, candidate, info.world_size, info.local_world_size, device)
+                peak = estimate.planned_peak(cfg, candidate, info.world_size, info.local_world_size, device, batch)
                 peaks.append((candidate, peak))
                 if peak <= device:
                     break
@@ -138,10 +143,56 @@ def auto_strategy(
 
 
 def check_fits(
+    strategy: str, requested: str, shards: int, model: torch.nn.Module, info: DistInfo, where: str | None,
+    cfg: JobConfig | None = None, lengths: Lengths = Lengths(),
+) -> None:
+    """Refuse, before any weight is read, a plan whose training state cannot fit a device, then (given the job)
+    one whose estimated peak does not: the dry run's rule (`does_not_fit`), for the data's largest micro-batch.
+    `shards`: how many ranks the state is divided over (1 for ddp, the shard group for hsdp)."""
+    _check_state_fits(strategy, requested, shards, model, info, where)
+    if cfg is None:
+        return
+    hardware = _this_hardware(info)
+    if hardware is None:
+        logging.getLogger("trainyard").info("no estimate to check the fit by: %s is not a known GPU kind",
+                                            torch.cuda.get_device_name(info.device))
+        return
+    planned = cfg.model_copy(deep=True)
+    planned.dist.strategy = strategy  # auto as it was resolved here
+    try:
+        result = estimate.estimate(planned, hardware, lengths=lengths)
+    except (ModelError, ConfigError, OptionError, OSError, ValueError) as err:
+        logging.getLogger("trainyard").info("no estimate to check the fit by: %s", str(err).splitlines()[0])
+        return
+    problem = does_not_fit(result)
+    if problem:
+        raise ConfigError(problem, where=where, fix="see `trainyard train CONFIG --dry-run` for the whole plan")
+
+
+def _this_hardware(info: DistInfo) -> estimate.Hardware | None:
+    """This machine as the estimate knows it; None for a GPU not in its table."""
+    kind = estimate.this_gpu() if info.device.type == "cuda" else "cpu"
+    if info.device.type == "cuda" and kind == "cpu":
+        return None
+    nodes = math.ceil(info.world_size / max(info.local_world_size, 1))
+    return estimate.Hardware(kind, max(info.local_world_size, 1), nodes)
+
+
+def does_not_fit(result: estimate.Estimate) -> str | None:
+    """Why a plan cannot run, in words, or None when its estimated process peak fits the device: the one rule by
+    which both `train --dry-run` and `train` refuse a job."""
+    if result.fits:
+        return None
+    batch = result.micro_batch
+    planned = f", planned for a micro-batch of {batch.tokens:,} tokens ({batch.source})" if batch else ""
+    return (f"the plan does not fit: peak {result.memory.peak / 2**30:.1f} GiB per device{planned}, "
+            f"{result.layout.gpu.name} has {result.device_bytes / 2**30:.1f} GiB (cheapest fix: {result.fix})")
+
+
+def _check_state_fits(
     strategy: str, requested: str, shards: int, model: torch.nn.Module, info: DistInfo, where: str | None
 ) -> None:
-    """Refuse, before any weight is read, a plan whose training state cannot fit a device.
-    `shards`: how many ranks the state is divided over (1 for ddp, the shard group for hsdp)."""
+    """Weights, gradients and AdamW state alone, whatever the estimate knows of the model."""
     state = replicated_state_bytes(model)
     per_rank = state / shards
     device = device_memory_bytes(info)
@@ -191,14 +242,13 @@ def dry_run(cfg: JobConfig, target: Target, read_data: bool = True) -> tuple[str
         cfg = cfg.model_copy(deep=True)  # train.epochs sets max_steps from the rows the survey counts
         data_lines, lengths = _data_lines(cfg, target, problems)
     else:
-        data_lines, lengths = ["data             not read here (--skip-data-check)"], Lengths()
+        data_lines = ["data             not read here (--skip-data-check)"]
+        lengths = Lengths(batch_why="--skip-data-check, the data was not read")
     text = describe_plan(cfg, target.world, target, lengths, data_lines)
     _, result = estimate.describe(cfg, _hardware(target), lengths)
-    if result is not None and not result.fits:
-        problems.append(
-            f"the plan does not fit: peak {result.memory.peak / 2**30:.1f} GiB per device, {target.gpu} has "
-            f"{result.device_bytes / 2**30:.1f} GiB (cheapest fix: {result.fix})"
-        )
+    problem = does_not_fit(result) if result is not None else None
+    if problem:
+        problems.append(problem)
     lines = [text, f"resume           {_resume_words(cfg, problems)}"]
     return "\n".join(lines), problems
 
@@ -210,12 +260,13 @@ def _hardware(target: Target) -> estimate.Hardware:
 def _data_lines(cfg: JobConfig, target: Target, problems: list[str]) -> tuple[list[str], Lengths]:
     """The data survey's lines and the documents' lengths for the estimate; a problem when the data is unusable."""
     if cfg.data.mixture:
-        return [], Lengths()
+        return [], Lengths(batch_why=MIXTURE_ROWS)
     tokenizer, why = source_room.offline_tokenizer(cfg.model)
     try:
         if tokenizer is None:
             _check_files(cfg)
-            return [f"data             {cfg.data.path}: readable; rows not encoded: {why}"], Lengths()
+            lengths = Lengths(batch_why=f"the rows were not encoded: {why}")
+            return [f"data             {cfg.data.path}: readable; rows not encoded: {why}"], lengths
         found = data_survey.survey(cfg, tokenizer)
     except TrainyardError as err:
         problems.append(f"the data is unusable: {_problem(err)}")
@@ -233,7 +284,8 @@ def _lengths_found(cfg: JobConfig, found: data_survey.Survey) -> Lengths:
     cuts = data_survey.percentiles(found.lengths)
     unit = "pairs" if cfg.train.objective == "dpo" else "documents"
     source = f"the data's {found.usable:,} {unit}, p50 {cuts['p50']:,} tokens"
-    return Lengths(tuple(found.documents), source, found.usable_rows_estimate())
+    read = "the data's largest" if found.encoded >= found.rows else f"the largest of the {found.encoded:,} rows read"
+    return Lengths(tuple(found.documents), source, found.usable_rows_estimate(), read)
 
 
 def _problem(err: TrainyardError) -> str:
@@ -252,18 +304,28 @@ def data_lengths(cfg: JobConfig, world_size: int) -> Lengths:
     """The documents' token lengths for `trainyard estimate`, when the data and tokenizer can be read here; with
     train.epochs, `cfg`'s max_steps from the rows counted."""
     if cfg.data.mixture:
-        return Lengths()
+        return Lengths(batch_why=MIXTURE_ROWS)
     tokenizer, why = source_room.offline_tokenizer(cfg.model)
     if tokenizer is None:
-        return Lengths(source=f"data.max_length: {why}")
+        return Lengths(source=f"data.max_length: {why}", batch_why=f"the rows were not encoded: {why}")
     try:
         found = data_survey.survey(cfg, tokenizer)
     except TrainyardError as err:
-        return Lengths(source=f"data.max_length: the data is unusable ({err.what})")
+        unusable = f"the data is unusable ({err.what})"
+        return Lengths(source=f"data.max_length: {unusable}", batch_why=unusable)
     if cfg.train.epochs is not None:
         rows = max(round(found.usable_rows_estimate()), 1)
         cfg.train.epoch_rows, cfg.train.max_steps = rows, steps_for_epochs(cfg, rows, world_size)
     return _lengths_found(cfg, found)
+
+
+def prepared_lengths(cfg: JobConfig, train_rows: Any) -> Lengths:
+    """The trainer's lengths, to choose and check its plan by as the dry run does: its prepared rows' documents."""
+    if cfg.data.mixture:
+        return Lengths(batch_why=MIXTURE_ROWS)
+    if train_rows is None:
+        return Lengths(batch_why="the rows were not given")
+    return Lengths(data_survey.prepared_documents(train_rows), batch_why="the data's largest")
 
 
 def _resume_words(cfg: JobConfig, problems: list[str]) -> str:
@@ -350,7 +412,7 @@ def describe_plan(
         lines.append(
             f"parameters       unknown: {cfg.model.path} is not in the local HF cache (a dry run downloads nothing)"
         )
-        strategy, why = (auto_strategy(None, info, cfg, device_bytes) if cfg.dist.strategy == "auto"
+        strategy, why = (auto_strategy(None, info, cfg, device_bytes, lengths) if cfg.dist.strategy == "auto"
                          else (cfg.dist.strategy, ""))
         lines.append(f"strategy         {strategy} (requested {cfg.dist.strategy}{': ' + why if why else ''})")
     else:
@@ -359,7 +421,7 @@ def describe_plan(
         strategy = cfg.dist.strategy if world_size > 1 else "none"
         why = ""
         if cfg.dist.strategy == "auto":
-            strategy, why = auto_strategy(model, info, cfg, device_bytes)
+            strategy, why = auto_strategy(model, info, cfg, device_bytes, lengths)
             why = f": {why}"
         lines.append(f"strategy         {strategy} (requested {cfg.dist.strategy}{why})")
         if cfg.dist.expert_parallel != 1 and world_size > 1:

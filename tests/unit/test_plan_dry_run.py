@@ -104,6 +104,18 @@ def test_step_tokens_follow_how_the_job_batches_its_real_lengths() -> None:
     assert estimate_time.Lengths().per_row(free) == (128, (128,))
 
 
+def test_memory_is_planned_for_the_largest_micro_batch_as_the_job_collates_it() -> None:
+    lengths = estimate_time.Lengths((10, 20, 30, 100), "test", batch_why="read")
+    free = load_config(TINY, ["train.micro_batch_size=2", "data.max_length=128"])
+    assert lengths.largest_micro_batch(free) == estimate_time.MicroBatch(130, 100, "read")  # one row: 100 + 30
+    padded = load_config(TINY, ["data.padding_free=false", "train.micro_batch_size=2", "data.max_length=128"])
+    assert lengths.largest_micro_batch(padded).tokens == 200  # two rows padded to the longest
+    packed = load_config(TINY, ["data.packing=true", "train.micro_batch_size=2", "data.max_length=128"])
+    assert lengths.largest_micro_batch(packed).tokens == 160  # all 160 tokens fill 2 rows of 128 only partly
+    unread = estimate_time.Lengths(batch_why="why").largest_micro_batch(free)
+    assert unread == estimate_time.MicroBatch(256, 128, "micro_batch_size x data.max_length: why")
+
+
 def test_estimate_reads_the_data_and_says_what_it_assumed(tmp_path: Path) -> None:
     data = chat_file(tmp_path, [TURN] * 8)
     result = CliRunner().invoke(app, ["estimate", TINY, f"data.path={data}", "--gpu", "a100-80gb", "--nodes", "2"])
@@ -136,3 +148,76 @@ def test_epochs_become_steps_from_the_rows_the_dry_run_counts(tmp_path: Path) ->
     assert result.exit_code == 0, result.output
     assert "steps            7 (train.epochs 2 over 50 rows)" in result.output  # ceil(2 x 50 / 16)
     assert "epochs           7 steps x 16 samples = 2.24 epochs of 50 documents" in result.output
+
+
+def short_chats(tmp_path: Path, count: int = 24) -> Path:
+    """Rows of a few dozen tokens: far below any data.max_length below."""
+    return chat_file(tmp_path, [{"messages": [{"role": "user", "content": f"Q{i} " + "word " * (i % 5)},
+                                              {"role": "assistant", "content": "yes " * (1 + i % 4)}]}
+                                for i in range(count)])
+
+
+def planned_tokens(output: str) -> int:
+    """The tokens of the micro-batch the estimate line says memory was planned for."""
+    return int(output.split("planned for a micro-batch of ", 1)[1].split(" tokens", 1)[0].replace(",", ""))
+
+
+def test_memory_is_planned_for_the_datas_largest_micro_batch_and_for_max_length_only_unread(tmp_path: Path) -> None:
+    """micro_batch_size x data.max_length (8 x 1M tokens, with every token's attention over a 1M-token document)
+    fits no machine; the data's largest micro-batch is a few hundred tokens, and the first step runs exactly that."""
+    job = [f"data.path={short_chats(tmp_path)}", f"output_dir={tmp_path}", "data.max_length=1000000",
+           "model.config.max_position_embeddings=1000000", "train.micro_batch_size=8", "--world-size", "1"]
+    code, output = dry_run(*job)
+    assert code == 0, output
+    first_step = output.split("every rank's largest micro-batch: ", 1)[1].split(" tokens", 1)[0]
+    assert planned_tokens(output) == int(first_step.replace(",", "")) < 1000
+    assert "(fits), planned for a micro-batch of" in output and "(the data's largest)" in output
+    code, output = dry_run(*job, "--skip-data-check")
+    assert code == 2 and "does NOT fit" in output
+    assert planned_tokens(output) == 8_000_000
+    assert "(micro_batch_size x data.max_length: --skip-data-check, the data was not read)" in output
+
+
+def test_train_refuses_by_the_dry_runs_rule_for_its_prepared_rows(tmp_path: Path) -> None:
+    """`train` checks its fit with the dry run's function, for the largest micro-batch of the rows it prepared."""
+    import datasets
+    import torch
+
+    from trainyard import plan
+    from trainyard.dist import DistInfo
+    from trainyard.errors import ConfigError
+
+    cfg = load_config(TINY, ["data.max_length=1000000", "model.config.max_position_embeddings=1000000"])
+    model, info = plan.meta_model(cfg), DistInfo(0, 1, 0, 1, torch.device("cpu"), None)
+    assert model is not None
+    rows = datasets.Dataset.from_dict({"input_ids": [[1] * (10 + i) for i in range(20)]})
+    plan.check_fits("none", "ddp", 1, model, info, None, cfg, plan.prepared_lengths(cfg, rows))
+    with pytest.raises(ConfigError) as refused:
+        plan.check_fits("none", "ddp", 1, model, info, None, cfg, plan.prepared_lengths(cfg, None))
+    assert "the plan does not fit" in refused.value.what and "8,000,000 tokens" in refused.value.what
+
+
+def llama_8b(tmp_path: Path) -> Path:
+    """An 8B Llama's config.json alone: the dry run builds it on the meta device, no weights."""
+    folder = tmp_path / "llama-8b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16"}))
+    return folder
+
+
+def test_an_8b_lora_on_one_h100_is_planned_for_its_short_documents(tmp_path: Path) -> None:
+    """4 rows x 4,096 tokens do not fit one H100 with an 8B LoRA; the data's rows of a few dozen tokens do."""
+    job = [f"data.path={short_chats(tmp_path)}", f"output_dir={tmp_path}", "model.config=null",
+           f"model.path={llama_8b(tmp_path)}", "lora.enabled=true", "data.max_length=4096",
+           "train.micro_batch_size=4", "--gpu", "h100-80gb", "--gpus-per-node", "1"]
+    code, output = dry_run(*job)
+    assert code == 0, output
+    assert "parameters       8,0" in output and "on 1 x 1 h100-80gb (fits), planned for a micro-batch of" in output
+    assert planned_tokens(output) < 400
+    code, output = dry_run(*job, "--skip-data-check")
+    assert code == 2 and "on 1 x 1 h100-80gb (does NOT fit)" in output
+    assert planned_tokens(output) == 16_384 and "--skip-data-check, the data was not read" in output

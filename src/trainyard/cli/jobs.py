@@ -48,6 +48,10 @@ def train(
         typer.Option("--resume", help="auto (newest committed checkpoint of the run), never, or a checkpoint path; "
                      "the same as checkpoint.resume"),
     ] = None,
+    skip_data_check: Annotated[
+        bool, typer.Option("--skip-data-check", help="with --dry-run: do not read the data here (it exists only on "
+                           "the cluster); memory is then planned for rows of data.max_length")
+    ] = False,
 ) -> None:
     """Train. No CONFIG runs the built-in quickstart. --dry-run reads the data and plans for the target."""
     from trainyard import config_file as config_room
@@ -59,10 +63,16 @@ def train(
     cfg = config_room.load_config(config_path, overrides)
     if nproc is None:
         nproc = 2 if config_path is None else 1  # the quickstart is a 2-process DDP job
+    if skip_data_check and not dry_run:
+        from trainyard.errors import OptionError
+
+        raise OptionError("--skip-data-check is for a dry run: training reads the data",
+                          fix="add --dry-run, or drop --skip-data-check")
     if dry_run:
         from trainyard.plan import dry_run as plan_dry_run
 
-        text, problems = plan_dry_run(cfg, _target(gpu, gpus_per_node, nodes, world_size or nproc))
+        target = _target(gpu, gpus_per_node, nodes, world_size or nproc)
+        text, problems = plan_dry_run(cfg, target, read_data=not skip_data_check)
         print("\n".join([*cfg._notes, text]))
         if problems:
             from trainyard.errors import PlanError

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
+from trainyard.batch import largest_micro_batch
 from trainyard.config import JobConfig
 from trainyard.data.formats import IGNORE_INDEX, BadRow, Truncation, detect_format, encode_rows, truncation_warning
 from trainyard.data.preference import check_objective_fits
@@ -86,6 +87,17 @@ def survey(cfg: JobConfig, tokenizer: Any) -> Survey:
     return found
 
 
+def prepared_documents(dataset: Any) -> tuple[int, ...]:
+    """The token lengths of a prepared dataset's documents, in row order (a packed row's or a pair's `seq_lens`): what
+    the trainer checks its fit by, as the dry run does by the survey's."""
+    import pyarrow.compute  # the prepared cache is Arrow
+
+    table = dataset.with_format("arrow")
+    if "seq_lens" in dataset.column_names:
+        return tuple(pyarrow.compute.list_flatten(table["seq_lens"]).to_pylist())
+    return tuple(pyarrow.compute.list_value_length(table["input_ids"]).to_pylist())
+
+
 def _counted(rows: Iterator[tuple[str, Any]], found: Survey, objective: Objective) -> Iterator[tuple[str, Any]]:
     for where, row in rows:
         found.encoded += 1
@@ -143,17 +155,8 @@ def percentiles(lengths: list[int]) -> dict[str, int]:
     return {"p50": round(cuts[49]), "p90": round(cuts[89]), "p99": round(cuts[98]), "max": max(lengths)}
 
 
-def worst_micro_batch(lengths: list[int], cfg: JobConfig) -> tuple[int, int]:
-    """The tokens a rank's largest micro-batch computes (padding included), and its longest row."""
-    micro, data = cfg.train.micro_batch_size, cfg.data
-    if data.packing:
-        return micro * data.max_length, data.max_length
-    top = sorted(lengths, reverse=True)[:micro]
-    return (sum(top) if data.padding_free else top[0] * len(top)), top[0]
-
-
 def _worst_batch_line(found: Survey, cfg: JobConfig) -> str:
-    tokens, longest = worst_micro_batch(found.lengths, cfg)
+    tokens, longest = largest_micro_batch(found.lengths, cfg)
     read = "" if found.encoded >= found.rows else f" of the {found.encoded:,} rows read"
     shape = f"{tokens:,} tokens, rows up to {longest:,}{read}"
     if cfg.train.worst_batch_first:

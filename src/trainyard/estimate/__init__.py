@@ -65,6 +65,8 @@ class Estimate:
     """The inter-node link assumed, in words."""
     lengths: str = ""
     """Where the tokens per step came from."""
+    micro_batch: mem.MicroBatch | None = None
+    """The micro-batch memory was planned for."""
 
     @property
     def device_bytes(self) -> int:
@@ -117,7 +119,8 @@ def estimate(cfg: JobConfig, hardware: Hardware, assumptions: Assumptions = Assu
     precision = mem.resolve_precision(cfg, kind)
     size = mem.dtypes(cfg, precision, layout.strategy)
     accum = accumulation_steps(cfg, layout.world)
-    memory = mem.memory(cfg, model, layout, precision)
+    batch = lengths.largest_micro_batch(cfg)
+    memory = mem.memory(cfg, model, layout, precision, batch)
     timed = estimate_time.timing(cfg, model, layout, size, accum, assumptions.mfu, network_gbps,
                                  assumptions.diloco_h, assumptions.disk_gbytes_s, lengths)
     result = Estimate(
@@ -131,9 +134,10 @@ def estimate(cfg: JobConfig, hardware: Hardware, assumptions: Assumptions = Assu
         cost=estimate_time.cost(timed, layout, assumptions.price_per_gpu_hour, assumptions.spot_discount),
         network=f"{network_gbps:g} Gb/s per node ({network})" if layout.nodes > 1 else "one node: no inter-node link",
         lengths=lengths.source,
+        micro_batch=batch,
     )
     if suggest and not result.fits:
-        result.fix = cheapest_fix(cfg, model, hardware)
+        result.fix = cheapest_fix(cfg, model, hardware, lengths)
     return result
 
 
@@ -144,15 +148,17 @@ def host_memory(cfg: JobConfig, hardware: Hardware) -> host_room.HostMemory:
                                  result.total_params, result.trainable_params)
 
 
-def planned_peak(cfg: JobConfig, strategy: str, world: int, per_node: int, device_bytes: int) -> int:
+def planned_peak(cfg: JobConfig, strategy: str, world: int, per_node: int, device_bytes: int,
+                 batch: mem.MicroBatch | None = None) -> int:
     """The job's predicted peak bytes per rank under `strategy` on `world` ranks, `per_node` of them per node,
-    on devices of `device_bytes`: what `dist.strategy: auto` (plan.choose_strategy) decides from."""
+    on devices of `device_bytes`, for the micro-batch `batch` (default: mem.micro_batch_bound): what
+    `dist.strategy: auto` (plan.choose_strategy) decides from."""
     planned = _with(cfg, **{"dist.shard_size": None, "dist.strategy": strategy})
     model = mem.model_of(cfg)
     kind = machines.Gpu("planned", device_bytes, "planned", 0.0)
     layout = mem.resolve_strategy(planned, model, kind, per_node, math.ceil(world / per_node))
     precision = mem.resolve_precision(cfg, kind)  # as on a GPU: auto is bf16-mixed
-    return mem.memory(planned, model, layout, precision).peak
+    return mem.memory(planned, model, layout, precision, batch).peak
 
 
 def fits(cfg: JobConfig, strategy: str, world: int, device_bytes: int) -> bool:
@@ -194,11 +200,12 @@ def _candidates(cfg: JobConfig, hardware: Hardware) -> list[tuple[str, JobConfig
     return steps
 
 
-def cheapest_fix(cfg: JobConfig, model: mem.Model, hardware: Hardware) -> str:
+def cheapest_fix(cfg: JobConfig, model: mem.Model, hardware: Hardware,
+                 lengths: estimate_time.Lengths = estimate_time.Lengths()) -> str:
     """The first change (with those before it) whose estimate fits, in words and as overrides."""
     for words, changed, where in _candidates(cfg, hardware):
         try:
-            attempt = estimate(changed, where, model=model, suggest=False)
+            attempt = estimate(changed, where, model=model, suggest=False, lengths=lengths)
         except ConfigError:  # e.g. a global batch that a smaller micro-batch no longer divides
             continue
         if attempt.fits:
@@ -233,6 +240,7 @@ def to_json(result: Estimate) -> dict[str, Any]:
         "time": {**asdict(timed), "step_s": timed.step_s, "total_s": timed.total_s},
         "network": result.network,
         "tokens_from": result.lengths,
+        "micro_batch": asdict(result.micro_batch) if result.micro_batch else None,
         "cost": result.cost,
     }
 
@@ -262,6 +270,7 @@ def render(result: Estimate) -> str:
         f"  {'peak, live tensors':18} {memory.peak_tensor_bytes / scale:9.2f}",
         f"  {'peak, process':18} {memory.peak / scale:9.2f} of {result.device_bytes / scale:.2f}: {verdict} "
         f"(margin {result.margin_bytes / scale:+.2f}; {_process_peak_words(layout)})",
+        f"  {'for a micro-batch':18} {_micro_batch_words(result.micro_batch)}",
     ]
     lines += [f"  note: {note}" for note in memory.notes]
     if result.fix:
@@ -333,7 +342,8 @@ def describe(cfg: JobConfig, hardware: Hardware,
     line = (f"estimate         process peak {_size(result.memory.peak)} ({_process_peak_words(result.layout)}; "
             f"live tensors {_size(result.memory.peak_tensor_bytes)}) of {_size(result.device_bytes)} per device"
             f" on {where}"
-            f" ({verdict}); step {result.timing.step_s:.3g} s at MFU {estimate_time.DEFAULT_MFU:g}, "
+            f" ({verdict}), planned for a micro-batch of {_micro_batch_words(result.micro_batch)}"
+            f"; step {result.timing.step_s:.3g} s at MFU {estimate_time.DEFAULT_MFU:g}, "
             f"{result.timing.tokens_per_step:,} tokens ({result.lengths}); network {result.network}"
             f"\ntraffic          {_traffic_words(result, why=False)}")
     if result.timing.reference:
@@ -341,6 +351,11 @@ def describe(cfg: JobConfig, hardware: Hardware,
     if result.fix:
         line += f"\ncheapest fix     {result.fix}"
     return line, result
+
+
+def _micro_batch_words(batch: mem.MicroBatch | None) -> str:
+    """Which micro-batch the peak is for, and where its size came from."""
+    return f"{batch.tokens:,} tokens, documents up to {batch.longest:,} ({batch.source})" if batch else "unknown"
 
 
 def _size(size: float) -> str:

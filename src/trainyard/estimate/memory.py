@@ -219,8 +219,26 @@ def tokens_per_micro_batch(cfg: JobConfig) -> int:
     return cfg.train.micro_batch_size * cfg.data.max_length * (2 if cfg.train.objective == "dpo" else 1)
 
 
-def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_room.Precision) -> Memory:
-    """Every part of one device's memory at the step's peak, and the peak itself."""
+@dataclass(frozen=True)
+class MicroBatch:
+    """The micro-batch memory is planned for: its tokens as collated (padding included) and its longest document
+    (the attention scores a token keeps span it)."""
+
+    tokens: int
+    longest: int
+    source: str = "micro_batch_size x data.max_length: the data was not read"
+
+
+def micro_batch_bound(cfg: JobConfig) -> MicroBatch:
+    """Where the data is unknown: every row fills data.max_length."""
+    return MicroBatch(tokens_per_micro_batch(cfg), cfg.data.max_length)
+
+
+def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_room.Precision,
+           batch: MicroBatch | None = None) -> Memory:
+    """Every part of one device's memory at the step's peak, and the peak itself, for the micro-batch `batch`
+    (default: micro_batch_bound)."""
+    batch = batch or micro_batch_bound(cfg)
     size = dtypes(cfg, precision, layout.strategy)
     counts, shard = model.counts, layout.shard
     frozen = counts.total - counts.trainable
@@ -237,10 +255,10 @@ def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_ro
         diloco_sync=_diloco_sync(cfg, counts, layout) if layout.strategy == "diloco" else 0.0,
         mixed_precision_copies=0.0 if sharded or not size.mixed else _autocast_copies(counts, size),
         fsdp_buffers=_fsdp_buffers(counts, size, layout) if sharded else 0.0,
-        expert_exchange=_expert_exchange(cfg, model.shape, size, layout.expert_parallel),
-        activations=activation_bytes(cfg, model.shape, counts, size, layout.gpu),
-        recomputed_layer=recomputed_layer_bytes(cfg, model.shape, counts, size, layout.gpu),
-        logits=_logit_bytes(cfg, model.shape.vocab),
+        expert_exchange=_expert_exchange(batch, model.shape, size, layout.expert_parallel),
+        activations=activation_bytes(cfg, model.shape, counts, size, layout.gpu, batch),
+        recomputed_layer=recomputed_layer_bytes(cfg, model.shape, counts, size, layout.gpu, batch),
+        logits=_logit_bytes(cfg, model.shape.vocab, batch),
         tied_gradient=_tied_gradient(counts, size, shard),
         head_gradient=counts.head_trainable * (size.compute if sharded and size.mixed else size.master),
     )
@@ -318,18 +336,18 @@ def _fsdp_buffers(counts: Counts, size: Dtypes, layout: Layout) -> float:
     return (counts.root_total + 2 * block_total) * gather + block_trainable * (size.compute + 4)
 
 
-def _expert_exchange(cfg: JobConfig, shape: Shape, size: Dtypes, ep: int) -> float:
+def _expert_exchange(batch: MicroBatch, shape: Shape, size: Dtypes, ep: int) -> float:
     """EP's all-to-all of one MoE layer: its rows out and the rows arriving, alive together (balanced routing)."""
     if ep <= 1:
         return 0.0
-    return 2.0 * tokens_per_micro_batch(cfg) * shape.experts_per_token * shape.hidden * size.compute
+    return 2.0 * batch.tokens * shape.experts_per_token * shape.hidden * size.compute
 
 
-def _logit_bytes(cfg: JobConfig, vocab: int) -> float:
+def _logit_bytes(cfg: JobConfig, vocab: int, batch: MicroBatch) -> float:
     """The loss's logits: one chunk of train.loss_chunk_tokens (loss.py; its fp32 logits, turned into their
     gradient in place, and that gradient in the compute dtype), else the micro-batch's whole fp32 logits, their
     compute-dtype source and their gradient (LOGIT_BYTES per element)."""
-    tokens = tokens_per_micro_batch(cfg)
+    tokens = batch.tokens
     chunk = cfg.train.loss_chunk_tokens
     if chunk == 0:
         return float(tokens * vocab * LOGIT_BYTES)
@@ -358,31 +376,33 @@ def _add_peak(parts: Memory, cfg: JobConfig, layout: Layout) -> None:
     parts.runtime = 0.0 if on_gpu else CPU_RUNTIME_BYTES
 
 
-def activation_bytes(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes, kind: Gpu) -> float:
+def activation_bytes(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes, kind: Gpu,
+                     batch: MicroBatch) -> float:
     """Saved tensors of one micro-batch: every layer's (or, with activation checkpointing, every layer's input
     plus one layer being recomputed), then the final norm and the head's input at target positions."""
-    tokens = tokens_per_micro_batch(cfg)
+    tokens = batch.tokens
     head = _norm_bytes(shape.hidden, size, trainable=not cfg.lora.enabled) + shape.hidden * size.residual
     # The first whole-stack gradient of a folded expert weight, while the layer's folded weights are still saved.
     folded_gradient = counts.lora_largest_parameter * size.residual
     if cfg.model.gradient_checkpointing:
         inputs = tokens * shape.layers * shape.hidden * size.residual
-        return inputs + tokens * head + recomputed_layer_bytes(cfg, shape, counts, size, kind) + folded_gradient
+        return inputs + tokens * head + recomputed_layer_bytes(cfg, shape, counts, size, kind, batch) + folded_gradient
     # The folded expert weights (peft) or B copies (grouped) of every MoE layer stay saved until its backward.
     folded = (shape.layers - shape.dense_layers) * _expert_lora_layer_bytes(counts, size)
-    per_token = head + shape.layers * layer_bytes_per_token(cfg, shape, counts, size, kind)
+    per_token = head + shape.layers * layer_bytes_per_token(cfg, shape, counts, size, kind, batch.longest)
     return tokens * per_token + folded + folded_gradient
 
 
-def recomputed_layer_bytes(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes, kind: Gpu) -> float:
+def recomputed_layer_bytes(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes, kind: Gpu,
+                           batch: MicroBatch) -> float:
     """Under activation checkpointing, the one layer whose activations backward rebuilds at a time; else 0."""
-    return _layer_bytes(cfg, shape, counts, size, kind) if cfg.model.gradient_checkpointing else 0.0
+    return _layer_bytes(cfg, shape, counts, size, kind, batch) if cfg.model.gradient_checkpointing else 0.0
 
 
-def _layer_bytes(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes, kind: Gpu) -> float:
+def _layer_bytes(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes, kind: Gpu, batch: MicroBatch) -> float:
     """The largest layer's saved tensors for a micro-batch, what its expert adapters save included."""
-    per_token = layer_bytes_per_token(cfg, shape, counts, size, kind)
-    return tokens_per_micro_batch(cfg) * per_token + _expert_lora_layer_bytes(counts, size)
+    per_token = layer_bytes_per_token(cfg, shape, counts, size, kind, batch.longest)
+    return batch.tokens * per_token + _expert_lora_layer_bytes(counts, size)
 
 
 def _expert_lora_layer_bytes(counts: Counts, size: Dtypes) -> float:
@@ -391,10 +411,12 @@ def _expert_lora_layer_bytes(counts: Counts, size: Dtypes) -> float:
     return (counts.lora_parameters_per_block + counts.lora_expert_copies_per_block) * size.residual
 
 
-def layer_bytes_per_token(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes, kind: Gpu) -> float:
+def layer_bytes_per_token(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes, kind: Gpu,
+                          document: int) -> float:
     """What autograd saves in one decoder block, per token: two RMSNorms, the linear layers' inputs (one bf16 copy
     per layer under autocast over fp32 activations), rotated q/k and v, attention's own, the MLP's
-    intermediates, and LoRA's rank-r outputs (plus dropout's copies and masks)."""
+    intermediates, and LoRA's rank-r outputs (plus dropout's copies and masks). `document`: the longest document's
+    tokens, whose attention scores a token may keep."""
     h, a = shape.hidden, size.compute
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     casts = size.residual != a  # each consumer of an fp32 activation saves its own bf16 copy
@@ -402,7 +424,7 @@ def layer_bytes_per_token(cfg: JobConfig, shape: Shape, counts: Counts, size: Dt
     norms = 2 * _norm_bytes(h, size, trainable=full)
     inputs = (3 + 2) * h * a if casts else 2 * h * size.residual
     eager = holds_scores(cfg.model.attn_implementation, counts, kind)
-    attention = _attention_bytes(shape, size, kind, cfg.data.max_length, eager) + q * a  # + o_proj's input
+    attention = _attention_bytes(shape, size, kind, document, eager) + q * a  # + o_proj's input
     total = norms + inputs + attention + (q + 2 * kv) * a + _mlp_bytes(shape, size)
     if cfg.lora.enabled:
         total += counts.lora_ranks_per_block * a + _grouped_expert_lora_bytes(shape, counts, a)

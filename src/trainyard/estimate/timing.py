@@ -14,10 +14,11 @@ import math
 from dataclasses import dataclass
 
 from trainyard import hardware
+from trainyard.batch import largest_micro_batch
 from trainyard.config import JobConfig
 from trainyard.config.preference import REFERENCE_FREE
 from trainyard.estimate import experts as experts_room
-from trainyard.estimate.memory import Dtypes, Layout, Model
+from trainyard.estimate.memory import Dtypes, Layout, MicroBatch, Model, micro_batch_bound
 from trainyard.hardware import kind_peak_flops
 
 DEFAULT_MFU = 0.4
@@ -51,6 +52,23 @@ class Lengths:
     source: str = "data.max_length (the data was not read)"
     rows: float = 0.0
     """Usable rows of the whole data, where it was read."""
+    batch_why: str = "the data was not read"
+    """Where the micro-batch memory is planned for comes from: with documents, which rows they are; without, why
+    every row is taken to fill data.max_length."""
+
+    def rows_of(self, cfg: JobConfig) -> list[int]:
+        """Each training row's tokens: a document, or a DPO pair's two."""
+        per_row = documents_per_row(cfg)
+        return [sum(self.documents[i : i + per_row]) for i in range(0, len(self.documents), per_row)]
+
+    def largest_micro_batch(self, cfg: JobConfig) -> MicroBatch:
+        """The micro-batch memory is planned for: the data's largest as the job collates it (the first step's under
+        train.worst_batch_first), or where the data was not read every row filling data.max_length."""
+        if not self.documents:
+            bound = micro_batch_bound(cfg)
+            return MicroBatch(bound.tokens, bound.longest, f"micro_batch_size x data.max_length: {self.batch_why}")
+        tokens, _ = largest_micro_batch(self.rows_of(cfg), cfg)
+        return MicroBatch(tokens, max(self.documents), self.batch_why)
 
     def per_row(self, cfg: JobConfig) -> tuple[float, tuple[float, ...]]:
         """(tokens computed per micro-batch row, the documents whose tokens and attention the rows compute) as the
@@ -64,8 +82,7 @@ class Lengths:
             return length, self.documents
         if data.padding_free:
             return per_row * sum(self.documents) / len(self.documents), self.documents
-        rows = [sum(self.documents[i : i + per_row]) for i in range(0, len(self.documents), per_row)]
-        padded = expected_max(sorted(rows), cfg.train.micro_batch_size)
+        padded = expected_max(sorted(self.rows_of(cfg)), cfg.train.micro_batch_size)
         return padded, (padded,)
 
 

@@ -32,9 +32,11 @@ def build_and_wrap(
     model_path: str | None,
     tokenizer: Any,
     forward_only: bool = False,
+    train_rows: Any = None,
 ) -> tuple[torch.nn.Module, str, DeviceMesh | None]:
     """Meta-device model (+ LoRA) → strategy, checked to fit → mesh → wrap → each rank's own weights.
-    Forward only (evaluation), DDP's replicas add nothing: FSDP stays, as it lets a big model fit."""
+    Forward only (evaluation), DDP's replicas add nothing: FSDP stays, as it lets a big model fit. `train_rows`:
+    the prepared training rows, whose largest micro-batch the strategy and the fit are planned for."""
     config = source_room.architecture(cfg.model, tokenizer, model_path)
     trainable_dtype = precision.trainable_dtype
     base_dtype = precision.frozen_dtype if cfg.lora.enabled else trainable_dtype
@@ -50,9 +52,10 @@ def build_and_wrap(
         logging.getLogger("trainyard").info(
             "lora r=%d alpha=%g on %s", cfg.lora.r, cfg.lora.alpha, lora_room.describe_lora_reach(model)
         )
+    lengths = plan.prepared_lengths(cfg, train_rows)
     strategy = plan.choose_strategy(cfg.dist.strategy, model, info)
     if cfg.dist.strategy == "auto" and info.distributed:
-        strategy, why = plan.auto_strategy(model, info, cfg)
+        strategy, why = plan.auto_strategy(model, info, cfg, lengths=lengths)
         logging.getLogger("trainyard").info("dist.strategy auto -> %s: %s", strategy, why)
     if forward_only and strategy == "diloco":
         strategy = cfg.diloco.inner
@@ -68,7 +71,8 @@ def build_and_wrap(
         expert_parallel.check(model, ep, strategy, shard, cfg.where("dist.expert_parallel"))
     mesh = dist.build_mesh(info, strategy, cfg.dist.shard_size, sites, cfg.diloco.inner, ep)
     shards = mesh.size(-1) if mesh is not None and parallel.shards_within(strategy, cfg.diloco.inner) else 1
-    plan.check_fits(strategy, cfg.dist.strategy, shards, model, info, cfg.where("dist.strategy"))
+    plan.check_fits(strategy, cfg.dist.strategy, shards, model, info, cfg.where("dist.strategy"),
+                    None if forward_only else cfg, lengths)
     if cfg.model.config is not None and info.local_world_size > 1:  # one whole model per node, not per rank
         init = model_room.random_init_file(cfg.model, config, cfg.train.seed, source_room.model_cache_dir(cfg.model))
         source: weights.SafetensorsFolder | weights.InMemory = weights.SafetensorsFolder.open(init.parent)

@@ -322,7 +322,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         sampler = ResumableSampler(len(data.train), seed=cfg.train.seed, rank=data_rank, world_size=data_world,
                                    first=_worst_batch(cfg, data.train, data_world))
 
-    model, strategy, mesh = build.build_and_wrap(cfg, info, precision, model_path, tokenizer)
+    model, strategy, mesh = build.build_and_wrap(cfg, info, precision, model_path, tokenizer,
+                                                 train_rows=None if cfg.data.mixture else data.train)
     total_params, trainable_params = model_room.parameter_counts(model)
     accum = accumulation_steps(cfg, data_world)
     logger.info(
