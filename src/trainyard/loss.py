@@ -174,7 +174,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[start : start + chunk] = grad @ weight.to(rows.dtype)
             if grad_weight is not None:
-                _add_product(grad_weight, grad.T, rows)
+                add_product(grad_weight, grad.T, rows)
             if grad_bias is not None:
                 grad_bias += grad.float().sum(dim=0)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
@@ -193,7 +193,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         )
 
 
-def _add_product(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+def add_product(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
     """total += left @ right, the product accumulated in fp32 by the matmul and added in total's dtype: in place
     where the dtypes agree, else (fp32 masters under autocast) through one product in the compute dtype."""
     if total.dtype == left.dtype == right.dtype:

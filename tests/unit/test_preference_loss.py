@@ -153,3 +153,57 @@ def test_adapters_off_is_the_base_model_and_comes_back_on() -> None:
     torch.testing.assert_close(again, on, rtol=0, atol=0)
     assert not torch.allclose(on, off)
     assert all(p.requires_grad for name, p in model.named_parameters() if "lora_" in name)
+
+
+def full_fine_tune_grads(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_tokens: int,
+                         autocast: bool) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of a full fine-tune's sigmoid loss (its reference log-probabilities stored)."""
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss, _ = pair_loss_sum(model, batch, torch.device("cpu"), DpoConfig(loss="sigmoid"), chunk_tokens)
+    loss.backward()
+    return {name: param.grad.clone() for name, param in model.named_parameters()}
+
+
+def stored_reference_batch() -> dict[str, torch.Tensor]:
+    batch = collate(pair_rows(), 0, True)
+    batch["ref_logps"] = torch.tensor([[-30.0, -40.0], [-20.0, -15.0], [-50.0, -20.0]])
+    return batch
+
+
+def test_chunked_logits_under_autocast_give_the_gradients_of_full_logits() -> None:
+    """bf16-mixed full fine-tuning (fp32 weights, autocast): the chunked backward computes its logits again in the
+    forward's bf16 against the forward's log-sum-exp (it computed them in fp32, outside autocast: every gradient
+    was off by ~1%). The head's logits scaled to a trained model's spread, where bf16 rounds them visibly. Below the
+    head the gradients are the full logits' (bitwise on an avx2 CPU); the head's own differs by the bf16 rounding
+    of the full logits' one product, which the chunks sum in fp32."""
+    model = tiny_llama()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    batch = stored_reference_batch()
+    full = full_fine_tune_grads(model, batch, 0, autocast=True)
+    chunked = full_fine_tune_grads(model, batch, 3, autocast=True)
+    for name, want in full.items():
+        error = ((chunked[name] - want).norm() / want.norm()).item()
+        assert error < (1e-2 if name == "lm_head.weight" else 1e-3), (name, error)
+
+
+def test_a_bf16_head_s_gradient_is_summed_in_bf16_with_no_fp32_copy() -> None:
+    """bf16 weights (FSDP2's unsharded parameters under bf16-mixed): the chunked backward makes the head's gradient
+    once, in bf16 (2 bytes a head parameter, as the estimate counts), never an fp32 [V, H] and a copy of it."""
+    from tests.unit.test_loss import _Made
+
+    model = tiny_llama().to(torch.bfloat16)
+    head = model.lm_head.weight
+    batch = stored_reference_batch()
+    with torch.autocast("cpu", enabled=False):
+        loss, _ = pair_loss_sum(model, batch, torch.device("cpu"), DpoConfig(loss="sigmoid"), 3)
+    with _Made() as made:
+        loss.backward()
+    same_shape = [name for name, param in model.named_parameters() if param.shape == head.shape]
+    assert same_shape == ["model.embed_tokens.weight", "lm_head.weight"]
+    # one gradient each, in bf16: the embedding's and the head's
+    assert [dtype for shape, dtype in made.seen if shape == head.shape] == [torch.bfloat16] * 2
+    chunked = {name: param.grad.float() for name, param in model.named_parameters()}
+    for name, want in full_fine_tune_grads(model, batch, 0, autocast=False).items():
+        torch.testing.assert_close(chunked[name], want.float(), rtol=0.05, atol=2e-3, msg=name)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from trainyard.config import DpoConfig
 from trainyard.config.preference import REFERENCE_FREE
 from trainyard.data import IGNORE_INDEX
-from trainyard.loss import chunkable_head, final_softcap, head_computes, keeps_logits
+from trainyard.loss import add_product, chunkable_head, final_softcap, head_computes, keeps_logits
 
 STATS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
          "logps/rejected")
@@ -71,28 +71,49 @@ def target_logps(
 
 def _chunk_logits(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """fp32 logits of a chunk (soft-capped where the family caps them), and tanh of the cap for its derivative."""
-    logits = F.linear(rows, weight, bias).float()
+    """fp32 logits of a chunk (soft-capped where the family caps them), and tanh of the cap for its derivative. The
+    product runs in the operands' dtype (`_operands`), never autocast's: the backward runs outside autocast."""
+    with torch.autocast(rows.device.type, enabled=False):
+        logits = F.linear(rows, weight, bias).float()
     if not softcap:
         return logits, None
     capped = torch.tanh(logits / softcap)
     return capped * softcap, capped
 
 
+def _operands(
+    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The head's weight and bias in the forward's autocast dtype (one copy a pass, as autocast would make), or as
+    they are without autocast."""
+    if dtype is None:
+        return weight, bias
+    return weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
 class _ChunkedTargetLogps(torch.autograd.Function):
     """log softmax(hidden @ weight.T + bias)[target] per row, one chunk of rows at a time. The backward computes
     each chunk's logits again rather than keep them: DPO's gradient per token depends on every token of its pair,
-    so it cannot be taken during the forward as the SFT loss's is."""
+    so it cannot be taken during the forward as the SFT loss's is. Both passes compute the logits in the dtype
+    autocast gave the forward (its log-sum-exp is the backward's too), and the head's gradient is summed in the
+    head's own dtype, as the SFT loss sums it (estimate: head_gradient)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
         chunk: int, softcap: float | None,
     ) -> torch.Tensor:
+        ctx.dtype = _autocast_dtype(hidden.device)
+        compute_weight, compute_bias = _operands(weight, bias, ctx.dtype)
         logps = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
         norms = torch.empty_like(logps)
         for start in range(0, hidden.size(0), chunk):
-            logits, _ = _chunk_logits(hidden[start : start + chunk], weight, bias, softcap)
+            rows = hidden[start : start + chunk].to(ctx.dtype or hidden.dtype)
+            logits, _ = _chunk_logits(rows, compute_weight, compute_bias, softcap)
             norms[start : start + chunk] = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, targets[start : start + chunk].unsqueeze(1)).squeeze(1)
             logps[start : start + chunk] = picked - norms[start : start + chunk]
@@ -104,28 +125,27 @@ class _ChunkedTargetLogps(torch.autograd.Function):
     def backward(ctx: Any, grad_logps: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         hidden, weight, bias, targets, norms = ctx.saved_tensors
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        compute_weight, compute_bias = _operands(weight, bias, ctx.dtype)
         grad_hidden = torch.empty_like(hidden) if needs_hidden else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_weight else None
+        grad_weight = torch.zeros_like(weight) if needs_weight else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if needs_bias and bias is not None else None
         for start in range(0, hidden.size(0), ctx.chunk):
-            rows, scale = hidden[start : start + ctx.chunk], grad_logps[start : start + ctx.chunk].float().unsqueeze(1)
-            logits, capped = _chunk_logits(rows, weight, bias, ctx.softcap)
+            rows = hidden[start : start + ctx.chunk].to(ctx.dtype or hidden.dtype)
+            scale = grad_logps[start : start + ctx.chunk].float().unsqueeze(1)
+            logits, capped = _chunk_logits(rows, compute_weight, compute_bias, ctx.softcap)
             grad = logits.sub_(norms[start : start + ctx.chunk].unsqueeze(1)).exp_().mul_(-scale)  # -p * upstream
             grad.scatter_add_(1, targets[start : start + ctx.chunk].unsqueeze(1), scale)  # + one-hot * upstream
             if capped is not None:
                 grad *= 1 - capped.square()
             grad = grad.to(rows.dtype)
             if grad_hidden is not None:
-                grad_hidden[start : start + ctx.chunk] = grad @ weight.to(rows.dtype)
+                grad_hidden[start : start + ctx.chunk] = grad @ compute_weight.to(rows.dtype)
             if grad_weight is not None:
-                grad_weight += (grad.T @ rows).float()
+                add_product(grad_weight, grad.T, rows)
             if grad_bias is not None:
                 grad_bias += grad.float().sum(dim=0)
         return (
-            grad_hidden,
-            None if grad_weight is None else grad_weight.to(weight.dtype),
-            None if grad_bias is None else grad_bias.to(bias.dtype),
-            None, None, None,
+            grad_hidden, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None,
         )
 
 
