@@ -9,14 +9,18 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.conftest import REPO
 
 
-def stop_a_rank(command: list[str], heartbeat: Path, settle_s: float = 0.0) -> tuple[int, str, float | None]:
-    """Start the job, SIGSTOP the rank whose heartbeat file appears (after `settle_s` more seconds), wait for the
-    report; return (exit code, stderr, seconds from the stop to the report, None if it never came)."""
+def stop_a_rank(
+    command: list[str], heartbeat: Path, settle_s: float = 0.0, before_stop: Callable[[int], None] | None = None
+) -> tuple[int, str, float | None]:
+    """Start the job, SIGSTOP the rank whose heartbeat file appears (after `settle_s` more seconds, and after
+    `before_stop` has looked at its pid), wait for the report; return (exit code, stderr, seconds from the stop to the
+    report, None if it never came)."""
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     deadline = time.monotonic() + 180
@@ -27,6 +31,8 @@ def stop_a_rank(command: list[str], heartbeat: Path, settle_s: float = 0.0) -> t
     reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in proc.stderr))
     reader.start()
     time.sleep(settle_s)
+    if before_stop is not None:
+        before_stop(stopped_pid)
     os.kill(stopped_pid, signal.SIGSTOP)
     stopped_at = time.monotonic()
     while not any("lost its peers" in line for _, line in lines) and time.monotonic() - stopped_at < 120:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import sys
 from pathlib import Path
 
@@ -14,6 +15,11 @@ from tests.dist.stop_a_rank import stop_a_rank
 pytestmark = pytest.mark.dist
 
 FAST = ["eval.every_steps=0", "eval.at_end=false", "checkpoint.at_end=false", "log.tensorboard=false"]
+
+
+def cmdline(pid: int) -> bytes:
+    """What `ps` and py-spy show for a process: its /proc command line, without the padding a title leaves."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0")
 
 
 def test_injected_nan_stops_the_run_naming_step_and_rank(tmp_path: Path) -> None:
@@ -88,7 +94,11 @@ def test_stopped_rank_is_named_within_the_timeout_and_diagnosed(tmp_path: Path) 
         "2",
     ]
     run_dir = tmp_path / "tiny"
-    code, stderr, after = stop_a_rank(command, run_dir / "heartbeats" / "rank-1.json")
+    titles: dict[int, bytes] = {}
+    code, stderr, after = stop_a_rank(command, run_dir / "heartbeats" / "rank-1.json",
+                                      before_stop=lambda pid: titles.update({pid: cmdline(pid)}))
+    [(stopped_pid, title)] = titles.items()
+    assert title == b"trainyard train tiny rank 1/2"  # a worker forked from the fork server, named by the recipe
     assert code != 0
     assert after is not None, stderr[-3000:]
     assert after <= timeout_s + 10, f"reported {after:.0f}s after the stop"
@@ -104,4 +114,6 @@ def test_stopped_rank_is_named_within_the_timeout_and_diagnosed(tmp_path: Path) 
     text = run_cli("diagnose", str(run_dir)).stdout
     assert f"ranks 1 did not join {hang['op']} #{hang['seq']} of group 0" in text, text
     assert "rank 1: left no flight record" in text, text
-    assert "trainyard diagnose" in run_cli("status", str(run_dir)).stdout
+    assert f"pid {stopped_pid}: `py-spy dump --pid {stopped_pid}` on {socket.gethostname()}" in text, text
+    status = run_cli("status", str(run_dir)).stdout
+    assert "trainyard diagnose" in status and f"rank 1 pid {stopped_pid}" in status, status

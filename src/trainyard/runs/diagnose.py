@@ -167,6 +167,7 @@ def diagnose(run_dir: Path | str, now: float | None = None) -> dict[str, Any]:
         "hangs": suspect,
         "groups": groups,
         "heartbeats": {str(r): {**b, "age_s": round(now - float(b.get("time", 0)), 1)} for r, b in beats.items()},
+        "finished": (run_dir / run_layout.SUMMARY).is_file(),
     }
 
 
@@ -174,17 +175,37 @@ def _rank_note(rank: int, report: dict[str, Any], now: float) -> str:
     beat = report["heartbeats"].get(str(rank))
     if beat is None:
         return ""
-    return f"; heartbeat: {describe_ranks([beat], now)}"
+    return f"; heartbeat: {describe_ranks([beat], now)}{_py_spy(beat)}"
+
+
+def _py_spy(beat: dict[str, Any]) -> str:
+    """'; pid 4122: `py-spy dump --pid 4122` on gpu7 shows where it is': the stack of a rank that stays away is what
+    a hang's fix starts from, and its PID is on one host only."""
+    pid = beat.get("pid")
+    if pid is None:
+        return ""
+    return f"; pid {pid}: `py-spy dump --pid {pid}` on {beat.get('host', 'its host')} shows where it is"
+
+
+def _ranks_now(report: dict[str, Any], now: float) -> list[str]:
+    """Without a flight record no collective has timed out yet: a run still going may be hanging inside one, and
+    each rank's stack says where. One line a rank, with its PID and the py-spy line to run on its host."""
+    if report["finished"] or not report["heartbeats"]:
+        return []
+    beats = sorted(report["heartbeats"].values(), key=lambda beat: beat.get("rank", -1))
+    return ["  if it hangs now, each rank's stack says where:"] + [
+        f"    {describe_ranks([beat], now)}{_py_spy(beat)}" for beat in beats
+    ]
 
 
 def format_diagnosis(report: dict[str, Any], now: float | None = None) -> str:
     """A few lines naming, per process group, the collective and the ranks that did not join."""
     now = time.time() if now is None else now
     if not report["dumps"]:
-        return (
+        return "\n".join([
             f"{report['run_dir']}: no flight record in {FLIGHT_DIR}/ (no collective failed, or the recorder "
-            "was off: TORCH_FR_BUFFER_SIZE=0)"
-        )
+            "was off: TORCH_FR_BUFFER_SIZE=0)", *_ranks_now(report, now)
+        ])
     lines = [f"{report['run_dir']}: flight records from {len(report['dumps'])} dumps ({', '.join(report['dumps'])})"]
     if not report["hangs"]:
         lines.append("  every rank that left a record reached the same collective in every group;"

@@ -36,7 +36,7 @@ from trainyard.diloco import outer as diloco
 from trainyard.errors import NonFiniteError
 from trainyard.evaluate import evaluate, samples_file
 from trainyard.hardware import device_peak_flops, flop_shape
-from trainyard.launch import allocator
+from trainyard.launch import allocator, title
 from trainyard.metrics import (
     LogWindow,
     MetricsSink,
@@ -286,6 +286,7 @@ def _evaluator(job: Job):
 def run(cfg: JobConfig) -> dict[str, Any]:
     """The whole job: init, data, model, wrap, fit, summary. Every rank runs it."""
     wall_start = time.monotonic()
+    title.name_worker(cfg.run_name)  # `ps` and py-spy tell the ranks apart, forked ones included
     transformers.utils.logging.disable_progress_bar()  # our own progress line is the only one
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
     info = dist.init(cfg.dist, run_dir=cfg.run_dir, nic_where=cfg.where("dist.nic"))
