@@ -62,31 +62,35 @@ def setup_logging(run_dir: Path, info: DistInfo) -> logging.Logger:
     return logger
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """This rank's memory for the log: the process's RSS on CPU, the allocator's peak since the last log on CUDA
-    (LogWindow.figures starts the next window's peak)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return psutil.Process().memory_info().rss
+@dataclass(frozen=True)
+class MemoryReading:
+    """One rank's memory at a log point: `peak` for the log, `held` for the trend (what a leak grows), `headroom`
+    for where it runs out (what the rank could still take at its peak)."""
+
+    peak: float
+    held: float
+    headroom: float
 
 
-def growing_memory_bytes(device: torch.device) -> int:
-    """The memory a leak grows, for the trend: on CPU the process's anonymous pages (RSS less its file-backed
-    pages, which the kernel drops and reads back under pressure: RSS then falls while a leak goes on); on CUDA the
-    allocator's peak, as logged."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    memory = psutil.Process().memory_info()
-    return memory.rss - memory.shared
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    """What this rank could still take: the host's available memory on CPU (shared with the other processes of the
-    node); on CUDA the device's free memory and what the allocator holds unused."""
+def memory_reading(device: torch.device) -> MemoryReading:
+    """On CPU: the process's RSS; its anonymous pages (RSS less its file-backed pages, which the kernel drops and
+    reads back under pressure: RSS then falls while a leak goes on); the host's available memory (shared with the
+    node's other processes). On CUDA: `cuda_reading` of the allocator's figures (LogWindow.figures then starts the
+    next window's peak)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return psutil.virtual_memory().available
+        return cuda_reading(torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device),
+                            free + torch.cuda.memory_reserved(device))
+    memory = psutil.Process().memory_info()
+    return MemoryReading(memory.rss, memory.rss - memory.shared, psutil.virtual_memory().available)
+
+
+def cuda_reading(peak: float, allocated: float, capacity: float) -> MemoryReading:
+    """The log window's allocator peak, for the log; for the trend the memory allocated at the log point, between
+    steps, where a leak stays: the peak moves 5-10% either way with each window's longest batch, and five peaks in
+    a row rise by chance. Headroom from the peak: a leak runs the device out at the step's peak, not between steps.
+    `capacity`: the device's free memory and what the allocator holds."""
+    return MemoryReading(peak, allocated, capacity - peak)
 
 
 @dataclass(frozen=True)
@@ -123,22 +127,23 @@ class MemoryTrend:
         self.start_step = start_step
         self.seen: dict[int, deque[tuple[int, float]]] = {}
 
-    def observe(self, step: int, used: dict[int, float], available: dict[int, float]) -> MemoryGrowth | None:
-        """One log window's memory (and what each rank could still take), by rank; the alarm, if any."""
+    def observe(self, step: int, memory: dict[int, MemoryReading]) -> MemoryGrowth | None:
+        """One log window's memory, by rank: the trend follows each rank's held memory, the run-out step its
+        headroom. The alarm, if any."""
         if step <= self.start_step + self.settle_steps:
             return None
         rising = {}
-        for rank, memory in used.items():
+        for rank, reading in memory.items():
             seen = self.seen.setdefault(rank, deque(maxlen=self.windows))
-            seen.append((step, memory))
+            seen.append((step, reading.held))
             if self._steady_rise(seen):
                 rising[rank] = _slope(seen)
                 seen.clear()
         if not rising:
             return None
-        runs_out = {rank: _runs_out_at(step, rate, available.get(rank)) for rank, rate in rising.items()}
+        runs_out = {rank: _runs_out_at(step, rate, memory[rank].headroom) for rank, rate in rising.items()}
         worst = min(rising, key=lambda rank: (runs_out[rank] is None, runs_out[rank] or 0, -rising[rank]))
-        return MemoryGrowth(step, sorted(rising), rising[worst], used[worst], available.get(worst, 0.0),
+        return MemoryGrowth(step, sorted(rising), rising[worst], memory[worst].held, memory[worst].headroom,
                             runs_out[worst])
 
     def _steady_rise(self, seen: deque[tuple[int, float]]) -> bool:
@@ -183,8 +188,8 @@ class LogWindow:
         self.pair_figures = pair_figures
         """objective.PairFigures under DPO: its sums ride the same all-gather."""
         self.memory_trend = MemoryTrend()
-        self._memory: tuple[dict[int, float], dict[int, float]] = ({}, {})
-        """Each rank's growing memory (`growing_memory_bytes`) and what it could still take at the last `figures`."""
+        self._memory: dict[int, MemoryReading] = {}
+        """Each rank's held memory and its headroom (`memory_reading`) at the last `figures`."""
         self.reset()
 
     def reset(self) -> None:
@@ -225,11 +230,11 @@ class LogWindow:
 
     def figures(self, group: ProcessGroup | None = None) -> dict[str, Any]:
         """The interval's figures over the group's ranks (the world by default; a DiLoCo site's between outer syncs),
-        with one all-gather: sums to add up, each rank's busy time to spot stragglers, its memory (the highest is
-        `peak_memory_bytes`). Every rank of the group must call it. MFU: the steps' model FLOPs per rank-second over
-        the peak."""
-        own = [self.seconds, self.flops, peak_memory_bytes(self.device), available_memory_bytes(self.device),
-               growing_memory_bytes(self.device)]
+        with one all-gather: sums to add up, each rank's busy time to spot stragglers, its memory (`memory_reading`;
+        the highest peak is `peak_memory_bytes`). Every rank of the group must call it. MFU: the steps' model FLOPs
+        per rank-second over the peak."""
+        memory = memory_reading(self.device)
+        own = [self.seconds, self.flops, memory.peak, memory.headroom, memory.held]
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # each window's own peak: a leak shows as a rise
         mine = torch.cat([self.sums, torch.tensor(own, dtype=torch.float64, device=self.device)])
@@ -242,7 +247,8 @@ class LogWindow:
         experts = riders.size(1) - (self.pair_figures.row().numel() if self.pair_figures is not None else 0)
         loss_sum, targets, real_tokens, _, flops = every[:, :5].sum(dim=0).tolist()
         ranks = group_ranks(group)
-        self._memory = (dict(zip(ranks, every[:, 7].tolist())), dict(zip(ranks, every[:, 6].tolist())))
+        self._memory = {rank: MemoryReading(peak, held, headroom)
+                        for rank, (peak, headroom, held) in zip(ranks, every[:, 5:8].tolist(), strict=True)}
         times = every[:, 3]
         median = times.median().item()
         elapsed = max(self.seconds, 1e-9)
@@ -266,7 +272,7 @@ class LogWindow:
 
     def memory_growth(self, step: int) -> MemoryGrowth | None:
         """The last `figures`' memory, by rank, added to the trend: a steady rise over the last windows, if any."""
-        return self.memory_trend.observe(step, *self._memory)
+        return self.memory_trend.observe(step, self._memory)
 
 
 def json_safe(value: Any) -> Any:

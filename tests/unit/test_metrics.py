@@ -16,8 +16,10 @@ from trainyard.dist import DistInfo
 from trainyard.hardware import device_peak_flops, matmul_precision, peak_flops
 from trainyard.metrics import (
     LogWindow,
+    MemoryReading,
     MemoryTrend,
     MetricsSink,
+    cuda_reading,
     write_json,
 )
 from trainyard.parallel.comm import CommTimer
@@ -146,7 +148,12 @@ GIB = 2**30
 
 def observe_all(trend: MemoryTrend, memory_by_step: dict[int, float], available: float = 8 * GIB) -> list:
     """Rank 0's memory window by window; the alarms raised."""
-    alarms = [trend.observe(step, {0: memory}, {0: available}) for step, memory in memory_by_step.items()]
+    return observe_readings(trend, {step: MemoryReading(memory, memory, available)
+                                    for step, memory in memory_by_step.items()})
+
+
+def observe_readings(trend: MemoryTrend, readings: dict[int, MemoryReading]) -> list:
+    alarms = [trend.observe(step, {0: reading}) for step, reading in readings.items()]
     return [alarm for alarm in alarms if alarm is not None]
 
 
@@ -195,11 +202,33 @@ def test_the_rank_that_runs_out_first_is_the_one_reported() -> None:
     trend, alarm = MemoryTrend(settle_steps=0), None
     for step in range(1, 6):
         used = {0: GIB + step * 2**20, 1: GIB + step * 100 * 2**20, 2: GIB + step * 50 * 2**20}
-        alarm = trend.observe(step, used, {0: 4 * GIB, 1: 40 * GIB, 2: 1 * GIB})
+        available = {0: 4 * GIB, 1: 40 * GIB, 2: 1 * GIB}
+        alarm = trend.observe(step, {rank: MemoryReading(used[rank], used[rank], available[rank]) for rank in used})
     assert alarm is not None and alarm.ranks == [1, 2]  # rank 0 rose by less than 1%
     assert alarm.bytes_per_step == pytest.approx(50 * 2**20)  # rank 2: 1 GiB left at 50 MiB a step
     assert alarm.runs_out_at_step == 5 + math.ceil(GIB / (50 * 2**20))
 
+
+
+def test_on_cuda_a_jittering_peak_is_no_leak_and_allocated_memory_that_grows_is_one() -> None:
+    """CUDA, 80 GiB: each window's allocator peak moves with its longest batch (here ±8% around 40 GiB, with a
+    chance run of five rising windows), while the memory allocated between steps stays at 12 GiB: no alarm. The
+    same peaks over a leak of 64 MiB a step: the alarm, and the step it runs out counted from the peak (from what
+    was allocated between steps it came ~30 GiB / 64 MiB, some 470 steps, too late)."""
+    capacity, leak = 80 * GIB, 64 * 2**20
+    jitter = [1.00, 0.93, 0.97, 1.01, 1.04, 1.06, 1.08, 0.95, 1.02, 0.92, 1.07, 0.96]
+    steps = range(10, 10 * len(jitter) + 10, 10)
+    flat = {step: cuda_reading(40 * GIB * j, 12 * GIB, capacity) for step, j in zip(steps, jitter, strict=True)}
+    assert observe_all(MemoryTrend(settle_steps=0), {step: r.peak for step, r in flat.items()}) != []  # by chance
+    assert observe_readings(MemoryTrend(settle_steps=0), flat) == []
+    leaking = {step: cuda_reading(r.peak + leak * step, 12 * GIB + leak * step, capacity) for step, r in flat.items()}
+    alarms = observe_readings(MemoryTrend(settle_steps=0), leaking)
+    assert [alarm.step for alarm in alarms] == [50, 100]
+    first, peak = alarms[0], leaking[50].peak
+    assert first.bytes_per_step == pytest.approx(leak)
+    assert first.memory_bytes == 12 * GIB + leak * 50
+    assert first.available_bytes == capacity - peak
+    assert first.runs_out_at_step == 50 + math.ceil((capacity - peak) / leak)
 
 _LEAKING_PROCESS = """
 import json, torch
