@@ -20,6 +20,11 @@ instead (flex.py), which holds no [heads, L, L] scores. Measured on SmolLM2-135M
 call over a mask that keeps each document to itself (MASKED_CALL_DOCUMENTS): one call per document left the host's
 dispatch the bound there. Batches with an attention_mask (padded rows, generation) go
 to transformers' sdpa, or the family's eager attention where sdpa cannot honour the family.
+
+Chunked attention (Llama 4's attention_chunk_size on its "chunked_attention" layers) sees the keys of its own chunk,
+chunks counted from each document's start: transformers' sdpa and eager count them from the restarting position_ids
+in the mask they build, and auto chooses sdpa for it. A family with layers that carry state across documents (linear
+attention, state-space, short causal convolutions: layers.py) gets padded rows instead of one row (padded_rows).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from trainyard.config.data import DataConfig
 from trainyard.errors import ModelError
+from trainyard.model import layers
 
 VARLEN = "trainyard_varlen"
 FLEX = "trainyard_flex"
@@ -46,24 +52,34 @@ auto's choice on CUDA for soft-capping or sinks where flash-attention cannot kee
 FLASH = ("flash_attention_2", "flash_attention_3")
 IMPLEMENTATIONS = ("varlen", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
-WINDOW, SOFTCAP, SINKS, MASK_WITHOUT_POSITIONS = (
+WINDOW, SOFTCAP, SINKS, MASK_WITHOUT_POSITIONS, CHUNKED, POSITIONS_NOT_PASSED = (
     "sliding windows", "attention-logit soft-capping", "attention sinks",
-    "document isolation (its mask ignores position_ids)",
+    "document isolation (its mask ignores position_ids)", "chunked attention",
+    "document isolation (its layers do not give their attention position_ids)",
 )
 SUPPORTED_BY = {
     WINDOW: ("varlen", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"),
     SOFTCAP: ("varlen", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"),
     SINKS: ("varlen", "eager", "flex_attention"),
     MASK_WITHOUT_POSITIONS: ("varlen", "flex_attention", "flash_attention_2", "flash_attention_3"),
+    CHUNKED: ("sdpa", "eager"),
+    POSITIONS_NOT_PASSED: ("sdpa", "eager"),
 }
 """Which implementations compute each feature exactly on padding-free rows (tests/unit/model/test_families.py).
 sdpa has no soft-capping (transformers refuses it); the flash_attn package's kernels have no sinks; a family
 whose mask ignores position_ids (gpt-oss) lets packed documents see each other under sdpa and eager (trainyard's
-flex reads the documents from position_ids)."""
+flex reads the documents from position_ids). Chunks: trainyard's varlen and flex keep documents, not chunks, and
+transformers refuses flash-attention on rows longer than a chunk. A family whose decoder layers keep position_ids from
+their attention (Llama 4) leaves varlen, flex and flash-attention no way to see the documents; transformers' own mask
+(sdpa, eager) is built from them."""
+MASK_ONLY = (CHUNKED, POSITIONS_NOT_PASSED)
+"""What only the mask transformers builds from position_ids keeps: auto chooses sdpa for it."""
 CPU_TRAINING = ("varlen", "sdpa", "eager")
 """flex_attention has no backward on CPU (torch 2.13); flash-attention needs CUDA."""
 _MASK_WITHOUT_POSITIONS = frozenset({"gpt_oss"})
 """Families whose model builds its attention mask without position_ids (transformers 5.24)."""
+_POSITIONS_NOT_PASSED = frozenset({"llama4_text", "llama4"})
+"""Families whose decoder layer does not pass position_ids on to its attention (transformers 5.24)."""
 
 
 def packed_rows(data: DataConfig) -> bool:
@@ -73,12 +89,37 @@ def packed_rows(data: DataConfig) -> bool:
     return data.padding_free or data.packing or data.mixture is not None
 
 
-def one_row(implementation: str, data: DataConfig) -> bool:
+def one_row(implementation: str, data: DataConfig, model: torch.nn.Module | None = None) -> bool:
     """Whether each micro-batch is collated as one padding-free row: data.padding_free, or packed rows meeting a
-    flash kernel. transformers' flash path reads documents from position_ids only in a batch of one row
-    (`_is_packed_sequence`): packed rows of a larger batch would each attend causally across their documents.
-    Flattening them is exact: the same documents, tokens and labels, without the padding."""
+    flash kernel, unless the built `model` has layers that would carry state across its documents (padded_rows).
+    transformers' flash path reads documents from position_ids only in a batch of one row (`_is_packed_sequence`):
+    packed rows of a larger batch would each attend causally across their documents. Flattening them is exact: the
+    same documents, tokens and labels, without the padding."""
+    if model is not None and padded_rows(model, data):
+        return False
     return data.padding_free or (implementation in FLASH and packed_rows(data))
+
+
+def model_one_row(model: torch.nn.Module, data: DataConfig) -> bool:
+    """one_row for a built model: its attention implementation, and its layers (padded_rows)."""
+    return one_row(model.config._attn_implementation, data, model)
+
+
+def padded_rows(model: torch.nn.Module, data: DataConfig) -> str | None:
+    """Why the job collates padded rows (one document each, right-padded: exact for every causal layer) though
+    data.padding_free asks for one row of documents; None when it does not. Rows that hold several documents however
+    they are collated (packing, a mixture) are refused for such a model."""
+    carried = layers.carriers(model) if packed_rows(data) else []
+    if not carried:
+        return None
+    if data.packing or data.mixture is not None:
+        field = "data.packing" if data.packing else "data.mixture"
+        raise ModelError(
+            f"{field}: rows of several documents, but {config_name(model)} has {', '.join(carried)} layers that carry "
+            "state across documents (trainyard cannot give them the boundaries yet)",
+            fix="set data.packing: false and train on a data.path dataset (its rows are padded for this family)",
+        )
+    return f"{config_name(model)} has {', '.join(carried)} layers that carry state across documents"
 
 
 def features(model: torch.nn.Module, packed: bool = True) -> list[str]:
@@ -95,6 +136,11 @@ def features(model: torch.nn.Module, packed: bool = True) -> list[str]:
         found.append(SINKS)
     if packed and config.model_type in _MASK_WITHOUT_POSITIONS:
         found.append(MASK_WITHOUT_POSITIONS)
+    if getattr(config, "attention_chunk_size", None) and "chunked_attention" in (getattr(config, "layer_types", None)
+                                                                                  or []):
+        found.append(CHUNKED)
+    if packed and config.model_type in _POSITIONS_NOT_PASSED:
+        found.append(POSITIONS_NOT_PASSED)
     return found
 
 
@@ -107,11 +153,12 @@ def choose(
 
     auto: flash-attention varlen on a GPU with the flash_attn package where its kernels keep every feature of
     the family; else on CUDA, flex_attention for soft-capping or sinks (the family's eager attention would hold
-    [heads, L, L] scores per layer); else `varlen`."""
+    [heads, L, L] scores per layer); else sdpa where only transformers' mask keeps the family (MASK_ONLY); else
+    `varlen`."""
+    refuse_dropped(requested, model, where, packed)
     if requested == "auto":
         return auto_choice(features(model, packed), device.type, device.type == "cuda" and _has_flash_attn(),
                            getattr(model.config, "attention_dropout", 0.0) or 0.0, checkpointing)
-    refuse_dropped(requested, model, where, packed)
     if requested in FLASH and not (device.type == "cuda" and _has_flash_attn()):
         raise ModelError(
             f"model.attn_implementation: {requested} needs a CUDA GPU and a flash_attn package that imports",
@@ -141,12 +188,20 @@ def auto_choice(
     flex_keeps_it = (SOFTCAP in found or SINKS in found) and not (SOFTCAP in found and checkpointing)
     if device_type == "cuda" and flex_keeps_it and not dropout:
         return FLEX
-    return VARLEN
+    return "sdpa" if set(MASK_ONLY) & set(found) else VARLEN
 
 
 def refuse_dropped(requested: str, model: torch.nn.Module, where: str | None = None, packed: bool = True) -> None:
     """A user's choice that would silently train another function than the family's on the job's rows (`packed`:
-    see packed_rows): exit 2, naming what."""
+    see packed_rows), or a layer of no known kind on rows of several documents: exit 2, naming what."""
+    unknown = layers.unknown_layers(model) if packed else []
+    if unknown:
+        raise ModelError(
+            f"data.padding_free: {config_name(model)} has {', '.join(unknown)} layers, which trainyard does not know "
+            "to keep the documents of a padding-free or packed row apart",
+            where=where,
+            fix="set data.padding_free: false (and data.packing: false): rows of one document each are exact",
+        )
     found = features(model, packed)
     dropped = [feature for feature in found if requested != "auto" and requested not in SUPPORTED_BY[feature]]
     if dropped:

@@ -1,11 +1,18 @@
 """LoRA via PEFT: adapters on the linear layers (their update added inside the adapter's product: lora_linear.py)
 and on fused MoE expert parameters (run as grouped low-rank products: moe_lora.py), the router frozen unless named,
 every target name checked, and what carries adapters, in words.
+
+Only plain linear maps get adapters: a Linear whose class replaces the forward (Llama 4's router returns a tuple) or
+whose weight its parent hands to a fused kernel (a Mamba mixer's out_proj; Jamba's dt_proj) would crash, or have its
+adapter silently skipped, so the defaults leave them out and a target naming one is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+import re
 import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -34,12 +41,15 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int, reference: bo
     else:
         target_parameters = resolve_target_parameters(model, cfg)
         check_lora_targets(model, cfg.target_modules, target_parameters)
+        not_plain = not_plain_linear(model)
+        refuse_not_plain(cfg.target_modules, not_plain)
         peft_config = PeftLoraConfig(
             r=cfg.r,
             lora_alpha=cfg.alpha,
             lora_dropout=cfg.dropout,
             target_modules=cfg.target_modules,
             target_parameters=target_parameters or None,
+            exclude_modules=sorted(not_plain) if cfg.target_modules == "all-linear" and not_plain else None,
             task_type="CAUSAL_LM",
         )
     torch.manual_seed(seed)
@@ -161,10 +171,59 @@ def known_peft_warnings_ignored() -> Iterator[None]:
 
 
 def resolve_target_parameters(model: torch.nn.Module, cfg: LoraConfig) -> list[str]:
-    """`auto`: the model's 3-D parameters (fused MoE experts), named relative to their block."""
+    """`auto`: the model's 3-D parameters (fused MoE experts), named relative to their block; not a convolution's
+    kernel (a short causal convolution's [channels, 1, width] is no stack of matrices)."""
     if cfg.target_parameters != "auto":
         return list(cfg.target_parameters)
-    return _unique(_block_relative(name) for name, param in model.named_parameters() if param.ndim == 3)
+    return _unique(
+        _block_relative(f"{module_name}.{name}" if module_name else name)
+        for module_name, module in model.named_modules()
+        if not isinstance(module, torch.nn.modules.conv._ConvNd)
+        for name, param in module.named_parameters(recurse=False)
+        if param.ndim == 3
+    )
+
+
+def not_plain_linear(model: torch.nn.Module) -> dict[str, str]:
+    """The Linear layers whose output is not x·Wᵀ + b through their own forward, by full name, with why."""
+    found = {}
+    for parent_name, parent in model.named_modules():
+        read = weights_read_directly(type(parent))
+        for name, child in parent.named_children():
+            if not isinstance(child, torch.nn.Linear):
+                continue
+            full = f"{parent_name}.{name}" if parent_name else name
+            if type(child).forward is not torch.nn.Linear.forward:
+                found[full] = f"{type(child).__name__}'s forward is not a plain linear map"
+            elif name in read:
+                found[full] = f"{type(parent).__name__} hands its weight to a fused kernel, past any adapter"
+    return found
+
+
+@functools.cache
+def weights_read_directly(cls: type) -> frozenset[str]:
+    """Children whose weight the class's own code reads as a tensor (`self.out_proj.weight` given to a kernel), not
+    only its dtype or device. A class without source (built at run time) reads none that can be seen."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return frozenset()
+    return frozenset(re.findall(r"self\.(\w+)\.weight\b(?!\s*\.\s*(?:dtype|device|shape|size|ndim|is_meta))", source))
+
+
+def refuse_not_plain(target_modules: list[str] | str, not_plain: dict[str, str]) -> None:
+    """An explicit target naming a Linear that is not a plain linear map: PEFT would crash on it or train an adapter
+    the forward skips."""
+    if not isinstance(target_modules, list):
+        return
+    named = {full: why for full, why in not_plain.items()
+             if any(full == t or full.endswith(f".{t}") for t in target_modules)}
+    if named:
+        kinds = _unique(f"{_block_relative(full)} ({why})" for full, why in named.items())
+        raise ModelError(
+            f"lora.target_modules: {', '.join(kinds)}: LoRA adapts plain linear maps only",
+            fix="remove it from lora.target_modules (all-linear leaves it frozen)",
+        )
 
 
 def check_lora_targets(model: torch.nn.Module, target_modules: list[str] | str, target_parameters: list[str]) -> None:
@@ -219,6 +278,10 @@ def describe_lora_reach(model: torch.nn.Module) -> str:
         words += f", {len(experts)} expert parameters ({layers} layers × {kinds})"
     if others:
         words += f", {len(others)} other parameters ({', '.join(_unique(map(_block_relative, others)))})"
+    excluded = [getattr(config, "exclude_modules", None) for config in getattr(model, "peft_config", {}).values()]
+    frozen = _unique(_block_relative(name) for names in excluded if isinstance(names, list | set) for name in names)
+    if frozen:
+        words += f"; not plain linear maps, left frozen: {', '.join(frozen)}"
     return words
 
 

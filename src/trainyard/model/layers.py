@@ -1,0 +1,89 @@
+"""Which layers of a decoder block make a token's output depend on earlier tokens, by kind: attention, which trainyard's
+paths keep to each document of a padding-free row (attention.py), and the kinds that carry a state from one document
+of a row into the next: linear attention (Gated DeltaNet and its kin), state-space layers (Mamba) and short causal
+convolutions. Their kernels would need the row's boundaries (cu_seqlens, seq_idx), which trainyard does not pass
+them yet, so attention.padded_rows pads those jobs' rows instead.
+
+A class of no kind known here might mix tokens in a way nothing checks: `unknown_layers` names it, and attention
+refuses it on rows that hold several documents. The rule is by class name, as transformers names its modules
+(Qwen3NextGatedDeltaNet, FalconH1Mixer, Lfm2ShortConv; LlamaAttention, LlamaMLP, Qwen3MoeTopKRouter, LlamaRMSNorm),
+plus torch's own layers and the wrappers PEFT, FSDP and trainyard put around them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LINEAR_ATTENTION, STATE_SPACE, SHORT_CONVOLUTION = "linear attention", "state-space", "short causal convolution"
+CARRIERS = {
+    LINEAR_ATTENTION: ("DeltaNet", "DeltaAttention", "LinearAttention", "LightningAttention"),
+    STATE_SPACE: ("Mamba", "Mixer", "SSM"),
+    SHORT_CONVOLUTION: ("ShortConv", "CausalConv"),
+}
+"""Words in a class name that make it a layer carrying state along the row (checked before ATTENTION: a
+KimiDeltaAttention is linear attention)."""
+ATTENTION = "Attention"
+PER_TOKEN = ("MLP", "Mlp", "FeedForward", "Experts", "Moe", "MoE", "MoeBlock", "Router", "Gate", "Norm", "NormGated",
+             "Embedding", "Activation")
+"""Class-name endings of the layers that compute each token on its own (MLPs, experts and their routers, norms)."""
+TORCH_PER_TOKEN = (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm, torch.nn.RMSNorm, torch.nn.Dropout,
+                   torch.nn.Identity, torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential,
+                   torch.nn.ParameterList, torch.nn.ParameterDict)
+PER_TOKEN_MODULES = ("torch.nn.modules.activation", "transformers.activations")
+WRAPPERS = ("peft.", "trainyard.", "torch.distributed.")
+"""Modules of these packages wrap a family's layers (adapters, sharding, checkpointing): what they wrap decides."""
+UNKNOWN = "unknown"
+
+
+def kind(module: torch.nn.Module) -> str | None:
+    """A carrier kind, ATTENTION, UNKNOWN, or None for a layer that mixes no tokens itself (its children might)."""
+    cls = type(module)
+    for carried, words in CARRIERS.items():
+        if any(word in cls.__name__ for word in words):
+            return carried
+    if isinstance(module, torch.nn.Conv1d):  # a causal convolution outside any known layer
+        return SHORT_CONVOLUTION
+    if cls.__name__.endswith(ATTENTION):
+        return ATTENTION
+    if (isinstance(module, TORCH_PER_TOKEN) or cls.__name__.endswith(PER_TOKEN) or cls.__module__ in PER_TOKEN_MODULES
+            or cls.__module__.startswith(WRAPPERS)):
+        return None
+    return UNKNOWN
+
+
+def block_layers(model: torch.nn.Module) -> dict[str, str]:
+    """Each class inside the decoder blocks that carries state, or is of no known kind, with its kind: the outermost
+    such class (a Mamba mixer, not its Conv1d)."""
+    found: dict[str, str] = {}
+    for block in _blocks(model):
+        _walk(block, found)
+    return found
+
+
+def carriers(model: torch.nn.Module) -> list[str]:
+    """The classes that carry state across the documents of a row."""
+    return [name for name, found in block_layers(model).items() if found in CARRIERS]
+
+
+def unknown_layers(model: torch.nn.Module) -> list[str]:
+    return [name for name, found in block_layers(model).items() if found == UNKNOWN]
+
+
+def _walk(module: torch.nn.Module, found: dict[str, str]) -> None:
+    for child in module.children():
+        child_kind = kind(child)
+        if child_kind in CARRIERS or child_kind == UNKNOWN:
+            found.setdefault(type(child).__name__, child_kind)
+        else:
+            _walk(child, found)
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated decoder blocks (the family's _no_split_modules; else the first ModuleList's entries). A PEFT
+    model hands attribute reads to the model it wraps."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [module for module in model.modules() if type(module).__name__ in names]
+    if blocks:
+        return blocks
+    lists = [module for module in model.modules() if isinstance(module, torch.nn.ModuleList)][:1]
+    return list(lists[0]) if lists else []
