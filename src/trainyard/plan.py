@@ -456,6 +456,8 @@ def describe_plan(
                                                                                                     *attention.FLASH):
         lines.append("attention        packed rows reach flash-attention as one padding-free row per micro-batch "
                      "(its varlen path keeps documents apart only in a batch of one row)")
+    if model is not None and (padded := attention.padded_rows(model, data)):
+        lines.append(f"attention        padded rows: {padded}")
     lines.append(estimate.describe(cfg, _hardware(target), lengths)[0])
     return "\n".join(lines)
 

@@ -74,7 +74,7 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path) -> dict[str, object]:
         generate=cfg.eval.generate,
         max_new_tokens=cfg.eval.max_new_tokens,
         autocast=autocast,
-        padding_free=attention.one_row(unwrap(model).config._attn_implementation, cfg.data),
+        padding_free=attention.model_one_row(unwrap(model), cfg.data),
         dpo=dpo,
     )
     dist.teardown()

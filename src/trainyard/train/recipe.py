@@ -274,7 +274,7 @@ def _evaluator(job: Job):
             generate=cfg.eval.generate,
             max_new_tokens=cfg.eval.max_new_tokens,
             autocast=job.autocast,
-            padding_free=attention.one_row(parallel.unwrap(job.model).config._attn_implementation, cfg.data),
+            padding_free=attention.model_one_row(parallel.unwrap(job.model), cfg.data),
             samples_path=samples_file(cfg.run_dir, step) if cfg.eval.generate else None,
             dpo=cfg.dpo if cfg.train.objective == "dpo" else None,
         )
@@ -379,7 +379,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         write_atomically(run_dir / run_layout.CONFIG, dump_config(cfg))
     loop_state.install_preemption_handlers(cfg.checkpoint.preemption_signals)
     record = sample_record_path(run_dir, info.rank)
-    one_row = attention.one_row(parallel.unwrap(model).config._attn_implementation, cfg.data)
+    one_row = attention.model_one_row(parallel.unwrap(model), cfg.data)
     if isinstance(sampler, MixtureStream):
         batches = stream_batches(sampler, cfg.train.micro_batch_size, tokenizer.pad_token_id, record, one_row)
     else:
