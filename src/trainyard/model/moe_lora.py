@@ -193,8 +193,30 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
     operands (its kernels want 16-byte aligned strides), else transformers' loop over the groups (same op, autograd)."""
     x = x.to(weight.dtype)
     if _can_use_grouped_mm(x, weight, offsets) and _aligned(x) and _aligned(weight):
+        if weight.requires_grad and torch.is_grad_enabled():
+            weight = without_idle_expert_grads(weight, offsets)
         return torch.nn.functional.grouped_mm(x, weight, offs=offsets)
     return torch.ops.transformers.grouped_mm_fallback(x, weight, offsets)
+
+
+def without_idle_expert_grads(weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`weight` [E, ...] as it is, whose gradient is exactly zero for each expert with no rows in `offsets`: torch's
+    `_grouped_mm` leaves such an expert's weight gradient unwritten on Blackwell (pytorch#172439; Hopper writes
+    zeros), and the garbage reached the optimizer. A mask on the device: no count is read on the host."""
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    return _IdleExpertsZeroGrad.apply(weight, counts > 0)
+
+
+class _IdleExpertsZeroGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, active: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(active)
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        (active,) = ctx.saved_tensors
+        return grad.masked_fill(~active.view(-1, *[1] * (grad.dim() - 1)), 0), None
 
 
 def _grouped_layout(factor: torch.Tensor) -> torch.Tensor:

@@ -132,3 +132,33 @@ def test_each_expert_s_rows_are_padded_with_zero_rows_to_a_multiple_of_the_bucke
     assert torch.equal(padded[rows], tokens) and padded.shape == (3 * bucket, 4)
     assert padded.abs().sum() == tokens.abs().sum()  # everything else is zero
     assert torch.equal(padded_ids[rows], expert_ids) and padded_ids.tolist() == sorted(padded_ids.tolist())
+
+
+class _EmptyGroupsUnwritten(torch.utils._python_dispatch.TorchDispatchMode):
+    """torch's `_grouped_mm` as it runs on Blackwell (pytorch#172439): a weight gradient's slices for the groups
+    with no rows hold garbage (NaN here)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.ops.aten._grouped_mm.default and out.dim() == 3:  # 2-D x 2-D by groups: a weight gradient
+            offsets = kwargs.get("offs", args[2] if len(args) > 2 else None)
+            empty = torch.diff(offsets, prepend=offsets.new_zeros(1)) == 0
+            out = out.masked_fill(empty.view(-1, 1, 1), float("nan"))
+        return out
+
+
+def test_an_expert_that_received_no_token_gets_an_exactly_zero_gradient_whatever_the_kernel_leaves() -> None:
+    """Experts 1 and 3 of 4 get no row: their weight gradient is zero even where the kernel leaves garbage in it,
+    and the others' is the loop over experts' (transformers' fallback)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(4, 8, 16, generator=generator, requires_grad=True)
+    rows = torch.randn(6, 8, generator=generator)
+    offsets = torch.tensor([2, 2, 6, 6], dtype=torch.int32)
+    upstream = torch.randn(6, 16, generator=generator)
+    with _EmptyGroupsUnwritten():
+        moe_lora.grouped_mm(rows, weight, offsets).backward(upstream)
+    leaf = weight.detach().requires_grad_()
+    (want,) = torch.autograd.grad(torch.ops.transformers.grouped_mm_fallback(rows, leaf, offsets), leaf, upstream)
+    assert torch.equal(weight.grad[[1, 3]], torch.zeros(2, 8, 16))
+    torch.testing.assert_close(weight.grad[[0, 2]], want[[0, 2]], rtol=1e-5, atol=1e-6)
