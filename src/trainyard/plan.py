@@ -14,7 +14,7 @@ import torch.distributed as torch_dist
 
 from trainyard import dist, estimate, hardware, precision
 from trainyard.batch import accumulation_steps, steps_for_epochs
-from trainyard.checkpoint.layout import latest_full
+from trainyard.checkpoint.layout import committed, latest_full, newest_intact
 from trainyard.config import JobConfig
 from trainyard.data import survey as data_survey
 from trainyard.diloco import outer as diloco
@@ -334,9 +334,7 @@ def _resume_words(cfg: JobConfig, problems: list[str]) -> str:
     if resume == "never":
         return "never: a fresh start"
     if resume == "auto":
-        checkpoints = cfg.run_dir / run_layout.CHECKPOINTS
-        newest = latest_full(checkpoints) if checkpoints.is_dir() else None
-        return f"auto: from {newest}" if newest else f"auto: nothing committed in {cfg.run_dir} yet, a fresh start"
+        return _auto_resume_words(cfg.run_dir)
     from trainyard.checkpoint.export import find_checkpoint  # PEFT and the export: only to resume from a path
 
     try:
@@ -346,6 +344,21 @@ def _resume_words(cfg: JobConfig, problems: list[str]) -> str:
                         "or use auto or never")
         return f"{resume}: unusable"
     return f"from {step}"
+
+
+def _auto_resume_words(run_dir: Path) -> str:
+    """auto resumes from the newest intact checkpoint: the dry run names it and every damaged one it passes over."""
+    checkpoints = run_dir / run_layout.CHECKPOINTS
+    newest = newest_intact(checkpoints) if checkpoints.is_dir() else None
+    latest = latest_full(checkpoints) if checkpoints.is_dir() else None
+    damaged = [p.name for p in committed(checkpoints) if latest and newest != p and p.name <= latest.name
+               and (newest is None or p.name > newest.name)]
+    passed = f" (passing over damaged {', '.join(damaged)})" if damaged else ""
+    if newest:
+        return f"auto: from {newest}{passed}"
+    if damaged:
+        return f"auto: every committed checkpoint in {run_dir} is damaged{passed}, a fresh start"
+    return f"auto: nothing committed in {run_dir} yet, a fresh start"
 
 
 def _steps_words(train: Any) -> str:

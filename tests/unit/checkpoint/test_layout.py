@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trainyard import atomic
+from trainyard import atomic, plan
 from trainyard.checkpoint.export import find_checkpoint
 from trainyard.checkpoint.save import MARKER, damage, resolve_resume, set_aside, step_dir, write_marker
 from trainyard.errors import CheckpointError
@@ -80,6 +80,7 @@ def test_a_damaged_checkpoint_is_named_passed_over_by_auto_and_refused_by_name(t
         with pytest.raises(CheckpointError) as err:
             named()
         assert str(newest / name) in err.value.what and how in err.value.what, err.value.what
+    assert plan._auto_resume_words(run_dir) == f"auto: from {older} (passing over damaged {newest.name})"
     status = read_status(run_dir)
     assert list(status["damaged_checkpoints"]) == [newest.name]
     assert f"DAMAGED checkpoint {newest.name}" in format_status(status)
@@ -87,10 +88,13 @@ def test_a_damaged_checkpoint_is_named_passed_over_by_auto_and_refused_by_name(t
 
 
 def test_auto_starts_fresh_when_every_committed_checkpoint_is_damaged(tmp_path: Path) -> None:
+    checkpoints = tmp_path / "checkpoints"
     for step in (4, 8):
-        truncate(sealed(tmp_path, step) / "__0_0.distcp")
-    assert resolve_resume("auto", tmp_path) is None
-    assert (step_dir(tmp_path, 4) / MARKER).is_file() and (step_dir(tmp_path, 8) / MARKER).is_file()
+        truncate(sealed(checkpoints, step) / "__0_0.distcp")
+    assert resolve_resume("auto", checkpoints) is None
+    words = plan._auto_resume_words(tmp_path)
+    assert "every committed checkpoint" in words and "step-00000004, step-00000008" in words, words
+    assert (step_dir(checkpoints, 4) / MARKER).is_file() and (step_dir(checkpoints, 8) / MARKER).is_file()
 
 
 def test_a_lite_checkpoint_with_a_damaged_adapter_is_refused_naming_the_file(tmp_path: Path) -> None:
