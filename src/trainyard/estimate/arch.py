@@ -55,6 +55,8 @@ class Shape:
     """Leading layers with a dense MLP on an MoE model (GLM's first_k_dense_replace)."""
     family: str = ""
     """The HF model_type: expert parallelism runs only the families proven exact."""
+    logit_softcap: bool = False
+    """final_logit_softcapping (Gemma 2): the loss holds a chunk's capped logits and their tanh beside them."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,10 @@ class Counts:
     """Trainable elements of the output head (full fine-tuning): its gradient is made while every activation lives."""
     experts: ExpertCounts = ExpertCounts()
     """The routed experts' stacks and their adapters: what expert parallelism holds apart."""
+    norm_inputs_per_block: int = 0
+    """Per token, the elements the largest block's norms normalise: two hidden-wide RMSNorms in most families; four
+    in Gemma and OLMo 2's post-norms, plus q/k norms over every head (Qwen 3, Gemma 3, OLMo 2) and MLA's
+    low-rank norms. Each saves its input in fp32."""
 
 
 def hf_config(cfg: JobConfig):  # -> PretrainedConfig
@@ -139,7 +145,9 @@ def shape_of(config) -> Shape:  # type: ignore[no-untyped-def]
         layers=config.num_hidden_layers,
         heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        # MLA (DeepSeek V3): queries and keys are qk_head_dim wide (its head_dim is the rotary part alone)
+        head_dim=next((getattr(config, f) for f in ("qk_head_dim", "head_dim") if getattr(config, f, None)),
+                      config.hidden_size // heads),
         vocab=config.vocab_size,
         experts=experts,
         experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
@@ -147,6 +155,7 @@ def shape_of(config) -> Shape:  # type: ignore[no-untyped-def]
         shared_experts=getattr(config, "n_shared_experts", None) or 0 if experts else 0,
         dense_layers=getattr(config, "first_k_dense_replace", 0) if experts else 0,
         family=getattr(config, "model_type", ""),
+        logit_softcap=bool(getattr(config, "final_logit_softcapping", None)),
     )
 
 
@@ -201,7 +210,22 @@ def count(model: torch.nn.Module, shape: Shape) -> Counts:
         attention_dropout=getattr(model.config, "attention_dropout", 0.0) or 0.0,
         head_trainable=sum(p.numel() for p in output.parameters() if p.requires_grad) if output is not None else 0,
         experts=_expert_counts(model, blocks),
+        norm_inputs_per_block=_norm_inputs(blocks[-1], shape) if blocks else 0,
     )
+
+
+def _norm_inputs(block: torch.nn.Module, shape: Shape) -> int:
+    """Per token, what the block's norms normalise: a norm as wide as one head (q_norm, k_norm) runs over every query
+    or key/value head, any other over its own width."""
+    total = 0
+    for name, module in block.named_modules():
+        weight = getattr(module, "weight", None)
+        if "norm" not in type(module).__name__.lower() or weight is None or weight.dim() != 1:
+            continue
+        width, leaf = weight.shape[0], name.rsplit(".", 1)[-1]
+        heads = shape.heads if leaf.startswith("q") else shape.kv_heads if leaf.startswith("k") else 1
+        total += width * (heads if width == shape.head_dim else 1)
+    return total
 
 
 def _expert_counts(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> ExpertCounts:

@@ -45,6 +45,11 @@ LOGIT_BYTES = 12
 # A chunk of the chunked loss at its largest: fp32 logits (4 bytes, turned into their gradient in place) and, in
 # bf16, that gradient cast for the products (2); in fp32 the cast is the same tensor.
 CHUNK_LOGIT_BYTES = 6
+# With final_logit_softcapping, at the chunk's gradient: its fp32 logits, their tanh, its square and 1 - square.
+CAPPED_CHUNK_LOGIT_BYTES = 16
+EXPERT_INTERMEDIATES = {"gpt_oss": 7}
+"""Intermediates of expert width each routed (token, expert) pair saves, where not the gated MLP's four: gpt-oss's
+clamped SwiGLU keeps gate_up (two), the clamped gate, its sigmoid, the product, up + 1 and the gated output."""
 LOSS_CHUNK_BYTES = 256 * 2**20  # as loss.LOSS_CHUNK_BYTES (the estimate never imports torch-side rooms)
 
 
@@ -258,7 +263,7 @@ def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_ro
         expert_exchange=_expert_exchange(batch, model.shape, size, layout.expert_parallel),
         activations=activation_bytes(cfg, model.shape, counts, size, layout.gpu, batch),
         recomputed_layer=recomputed_layer_bytes(cfg, model.shape, counts, size, layout.gpu, batch),
-        logits=_logit_bytes(cfg, model.shape.vocab, batch),
+        logits=_logit_bytes(cfg, model.shape, batch),
         tied_gradient=_tied_gradient(counts, size, shard),
         head_gradient=counts.head_trainable * (size.compute if sharded and size.mixed else size.master),
     )
@@ -343,16 +348,17 @@ def _expert_exchange(batch: MicroBatch, shape: Shape, size: Dtypes, ep: int) -> 
     return 2.0 * batch.tokens * shape.experts_per_token * shape.hidden * size.compute
 
 
-def _logit_bytes(cfg: JobConfig, vocab: int, batch: MicroBatch) -> float:
+def _logit_bytes(cfg: JobConfig, shape: Shape, batch: MicroBatch) -> float:
     """The loss's logits: one chunk of train.loss_chunk_tokens (loss.py; its fp32 logits, turned into their
-    gradient in place, and that gradient in the compute dtype), else the micro-batch's whole fp32 logits, their
-    compute-dtype source and their gradient (LOGIT_BYTES per element)."""
-    tokens = batch.tokens
+    gradient in place, and that gradient in the compute dtype; soft-capped, the tanh's tensors at the gradient),
+    else the micro-batch's whole fp32 logits, their compute-dtype source and their gradient (LOGIT_BYTES each)."""
+    tokens, vocab = batch.tokens, shape.vocab
     chunk = cfg.train.loss_chunk_tokens
     if chunk == 0:
         return float(tokens * vocab * LOGIT_BYTES)
     chunk = chunk or max(1, LOSS_CHUNK_BYTES // (4 * vocab))
-    return float(min(tokens, chunk) * vocab * CHUNK_LOGIT_BYTES)
+    element = CAPPED_CHUNK_LOGIT_BYTES if shape.logit_softcap else CHUNK_LOGIT_BYTES
+    return float(min(tokens, chunk) * vocab * element)
 
 
 def _add_peak(parts: Memory, cfg: JobConfig, layout: Layout) -> None:
@@ -421,7 +427,7 @@ def layer_bytes_per_token(cfg: JobConfig, shape: Shape, counts: Counts, size: Dt
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     casts = size.residual != a  # each consumer of an fp32 activation saves its own bf16 copy
     full = not cfg.lora.enabled
-    norms = 2 * _norm_bytes(h, size, trainable=full)
+    norms = _norm_bytes(counts.norm_inputs_per_block or 2 * h, size, trainable=full)
     inputs = (3 + 2) * h * a if casts else 2 * h * size.residual
     eager = holds_scores(cfg.model.attn_implementation, counts, kind)
     attention = _attention_bytes(shape, size, kind, document, eager) + q * a  # + o_proj's input
@@ -481,6 +487,7 @@ def _mlp_bytes(shape: Shape, size: Dtypes) -> float:
     dense = 4 * shape.intermediate * a
     if not shape.experts:
         return dense
-    routed = shape.experts_per_token * (4 * shape.moe_intermediate + 2 * shape.hidden) * a
+    expert = EXPERT_INTERMEDIATES.get(shape.family, 4) * shape.moe_intermediate
+    routed = shape.experts_per_token * (expert + 2 * shape.hidden) * a
     moe = routed + 4 * shape.moe_intermediate * shape.shared_experts * a + shape.experts * 4
     return (shape.dense_layers * dense + (shape.layers - shape.dense_layers) * moe) / shape.layers

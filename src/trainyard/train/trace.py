@@ -280,23 +280,26 @@ def formula(cfg: JobConfig, config: Any, hardware: estimate.Hardware) -> tuple[L
     return layout, estimate_memory.memory(cfg, model, layout, estimate_memory.resolve_precision(cfg, kind))
 
 
-def meta_model(cfg: JobConfig, config: Any, precision: precision_room.Precision) -> torch.nn.Module:
-    """The model as build.build_and_wrap builds it, on the meta device (LoRA adapters too, in the masters' dtype)."""
+def meta_model(
+    cfg: JobConfig, config: Any, precision: precision_room.Precision, device: str = "cuda"
+) -> torch.nn.Module:
+    """The model as build.build_and_wrap builds it for `device` ("cuda" or "cpu"), on the meta device (LoRA adapters
+    too, in the masters' dtype)."""
     base_dtype = precision.frozen_dtype if cfg.lora.enabled else precision.trainable_dtype
-    model = _with_attention(cfg, config, base_dtype)
+    model = _with_attention(cfg, config, base_dtype, device)
     if cfg.lora.enabled:
         with torch.device("meta"), lora_room.real_stand_ins(model, precision.trainable_dtype):
             model = lora_room.apply_lora(model, cfg.lora, cfg.train.seed)
     return model
 
 
-def _with_attention(cfg: JobConfig, config: Any, dtype: torch.dtype) -> torch.nn.Module:
-    """The model with the attention the job chooses on its GPUs, as it runs on CPU fake tensors (trace_kernels)."""
+def _with_attention(cfg: JobConfig, config: Any, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """The model with the attention the job chooses on its devices, as it runs on CPU fake tensors (trace_kernels)."""
     packed = attention.packed_rows(cfg.data)
     model = model_room.build_meta_model(cfg.model.model_copy(update={"attn_implementation": "varlen"}), config,
                                         dtype, CPU, training=True, packed=packed)
     model.config._attn_implementation = traced_attention(cfg.model.attn_implementation, model, packed,
-                                                         cfg.where("model.attn_implementation"))
+                                                         cfg.where("model.attn_implementation"), device)
     return model
 
 
@@ -382,7 +385,7 @@ def _trace(cfg: JobConfig, hardware: estimate.Hardware, layers: int | None) -> T
     config = architecture(cfg, layers)
     layout, planned = formula(cfg, config, hardware)
     precision = estimate_memory.resolve_precision(cfg, layout.gpu)
-    model = meta_model(cfg, config, precision)
+    model = meta_model(cfg, config, precision, "cpu" if layout.gpu.device_name is None else "cuda")
     info = dist.DistInfo(0, layout.world, 0, layout.gpus_per_node, CPU, "fake")
     with fake_world(layout.world):
         sites = diloco.site_count(cfg, info) if layout.strategy == "diloco" else None

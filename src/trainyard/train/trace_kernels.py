@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
 from trainyard import dist
 from trainyard.model import attention
@@ -30,20 +30,30 @@ def fused_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor | None, **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """sdpa, without the soft-capping or sinks a fused kernel applies to its scores in place (sdpa refuses them):
-    they change values, not what is held."""
-    kwargs = {name: value for name, value in kwargs.items() if name not in ("softcap", "s_aux")}
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)[0], None
+    """sdpa's causal kernel, without what a fused kernel applies to its scores in place: soft-capping, sinks,
+    windows and document bounds change values, not what is held (sdpa refuses the first two, and a mask for the
+    others would hold [L, L] where flash and flex hold none). Values narrower than keys (MLA) are padded to the keys'
+    width, as transformers pads them for flash-attention, so the CPU's fused kernel takes them too."""
+    dropped = ("softcap", "s_aux", "sliding_window")
+    kwargs = {name: value for name, value in kwargs.items() if name not in dropped}
+    width = value.shape[-1]
+    if width < query.shape[-1]:
+        value = torch.nn.functional.pad(value, (0, query.shape[-1] - width))
+    out = sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)[0]
+    return out[..., :width], None
 
 
 AttentionInterface.register(FUSED, fused_attention)
-AttentionMaskInterface.register(FUSED, sdpa_mask)
+AttentionMaskInterface.register(FUSED, flash_attention_mask)
 
 
-def traced_attention(requested: str, model: torch.nn.Module, packed: bool, where: str | None) -> str:
-    """The implementation the job chooses on its GPUs (refusing what the job refuses), as it runs here: varlen,
-    sdpa and eager themselves; flash-attention and flex_attention (auto's choices where flash keeps every feature of
-    the family, or for soft-capping and sinks) as FUSED."""
+def traced_attention(requested: str, model: torch.nn.Module, packed: bool, where: str | None, device: str) -> str:
+    """The implementation the job chooses on its `device` ("cuda" or "cpu"), refusing what the job refuses, as it
+    runs here. On a CPU the job's own choice: varlen (each document as that CPU runs it), sdpa or eager. On GPUs
+    varlen, sdpa and eager themselves; flash-attention and flex_attention (auto's choices where flash keeps every
+    feature of the family, or for soft-capping and sinks) as FUSED."""
+    if device == "cpu":
+        return attention.choose(requested, model, torch.device("cpu"), where=where, packed=packed)
     attention.refuse_dropped(requested, model, where, packed)
     if requested == "auto":
         dropout = getattr(model.config, "attention_dropout", 0.0) or 0.0
