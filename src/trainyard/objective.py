@@ -16,6 +16,8 @@ from trainyard.config.preference import REFERENCE_FREE
 from trainyard.data import IGNORE_INDEX
 from trainyard.data.preference import check_objective_fits
 from trainyard.loss import token_loss_sum
+from trainyard.model.attention import check_pair_rows
+from trainyard.parallel.parallelize import unwrap
 from trainyard.preference.loss import STATS, count_pairs, pair_loss_sum
 from trainyard.preference.reference import attach_reference
 
@@ -107,6 +109,7 @@ def build_objective(job: Any, log: Callable[[str], None]) -> Objective:
     check_objective_fits(cfg.train.objective, pairs, cfg.data.path)
     if cfg.train.objective == "sft":
         return Sft(cfg.train.loss_chunk_tokens)
+    check_pair_rows(unwrap(job.model))
     if not cfg.lora.enabled and cfg.dpo.loss not in REFERENCE_FREE:
         attach_reference(cfg, data, job.model, job.info, job.precision, job.autocast, log)
     return Dpo(cfg.dpo, job.info.device, cfg.train.loss_chunk_tokens)

@@ -471,6 +471,8 @@ def describe_plan(
                      "(its varlen path keeps documents apart only in a batch of one row)")
     if model is not None and (padded := attention.padded_rows(model, data)):
         lines.append(f"attention        padded rows: {padded}")
+    if model is not None and cfg.train.objective == "dpo":
+        attention.check_pair_rows(model)
     lines.append(estimate.describe(cfg, _hardware(target), lengths)[0])
     return "\n".join(lines)
 

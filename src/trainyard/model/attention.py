@@ -122,6 +122,18 @@ def padded_rows(model: torch.nn.Module, data: DataConfig) -> str | None:
     return f"{config_name(model)} has {', '.join(carried)} layers that carry state across documents"
 
 
+def check_pair_rows(model: torch.nn.Module) -> None:
+    """A preference pair is one row of two documents (chosen, rejected), padded or not: a layer that carries state
+    across documents would let the rejected response read the chosen one."""
+    if carried := layers.carriers(model):
+        raise ModelError(
+            f"train.objective: dpo puts each pair's chosen and rejected responses in one row, but "
+            f"{config_name(model)} has {', '.join(carried)} layers that carry state across documents (trainyard "
+            "cannot give them the boundaries yet)",
+            fix="train this family with train.objective: sft, or choose a family without such layers for dpo",
+        )
+
+
 def features(model: torch.nn.Module, packed: bool = True) -> list[str]:
     """What the model's attention adds to causal attention that an implementation might drop; `packed`: on rows
     holding several documents (packed_rows), where a mask that ignores position_ids joins them."""

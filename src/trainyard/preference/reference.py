@@ -22,6 +22,7 @@ from trainyard.atomic import write_atomically
 from trainyard.config import JobConfig
 from trainyard.data import collate
 from trainyard.dist import DistInfo, all_reduce_sum, is_fsdp
+from trainyard.model import attention
 from trainyard.parallel.parallelize import unwrap
 from trainyard.precision import Precision
 from trainyard.preference.loss import pair_logps, target_documents, target_logps
@@ -83,11 +84,12 @@ def _pass(
     batches = -(-len(range(0, len(split), info.world_size)) // size)  # as many as rank 0 has: lockstep
     values = torch.zeros(len(split), 2, dtype=torch.float64, device=info.device)
     rows = split.select_columns(["input_ids", "labels", "seq_lens"])
+    one_row = attention.model_one_row(unwrap(model), cfg.data)  # as training collates: padded rows for some families
     for start in range(0, batches * size, size):
         indices = mine[start : start + size]
         picked = rows[indices or [0]]
         examples = [{name: picked[name][i] for name in picked} for i in range(len(indices or [0]))]
-        batch = collate(examples, 0, cfg.data.padding_free)
+        batch = collate(examples, 0, one_row)
         with autocast():
             logps = pair_logps(target_logps(net, batch, info.device), target_documents(batch))
         if indices:

@@ -180,3 +180,17 @@ def test_lora_at_its_defaults_adapts_plain_linear_maps_and_trains(family: str) -
 def test_an_explicit_target_that_is_not_a_plain_linear_map_is_refused(family: str, target: str, why: str) -> None:
     with pytest.raises(ModelError, match=rf"lora.target_modules: \S*{target} \({why}"):
         lora.apply_lora(build(family), LoraConfig(target_modules=["q_proj", target]), seed=0)
+
+
+
+def test_dpo_is_refused_where_a_pair_s_two_responses_would_share_their_state(tmp_path: Path) -> None:
+    """A pair is one row of two documents however it is collated: the rejected response would read the chosen."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "2+2?", "chosen": "4", "rejected": "5"}\n' * 4)
+    for padding_free in ("true", "false"):
+        refused = run_cli("train", _job(tmp_path, "qwen3_next"), "--dry-run", "train.objective=dpo",
+                          f"data.path={pairs}", "lora.enabled=true", f"data.padding_free={padding_free}")
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        assert "train.objective: dpo puts each pair's chosen and rejected responses in one row, but qwen3_next has " \
+               "Qwen3NextGatedDeltaNet layers" in refused.stderr, refused.stderr[-2000:]
+        assert "Traceback" not in refused.stderr
