@@ -61,8 +61,12 @@ def block_layers(model: torch.nn.Module) -> dict[str, str]:
 
 
 def carriers(model: torch.nn.Module) -> list[str]:
-    """The classes that carry state across the documents of a row."""
-    return [name for name, found in block_layers(model).items() if found in CARRIERS]
+    """The classes that carry state across the documents of a row; Llama 4's NoPE layers too, whose temperature
+    tuning scales each query by its index in the row (from floor_scale tokens on), not in its document."""
+    found = [name for name, found in block_layers(model).items() if found in CARRIERS]
+    row_indexed = {type(m).__name__ for m in model.modules()
+                   if getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True)}
+    return found + [f"{name} (NoPE: queries scaled by their index in the row)" for name in sorted(row_indexed)]
 
 
 def unknown_layers(model: torch.nn.Module) -> list[str]:

@@ -194,3 +194,24 @@ def test_dpo_is_refused_where_a_pair_s_two_responses_would_share_their_state(tmp
         assert "train.objective: dpo puts each pair's chosen and rejected responses in one row, but qwen3_next has " \
                "Qwen3NextGatedDeltaNet layers" in refused.stderr, refused.stderr[-2000:]
         assert "Traceback" not in refused.stderr
+
+
+def test_llama4_s_nope_temperature_gets_padded_rows() -> None:
+    """Llama 4's NoPE layers scale each query by its index in the row from floor_scale tokens on: in one row of
+    documents a later document's queries would be scaled as if it began where the row does."""
+    def nope(implementation: str = "eager") -> PreTrainedModel:
+        config = AutoConfig.for_model(**settings("llama4_text"), no_rope_layers=[1, 0], floor_scale=16,
+                                    attn_scale=4.0, initializer_range=0.3)
+        config._attn_implementation = implementation
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+    want = losses(nope(), collate(rows(), pad_id=0, padding_free=False))
+    model = nope(attention.choose("auto", nope(), CPU))
+    assert attention.padded_rows(model, DataConfig()) == ("llama4_text has Llama4TextAttention (NoPE: queries scaled "
+                                                          "by their index in the row) layers that carry state across "
+                                                          "documents")
+    got = losses(model, collate(rows(), pad_id=0, padding_free=attention.model_one_row(model, DataConfig())))
+    assert max(abs(a - b) / b for a, b in zip(got, want)) < TOLERANCE, (got, want)
+    joined = losses(nope(), collate(rows(), pad_id=0, padding_free=True))[0]
+    assert abs(joined - want[0]) / want[0] > 20 * TOLERANCE  # what one row of documents computed
