@@ -139,8 +139,10 @@ def _bucketed(
     padded_starts = torch.cumsum(padded_counts, 0) - padded_counts
     starts = torch.cumsum(counts, 0) - counts
     rows = padded_starts[expert_ids] + torch.arange(expert_ids.numel(), device=tokens.device) - starts[expert_ids]
-    padded = tokens.new_zeros(int(padded_counts.sum()), tokens.size(-1)).index_copy(0, rows, tokens)
-    padded_ids = torch.repeat_interleave(torch.arange(counts.numel(), device=tokens.device), padded_counts)
+    total = int(padded_counts.sum())
+    padded = tokens.new_zeros(total, tokens.size(-1)).index_copy(0, rows, tokens)
+    padded_ids = torch.repeat_interleave(torch.arange(counts.numel(), device=tokens.device), padded_counts,
+                                         output_size=total)
     return padded, padded_ids, padded_counts, rows
 
 
@@ -190,8 +192,11 @@ def _project(
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x [S, in] (rows sorted by group) @ weight[g] [E, in, out] per group: torch's grouped_mm where it takes the
-    operands (its kernels want 16-byte aligned strides), else transformers' loop over the groups (same op, autograd)."""
-    x = x.to(weight.dtype)
+    operands (its kernels want 16-byte aligned strides), else transformers' loop over the groups (same op, autograd).
+    Under autocast both operands take its dtype, as a linear layer's do: fp32 LoRA factors (no FSDP to cast them)
+    would otherwise send the product to the loop, which reads the offsets on the host and runs one matmul a group."""
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else weight.dtype
+    x, weight = x.to(dtype), weight.to(dtype)
     if _can_use_grouped_mm(x, weight, offsets) and _aligned(x) and _aligned(weight):
         if weight.requires_grad and torch.is_grad_enabled():
             weight = without_idle_expert_grads(weight, offsets)

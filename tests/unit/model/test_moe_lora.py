@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.unit.model.families import build, documents
 from trainyard.config import LoraConfig
@@ -162,3 +163,29 @@ def test_an_expert_that_received_no_token_gets_an_exactly_zero_gradient_whatever
     (want,) = torch.autograd.grad(torch.ops.transformers.grouped_mm_fallback(rows, leaf, offsets), leaf, upstream)
     assert torch.equal(weight.grad[[1, 3]], torch.zeros(2, 8, 16))
     torch.testing.assert_close(weight.grad[[0, 2]], want[[0, 2]], rtol=1e-5, atol=1e-6)
+
+
+class GroupedOperands(TorchDispatchMode):
+    """The dtypes of the operands each grouped product (torch's kernel or transformers' loop) is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func._schema.name in ("aten::_grouped_mm", "transformers::grouped_mm_fallback"):
+            self.dtypes.append((args[0].dtype, args[1].dtype))
+        return func(*args, **(kwargs or {}))
+
+
+def test_under_autocast_every_grouped_product_computes_in_its_dtype_with_fp32_adapters() -> None:
+    """Without FSDP to cast them, the weights stay fp32 under bf16 autocast (the precision policy's fp32 frozen base
+    included): every grouped product, the base's and the adapter's two, takes autocast's dtype as a linear layer's
+    would (fp32 operands send torch's CUDA kernel to transformers' loop: offsets read on the host, one matmul an
+    expert)."""
+    model = adapted("qwen3_moe", "grouped")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    with GroupedOperands() as seen, torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_of(model).backward()
+    assert len(seen.dtypes) >= 6  # up and down: the base and the adapter's two, per MoE layer
+    assert set(seen.dtypes) == {(torch.bfloat16, torch.bfloat16)}
