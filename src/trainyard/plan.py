@@ -297,7 +297,7 @@ def _check_files(cfg: JobConfig) -> None:
     """Without the tokenizer, at least every data file exists and parses (preflight's checks)."""
     for field, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
         if value and not value.startswith("builtin:"):
-            check_source(Path(value), field, skip_bad_rows=cfg.data.on_bad_row == "skip")
+            check_source(Path(value), field, cfg.data.on_bad_row == "skip", cfg.train.objective)
 
 
 def data_lengths(cfg: JobConfig, world_size: int) -> Lengths:

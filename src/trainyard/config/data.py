@@ -11,6 +11,15 @@ from pydantic import Field, field_validator, model_validator
 from trainyard.config.section import Section
 
 
+SFT_SHAPES = "`messages` or `conversations` (chat), `instruction` + `output` (alpaca) or `text`"
+"""The rows train.objective sft learns from: what every data error under sft names."""
+PAIR_SHAPES = (
+    "`prompt` + `chosen` + `rejected` (strings, or lists of messages), or `chosen` + `rejected` conversations "
+    "whose shared first turns are the prompt"
+)
+"""The preference pairs train.objective dpo learns from: what every data error under dpo names."""
+
+
 class MixtureSource(Section):
     """One source of a pretraining mixture (`data.mixture`): documents' text, tokenized once by `trainyard prepare`."""
 

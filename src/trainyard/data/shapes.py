@@ -9,15 +9,11 @@ from __future__ import annotations
 
 from typing import Literal
 
+from trainyard.config.data import PAIR_SHAPES, SFT_SHAPES
 from trainyard.errors import DataError
 
 Objective = Literal["sft", "dpo"] | None
 
-SFT_SHAPES = "`messages` or `conversations` (chat), `instruction` + `output` (alpaca) or `text`"
-PAIR_SHAPES = (
-    "`prompt` + `chosen` + `rejected` (strings, or lists of messages), or `chosen` + `rejected` conversations "
-    "whose shared first turns are the prompt"
-)
 
 
 def shapes(objective: Objective) -> str:

@@ -15,23 +15,31 @@ from pathlib import Path
 from typing import Any
 
 from trainyard.config import JobConfig
+from trainyard.config.data import PAIR_SHAPES, SFT_SHAPES
 from trainyard.errors import CheckpointError, ConfigError, DataError, ModelError, TrainyardError
 
 _MAX_SAFETENSORS_HEADER = 100 << 20
-DATA_FIX = "set {field} to a JSONL, JSON or Parquet file, a save_to_disk folder or a built-in task (builtin:dates)"
+DATA_FIX = "set {field} to a JSONL, JSON or Parquet file or a save_to_disk folder{builtin}, each row {rows}"
 SUFFIXES = (".jsonl", ".json", ".parquet")
 SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 SNIFF_BYTES = 1 << 16
 
 
-def check_source(path: Path, field: str = "data.path", skip_bad_rows: bool = False) -> None:
+def data_fix(field: str, objective: str) -> str:
+    """Where the rows go and what shape they take for the job's objective: the built-in tasks are SFT's only."""
+    if objective == "dpo":
+        return DATA_FIX.format(field=field, builtin="", rows=f"a preference pair, {PAIR_SHAPES}")
+    return DATA_FIX.format(field=field, builtin=" or a built-in task (builtin:dates)", rows=SFT_SHAPES)
+
+
+def check_source(path: Path, field: str = "data.path", skip_bad_rows: bool = False, objective: str = "sft") -> None:
     """Cheap checks of a data source before any process starts: it exists, has a known kind,
     is not empty, is text (JSON/JSONL) or has a readable footer (Parquet).
 
     With `skip_bad_rows` a JSONL line that is not UTF-8 is left to the reader, which skips it.
     """
     if not path.exists():
-        raise DataError(f"{field}: {path} does not exist", fix=DATA_FIX.format(field=field))
+        raise DataError(f"{field}: {path} does not exist", fix=data_fix(field, objective))
     if path.is_dir():
         if not any((path / marker).is_file() for marker in SAVED_MARKERS):
             raise DataError(
@@ -46,7 +54,7 @@ def check_source(path: Path, field: str = "data.path", skip_bad_rows: bool = Fal
             fix="use a .jsonl, .json or .parquet file, or a folder written by Dataset.save_to_disk",
         )
     if path.stat().st_size == 0:
-        raise DataError(f"{field}: {path} is empty", fix=f"write rows into it, or set {field} to another file")
+        raise DataError(f"{field}: {path} is empty", fix=f"write rows into it, or {data_fix(field, objective)}")
     if suffix == ".parquet":
         parquet_file(path, field)
         return
@@ -105,7 +113,7 @@ def check_job_inputs(cfg: JobConfig) -> None:
         _check_dirs(cfg)
         for field, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
             if value and not value.startswith("builtin:"):
-                check_source(Path(value), field, skip_bad_rows=cfg.data.on_bad_row == "skip")
+                check_source(Path(value), field, cfg.data.on_bad_row == "skip", cfg.train.objective)
         if cfg.model.path is not None:
             check_model_path(cfg.model.path, "model.path")
         if cfg.model.tokenizer and cfg.model.tokenizer != "builtin:bytes" and _looks_local(cfg.model.tokenizer):

@@ -133,3 +133,18 @@ def test_a_cache_the_other_objective_built_fails_at_its_first_row(tmp_path, tok,
     with pytest.raises(DataError) as err:
         prepare_datasets(data, tok, tmp_path / "cache", log=lambda _: None, objective=then)
     _names_its_objective(str(err.value), then, needles)
+
+
+@pytest.mark.parametrize("objective", ["sft", "dpo"])
+@pytest.mark.parametrize("damage", ["absent", "empty"])
+def test_train_s_first_check_of_the_files_names_the_objectives_shapes(tmp_path, objective, damage):
+    """`train` checks the data files before any process starts (preflight): its advice is the objective's too, and
+    a built-in task (SFT rows) is never offered to a dpo job."""
+    path = tmp_path / "rows.jsonl"
+    if damage == "empty":
+        path.write_text("")
+    result = run_cli("train", TINY, f"output_dir={tmp_path}/runs", f"train.objective={objective}",
+                     f"data.path={path}", env=WIDE)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    _names_its_objective(result.stderr, objective, ["data.path", "does not exist" if damage == "absent" else "empty"])
+    assert ("builtin:dates" in result.stderr) == (objective == "sft"), result.stderr[-3000:]
