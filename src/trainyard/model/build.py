@@ -39,7 +39,7 @@ def causal_lm(config, trust_remote_code: bool, **kwargs: Any) -> torch.nn.Module
             raise ModelError(
                 f"model {config.model_type}: transformers has no causal language model for it "
                 "(AutoModelForCausalLM); trainyard trains decoder-only LLMs",
-                fix="use a decoder-only family (README: Model families); vision-language and encoder-decoder "
+                fix="use a decoder-only family (docs/model-families.md); vision-language and encoder-decoder "
                 "models are not supported",
             ) from None
         raise ModelError(
