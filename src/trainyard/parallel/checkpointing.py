@@ -23,6 +23,12 @@ ATTENTION_OPS = frozenset(
     }
 )
 
+GROUPED_PRODUCTS = frozenset({"aten::_grouped_mm", "transformers::grouped_mm_fallback"})
+"""The experts' grouped products (torch's kernel, transformers' loop where torch's does not take the operands), by
+schema name: transformers registers its op only once an MoE family is imported."""
+COMMUNICATION_OPS = frozenset({"_c10d_functional::all_to_all_single"})
+"""Expert parallelism's token exchange: recomputing it would send every routed row across the ranks again."""
+
 
 def _lora_rank(model: torch.nn.Module) -> int:
     """The widest adapter rank; 0 without LoRA, and PEFT (which model.lora imports) not loaded for it."""
@@ -48,16 +54,20 @@ def enable_activation_checkpointing(model: torch.nn.Module, selective: bool = Fa
 
 
 def selective_policy(low_rank: int) -> Callable[..., CheckpointPolicy]:
-    """torchtitan's op-level policy: keep the outputs of attention and of the matmuls, the ops that cost the most
-    to recompute, and recompute everything between them (norms, activations, rotary, casts, adds).
+    """torchtitan's op-level policy: keep the outputs of attention, of the matmuls and the experts' grouped products,
+    the ops that cost the most to recompute, and of EP's all-to-alls, which would cross the network again; recompute
+    everything between them (norms, activations, rotary, casts, adds).
 
     Except matmuls through at most `low_rank` (LoRA's B: rank-r products): each output element cost only 2r
     flops, and keeping them, as large as the base layer's own outputs, would hold more than no checkpointing."""
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if op in ATTENTION_OPS:
+        name = op._schema.name
+        if op in ATTENTION_OPS or name in COMMUNICATION_OPS:
             return CheckpointPolicy.MUST_SAVE
         if op in MATMUL_OPS and args[1 if op == torch.ops.aten.addmm.default else 0].shape[-1] > low_rank:
+            return CheckpointPolicy.MUST_SAVE
+        if name in GROUPED_PRODUCTS and args[0].shape[-1] > low_rank:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -3,12 +3,14 @@ checkpointing and more than full checkpointing, and renames nothing; a bad value
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 from torch.utils._pytree import tree_leaves
 
 from tests.conftest import TINY, run_cli
@@ -106,3 +108,57 @@ def test_a_bad_mode_names_the_field_and_the_choices(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
     for needle in ["model.gradient_checkpointing", "selective", "'sometimes'"]:
         assert needle in result.stderr, result.stderr[-3000:]
+
+
+class ExpertOps(TorchDispatchMode):
+    """How many times the token exchange and the grouped products run, forward, recompute and backward together."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func._schema.name
+        if name in checkpointing.GROUPED_PRODUCTS | checkpointing.COMMUNICATION_OPS:
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def experts_block(rows: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """EP's shape in miniature: rows exchanged, two grouped products, rows exchanged back."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    from trainyard.model.moe_lora import grouped_mm
+
+    group = torch.distributed.group.WORLD
+    offsets = torch.tensor([5, rows.size(0)], dtype=torch.int32)
+    arrived = all_to_all_single_autograd(rows, [rows.size(0)], [rows.size(0)], group)
+    out = grouped_mm(torch.relu(grouped_mm(arrived, up, offsets)), down, offsets)
+    return all_to_all_single_autograd(out, [rows.size(0)], [rows.size(0)], group)
+
+
+def expert_ops_of(checkpointed: bool) -> dict[str, int]:
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(12, 16, generator=generator, requires_grad=True)
+    up, down = (torch.randn(2, 16, 16, generator=generator, requires_grad=True) for _ in range(2))
+    with ExpertOps() as seen:
+        if checkpointed:
+            context = partial(create_selective_checkpoint_contexts, checkpointing.selective_policy(low_rank=4))
+            out = checkpoint(experts_block, rows, up, down, use_reentrant=False, context_fn=context)
+        else:
+            out = experts_block(rows, up, down)
+        out.square().sum().backward()
+    return seen.counts
+
+
+def test_selective_checkpointing_keeps_the_token_exchange_and_the_grouped_products() -> None:
+    """Backward under the selective policy runs no all-to-all and no grouped product more than backward without
+    checkpointing: their outputs are kept, not recomputed (torchtitan keeps all_to_all_single too)."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        plain, selective = expert_ops_of(False), expert_ops_of(True)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert plain["_c10d_functional::all_to_all_single"] == 4  # two forward, two backward
+    assert sum(v for k, v in plain.items() if k in checkpointing.GROUPED_PRODUCTS) >= 2
+    assert selective == plain
