@@ -329,12 +329,12 @@ class TokenExchange:
         local = self.experts // self.ranks
         sent = expert_counts(expert_ids, self.experts).to(torch.int64)
         received = dist.all_to_all_counts(sent, self.group)  # [source rank, local expert]: rows sent to our experts
-        send_splits = sent.view(self.ranks, local).sum(dim=1).tolist()
-        receive_splits = received.view(self.ranks, local).sum(dim=1).tolist()
+        # the one read per layer that the all-to-all's sizes need: both directions at once
+        send_splits, receive_splits = torch.stack([sent, received]).view(2, self.ranks, local).sum(dim=2).tolist()
         arrived = dist.all_to_all_rows(rows, receive_splits, send_splits, self.group)
         # arrived: by source rank, then by expert; the grouped products want them by expert
         local_ids = torch.arange(local, device=rows.device).repeat(self.ranks)
-        local_ids = torch.repeat_interleave(local_ids, received)
+        local_ids = torch.repeat_interleave(local_ids, received, output_size=sum(receive_splits))
         local_ids, order = torch.sort(local_ids, stable=True)
         out = experts_on_sorted(experts, adapters, arrived[order], local_ids)
         back = torch.empty_like(order)

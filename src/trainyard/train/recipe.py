@@ -111,7 +111,7 @@ def _train_steps(
         data_wait = time.monotonic() - step_start
         health.record_progress(info, step, health.CONTROL)
         own = agreement.own_votes(job, window, last_full)
-        votes = own.summed(info.device, agreement.step_group(job))
+        votes = own.summed(agreement.votes_device(info), agreement.step_group(job))
         action = agreeing.before_training(state, votes, position)
         if action is rounds.Action.STOP:
             return

@@ -10,6 +10,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from trainyard import dist
+from trainyard.dist import DistInfo
 from trainyard.hardware import training_flops
 from trainyard.model import attention
 from trainyard.train import state as loop_state
@@ -30,7 +31,7 @@ class StepVotes:
     timed_save: float = 0.0  # rank 0: checkpoint.every_minutes passed since the last full save
     data_ended: float = 0.0  # this rank's pretraining stream ended before a full window (mixture_exhausted: stop)
 
-    def summed(self, device: torch.device, group: ProcessGroup | None = None) -> StepVotes:
+    def summed(self, device: torch.device | None, group: ProcessGroup | None = None) -> StepVotes:
         """Every field summed over the group's ranks (the world by default), in one all-reduce."""
         values = torch.tensor(astuple(self), dtype=torch.float64, device=device)
         dist.all_reduce_sum(values, group)
@@ -48,6 +49,13 @@ class RoundTally:
     """The site's votes summed over the round's steps: a preemption, a timed save or an ended stream anywhere in it."""
     trained_tokens: float = 0.0
     """Real tokens of the steps the site trained (not the skipped or idle ones)."""
+
+
+def votes_device(info: DistInfo) -> torch.device | None:
+    """Where a step's votes are summed: on the host (None: torch's default device) wherever the group has a host
+    backend (gloo, beside NCCL by default), so that reading them never waits for the device's queue (the step's one
+    wait is the non-finite check); on the device where the job named a device-only backend."""
+    return None if "gloo" in (info.backend or "gloo") or info.device.type == "cpu" else info.device
 
 
 def step_group(job: Job) -> ProcessGroup | None:
