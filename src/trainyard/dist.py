@@ -155,6 +155,7 @@ def build_mesh(
     sites: int | None = None,
     site_inner: str = "ddp",
     expert_parallel: int = 1,
+    context_parallel: int = 1,
 ) -> DeviceMesh | None:
     """The device mesh a strategy works on: 1-D ("shard",) for fsdp, 2-D ("replicate", "shard") for hsdp,
     2-D ("site", "local") for diloco (`sites` of them), 3-D ("site", "replicate", "shard") for diloco with hsdp
@@ -162,30 +163,34 @@ def build_mesh(
     dimensions stay within a node. Every rank must call it; every group of the mesh waits dist.timeout_s.
 
     `expert_parallel` > 1 (fsdp, hsdp): the same mesh, its "shard" dimension flattened from ("shard_mod_ep",
-    "ep") of a root mesh whose "ep" groups (consecutive ranks) hold the experts between them."""
+    "ep") of a root mesh whose "ep" groups (consecutive ranks) hold the experts between them. `context_parallel` > 1
+    carves "cp" the same way: its groups (consecutive ranks) split each row's tokens between them."""
     if strategy == "diloco":
         assert sites is not None, "diloco needs its number of sites"
         site = info.world_size // sites
         if site_inner == "hsdp":
             return _mesh(info, (sites, *hsdp_shape(info, shard_size, site)), ("site", "replicate", "shard"))
         return _mesh(info, (sites, site), ("site", "local"))
+    carved = ("ep", expert_parallel) if expert_parallel > 1 else ("cp", context_parallel)
     if strategy == "fsdp":
-        if expert_parallel > 1:
-            return _expert_parallel_mesh(info, (), info.world_size, expert_parallel)
+        if carved[1] > 1:
+            return _carved_mesh(info, (), info.world_size, *carved)
         return _mesh(info, (info.world_size,), ("shard",))
     if strategy == "hsdp":
         replicas, shard = hsdp_shape(info, shard_size)
-        if expert_parallel > 1:
-            return _expert_parallel_mesh(info, (replicas,), shard, expert_parallel)
+        if carved[1] > 1:
+            return _carved_mesh(info, (replicas,), shard, *carved)
         return _mesh(info, (replicas, shard), ("replicate", "shard"))
     return None
 
 
-def _expert_parallel_mesh(info: DistInfo, replicas: tuple[int, ...], shard: int, expert_parallel: int) -> DeviceMesh:
-    """("shard",) or ("replicate", "shard") as a view of a root mesh (["replicate",] "shard_mod_ep", "ep")."""
+def _carved_mesh(info: DistInfo, replicas: tuple[int, ...], shard: int, name: str, size: int) -> DeviceMesh:
+    """("shard",) or ("replicate", "shard") as a view of a root mesh (["replicate",] "shard_mod_<name>", name):
+    `name` is "ep" (experts) or "cp" (context), `size` ranks each, carved out of the shard dimension."""
     outer = ("replicate",) if replicas else ()
-    root = _mesh(info, (*replicas, shard // expert_parallel, expert_parallel), (*outer, "shard_mod_ep", "ep"))
-    root["shard_mod_ep", "ep"]._flatten("shard", backend_override=group_backend(info))
+    rest = f"shard_mod_{name}"
+    root = _mesh(info, (*replicas, shard // size, size), (*outer, rest, name))
+    root[rest, name]._flatten("shard", backend_override=group_backend(info))
     return root[(*outer, "shard")] if outer else root["shard"]
 
 

@@ -32,7 +32,8 @@ def test_every_group_of_every_mesh_carries_the_job_timeout(tmp_path: Path) -> No
     assert result.returncode == 0, result.stderr[-4000:]
     timeouts = json.loads(out.read_text())
     assert set(timeouts) >= {"hsdp.replicate", "hsdp.shard", "diloco.site", "diloco.local", "diloco-hsdp.shard",
-                             "pairs-hsdp.replicate", "pairs-hsdp.shard", "pairs-ep.shard", "pairs-ep.ep"}
+                             "pairs-hsdp.replicate", "pairs-hsdp.shard", "pairs-ep.shard", "pairs-ep.ep",
+                             "hsdp-cp.replicate", "hsdp-cp.shard", "hsdp-cp.cp"}
     assert timeouts == dict.fromkeys(timeouts, 123.0)  # the script's dist.timeout_s, on the default group too
 
 

@@ -96,6 +96,13 @@ class DistConfig(Section):
     attention, shared experts and dense layers stay sharded as before. 1: no expert parallelism. auto: the plan
     picks the largest size within a node that divides the experts and the shard group where the estimate shows
     the all-to-all sends fewer bytes than FSDP2's gathers of the experts, else 1 (dense models: 1)."""
+    context_parallel: int = Field(1, ge=1)
+    """fsdp/hsdp, padding-free rows: each group of this many ranks trains the same rows, each rank holding a
+    contiguous 1/N of every row's tokens through the whole block (Ulysses: an all-to-all around attention trades the
+    sequence shard for a head shard, so each rank attends whole documents for heads / N). Carved out of the shard
+    dimension: must divide it (and the heads). Activations per rank fall by about N; the data-parallel size, the
+    sampler's, is the world / N. 1: none. Not yet with dist.expert_parallel, diloco, DPO, train.epochs, or families
+    whose rows are padded (hybrid layers); proven for llama, qwen3 and mistral."""
     defer_grad_sync: bool = False
     """fsdp/hsdp with accumulation: reduce gradients only on a window's last micro-batch. Trades memory
     for speed: unsharded gradients of the whole model live until then (off: each micro-batch
@@ -127,5 +134,20 @@ class DistConfig(Section):
             raise ValueError(
                 f"dist.expert_parallel {self.expert_parallel} needs dist.strategy fsdp or hsdp (EP is carved out of "
                 f"the shard dimension), not {self.strategy}: set dist.strategy: fsdp, or dist.expert_parallel: 1"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _context_parallel_only_when_sharded(self) -> "DistConfig":
+        size = self.context_parallel
+        if size > 1 and self.strategy not in ("fsdp", "hsdp"):
+            raise ValueError(
+                f"dist.context_parallel {size} needs dist.strategy fsdp or hsdp (CP is carved out of the shard "
+                f"dimension), not {self.strategy}: set dist.strategy: fsdp, or dist.context_parallel: 1"
+            )
+        if size > 1 and self.expert_parallel != 1:
+            raise ValueError(
+                f"dist.context_parallel {size} with dist.expert_parallel {self.expert_parallel}: the two do not "
+                "compose yet; set one of them to 1"
             )
         return self

@@ -59,6 +59,21 @@ class JobConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _context_parallel_fits_the_job(self) -> "JobConfig":
+        size = self.dist.context_parallel
+        if size == 1:
+            return self
+        if self.train.objective != "sft":
+            raise ValueError(f"dist.context_parallel {size} runs train.objective sft only yet, not "
+                             f"{self.train.objective}: set dist.context_parallel: 1")
+        if not self.data.padding_free:
+            raise ValueError(f"dist.context_parallel {size} slices padding-free rows: set data.padding_free: true")
+        if self.train.epochs is not None:
+            raise ValueError(f"dist.context_parallel {size}: train.epochs is not sized by the CP groups yet; set "
+                             "train.max_steps instead")
+        return self
+
+    @model_validator(mode="after")
     def _objective_settings_fit(self, info: ValidationInfo) -> "JobConfig":
         problems = objective_problems(self.train.objective, self.dpo, self.data)
         if problems:

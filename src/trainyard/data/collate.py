@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from trainyard.data.formats import IGNORE_INDEX
 
@@ -64,11 +65,36 @@ def padded_batch(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
     return batch
 
 
-def collate(rows: list[Row], pad_id: int, padding_free: bool = True) -> dict[str, torch.Tensor]:
+def context_slice(batch: dict[str, torch.Tensor], rank: int, size: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Context parallelism: this rank's contiguous 1/`size` of a padding-free row, padded at the end only to a
+    multiple of `size`. position_ids stay each token's place in its document (rotary and the documents are the
+    whole row's); the labels carry one more than the tokens, the label the slice's last logit predicts, so the
+    loss's shift (labels[:, 1:]) finds each target on the one rank holding the token before it, and a count of
+    targets over the CP group counts each once. real_tokens: the slice's tokens that are not padding."""
+    total = batch["input_ids"].size(1)
+    length = -(-total // size)
+    padding = length * size - total
+    start, end = rank * length, (rank + 1) * length
+    positions = batch["position_ids"][0].tolist()
+    labels = F.pad(batch["labels"], (0, padding + 1), value=IGNORE_INDEX)
+    return {
+        "input_ids": F.pad(batch["input_ids"], (0, padding), value=pad_id)[:, start:end],
+        "labels": labels[:, start : end + 1],
+        "position_ids": torch.tensor([positions + list(range(padding))], dtype=torch.long)[:, start:end],
+        "real_tokens": torch.tensor(max(0, min(end, total) - start), dtype=torch.long),
+    }
+
+
+def collate(
+    rows: list[Row], pad_id: int, padding_free: bool = True, context: tuple[int, int] = (0, 1)
+) -> dict[str, torch.Tensor]:
     """input_ids, labels, real_tokens (non-padding tokens, the figure tokens/s reports), and
     position_ids or attention_mask as the layout needs; a preference pair's reference log-probabilities
-    (`ref_logps`, one [chosen, rejected] per row) when the rows have them."""
+    (`ref_logps`, one [chosen, rejected] per row) when the rows have them. `context`: (this rank's place in its
+    context-parallel group, the group's size): a padding-free row is cut to the rank's slice."""
     batch = padding_free_batch(rows) if padding_free else padded_batch(rows, pad_id)
+    if context[1] > 1:
+        return context_slice(batch, *context, pad_id)
     if "ref_logps" in rows[0]:
         batch["ref_logps"] = torch.tensor([row["ref_logps"] for row in rows], dtype=torch.float64)
     return batch

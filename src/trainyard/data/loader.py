@@ -72,12 +72,14 @@ def micro_batches(
     pad_id: int,
     record: Path | None = None,
     padding_free: bool = True,
+    context: tuple[int, int] = (0, 1),
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Collated micro-batches, forever; each one's rows ([epoch, position in epoch, dataset index]) appended to
     `record` when given.
 
     Nothing is read ahead: after a micro-batch is yielded, `sampler.state_dict()` is exactly the
-    point to resume from, so a checkpoint taken between steps replays no row and skips none.
+    point to resume from, so a checkpoint taken between steps replays no row and skips none. `context`: this rank's
+    slice of each row under context parallelism (collate).
     """
     columns = [name for name in COLUMNS if name in dataset.column_names]
     rows_of = dataset.select_columns(columns)
@@ -95,7 +97,7 @@ def micro_batches(
                 recorder.write({"rows": [[*at, i] for at, i in zip(epochs, picked, strict=True)]})
             fetched = rows_of[picked]
             rows = [{name: fetched[name][i] for name in columns} for i in range(len(picked))]
-            yield collate(rows, pad_id, padding_free)
+            yield collate(rows, pad_id, padding_free, context)
     finally:
         if recorder is not None:
             recorder.handle.close()
@@ -107,6 +109,7 @@ def stream_batches(
     pad_id: int,
     record: Path | None = None,
     padding_free: bool = True,
+    context: tuple[int, int] = (0, 1),
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Collated micro-batches of a pretraining stream's fixed-length rows, until the stream ends (under
     data.mixture_exhausted: stop). With `record`, each row's [global row, source, digest of its token ids] is
@@ -125,7 +128,7 @@ def stream_batches(
                 return  # the stream ended inside this micro-batch: it is not trained on
             if recorder is not None:
                 recorder.write({"rows": [[row["row"], row["source"], _digest(row["input_ids"])] for row in batch]})
-            yield collate(batch, pad_id, padding_free)
+            yield collate(batch, pad_id, padding_free, context)
     finally:
         if recorder is not None:
             recorder.handle.close()

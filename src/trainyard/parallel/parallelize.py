@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainyard.dist import DistInfo, is_fsdp
 from trainyard.model import weights
 from trainyard.model.build import decoder_blocks
-from trainyard.parallel import checkpointing, expert_parallel
+from trainyard.parallel import checkpointing, context_parallel, expert_parallel
 from trainyard.precision import Precision
 
 if TYPE_CHECKING:
@@ -51,11 +51,14 @@ def apply(
     activation_checkpointing: bool | str = False,
     compile_mlps: bool = False,
     expert_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> torch.nn.Module:
     """The fixed order: keep this rank's experts (expert parallelism) → activation checkpointing → compile →
     shard → allocate and fill this rank's own weights (DDP: wrap after load). Parameters that already hold values
     (LoRA adapters) keep them; the meta ones and every persistent buffer are read from `source`. diloco runs
-    `site_inner` (diloco.inner) within each site; the outer sync across sites is diloco/outer.py's."""
+    `site_inner` (diloco.inner) within each site; the outer sync across sites is diloco/outer.py's. Context
+    parallelism swaps the attention for its sequence-to-heads exchange (context_parallel.py) before anything wraps
+    the blocks."""
     already_real = {name for name, param in model.named_parameters() if not param.is_meta}
     experts = None
     if expert_parallel_size > 1:
@@ -63,6 +66,9 @@ def apply(
         experts = expert_parallel.expert_meshes(mesh)
         first_rows = expert_parallel.shard_experts(model, experts)
         source = expert_parallel.ExpertRows(source, first_rows)
+    if context_parallel_size > 1:
+        assert mesh is not None and strategy in context_parallel.STRATEGIES, "CP is carved out of fsdp/hsdp's mesh"
+        context_parallel.attach(model, mesh)
     if activation_checkpointing:
         selective = activation_checkpointing == "selective"
         checkpointing.enable_activation_checkpointing(model, selective=selective)

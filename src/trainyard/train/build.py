@@ -20,7 +20,7 @@ from trainyard.model import attention
 from trainyard.model import build as model_room
 from trainyard.model import source as source_room
 from trainyard.model import weights
-from trainyard.parallel import expert_parallel
+from trainyard.parallel import context_parallel, expert_parallel
 from trainyard.parallel import parallelize as parallel
 from trainyard.precision import Precision
 
@@ -66,10 +66,12 @@ def build_and_wrap(
     ep, why = (1, "") if forward_only else plan.expert_parallel_size(cfg, info, strategy)
     if why:
         logging.getLogger("trainyard").info("dist.expert_parallel auto -> %d: %s", ep, why)
+    shard = dist.hsdp_shape(info, cfg.dist.shard_size)[1] if strategy == "hsdp" else info.world_size
     if ep > 1:
-        shard = dist.hsdp_shape(info, cfg.dist.shard_size)[1] if strategy == "hsdp" else info.world_size
         expert_parallel.check(model, ep, strategy, shard, cfg.where("dist.expert_parallel"))
-    mesh = dist.build_mesh(info, strategy, cfg.dist.shard_size, sites, cfg.diloco.inner, ep)
+    cp = 1 if forward_only else cfg.dist.context_parallel  # `trainyard eval` runs whole rows on each rank
+    context_parallel.check(model, cp, shard, cfg.data, cfg.where("dist.context_parallel"))
+    mesh = dist.build_mesh(info, strategy, cfg.dist.shard_size, sites, cfg.diloco.inner, ep, cp)
     shards = mesh.size(-1) if mesh is not None and parallel.shards_within(strategy, cfg.diloco.inner) else 1
     plan.check_fits(strategy, cfg.dist.strategy, shards, model, info, cfg.where("dist.strategy"),
                     None if forward_only else cfg, lengths)
@@ -82,5 +84,5 @@ def build_and_wrap(
         assert model_path is not None
         source = weights.SafetensorsFolder.open(model_path, model)
     wrapped = parallel.apply(model, strategy, info, precision, source, mesh, cfg.diloco.inner,
-                             cfg.model.gradient_checkpointing, cfg.train.compile, ep)
+                             cfg.model.gradient_checkpointing, cfg.train.compile, ep, cp)
     return wrapped, strategy, mesh

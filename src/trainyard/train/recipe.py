@@ -49,7 +49,7 @@ from trainyard.model import build as model_room
 from trainyard.model import routing
 from trainyard.model import source as source_room
 from trainyard.objective import build_objective
-from trainyard.parallel import comm, expert_parallel
+from trainyard.parallel import comm, context_parallel, expert_parallel
 from trainyard.parallel import parallelize as parallel
 from trainyard.runs import layout as run_layout
 from trainyard.runs.status import BackgroundHeartbeat
@@ -380,11 +380,13 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     loop_state.install_preemption_handlers(cfg.checkpoint.preemption_signals)
     record = sample_record_path(run_dir, info.rank)
     one_row = attention.model_one_row(parallel.unwrap(model), cfg.data)
+    context = context_parallel.slice_of(model)  # this rank's slice of each row: (0, 1) without context parallelism
     if isinstance(sampler, MixtureStream):
-        batches = stream_batches(sampler, cfg.train.micro_batch_size, tokenizer.pad_token_id, record, one_row)
+        batches = stream_batches(sampler, cfg.train.micro_batch_size, tokenizer.pad_token_id, record, one_row,
+                                 context)
     else:
         batches = micro_batches(data.train, sampler, cfg.train.micro_batch_size, tokenizer.pad_token_id, record,
-                                one_row)
+                                one_row, context)
     try:
         state = fit(job, batches, state)
     finally:

@@ -28,10 +28,11 @@ def main(out: str) -> None:
         "diloco-hsdp": dist.build_mesh(info, "diloco", 1, sites=2, site_inner="hsdp"),
         "pairs-hsdp": dist.build_mesh(pairs, "hsdp", 2),
         "pairs-ep": dist.build_mesh(pairs, "fsdp", None, expert_parallel=2),
+        "hsdp-cp": dist.build_mesh(info, "hsdp", 2, context_parallel=2),
     }
     found = {"default": group_timeout_s(torch.distributed.group.WORLD)}
     for name, mesh in meshes.items():
-        for one in (mesh, mesh._get_root_mesh()):  # EP: "shard" flattened from the root's ("shard_mod_ep", "ep")
+        for one in (mesh, mesh._get_root_mesh()):  # EP, CP: "shard" flattened from the root's ("shard_mod_ep", "ep")
             for dim in one.mesh_dim_names:
                 found[f"{name}.{dim}"] = group_timeout_s(one.get_group(dim))
     if info.rank == 0:

@@ -159,3 +159,24 @@ def test_resumed_loader_yields_the_same_batches_as_an_uninterrupted_one():
     resumed = loader(resumed_sampler)
     got += [next(resumed)["input_ids"].tolist() for _ in range(3)]
     assert got == expected
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_context_parallel_slices_put_back_together_are_the_row_padded_to_a_multiple_of_the_group(size: int):
+    """Each rank's contiguous slice of the padding-free row, padding only at the end; position_ids stay each
+    token's place in its document; labels carry the next slice's first label, so the loss's shift finds every target
+    on exactly one rank."""
+    rows = [{"input_ids": list(range(10, 17)), "labels": [-100, *range(11, 17)]},
+            {"input_ids": list(range(20, 24)), "labels": [-100, 21, 22, 23]}]
+    whole = collate(rows, pad_id=PAD)
+    slices = [collate(rows, pad_id=PAD, context=(rank, size)) for rank in range(size)]
+    length = -(-11 // size)
+    assert all(s["input_ids"].shape == (1, length) for s in slices)
+    glued = {name: torch.cat([s[name] for s in slices], dim=1)[0].tolist() for name in ("input_ids", "position_ids")}
+    padding = length * size - 11
+    assert glued["input_ids"] == whole["input_ids"][0].tolist() + [PAD] * padding
+    assert glued["position_ids"] == [*range(7), *range(4), *range(padding)]
+    targets = [t for s in slices for t in s["labels"][0, 1:].tolist()]
+    assert targets == whole["labels"][0, 1:].tolist() + [-100] * (padding + 1)  # the last token predicts nothing
+    assert sum(int((s["labels"][:, 1:] != -100).sum()) for s in slices) == 9
+    assert sum(int(s["real_tokens"]) for s in slices) == 11

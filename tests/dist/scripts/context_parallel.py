@@ -1,0 +1,147 @@
+"""Run under torchrun (2 ranks): for each job, with LoRA and with full fine-tuning, build the model the way training
+does (`build.build_and_wrap`, dist.strategy fsdp, dist.context_parallel 2, fp32), collate one padding-free row of
+several documents through the training collator (each rank its slice; one document crosses the slice boundary and
+the row's odd length is padded), run the training loss with the loop's scale (world / global targets), and compare
+the ranks' summed loss and every trainable parameter's gradient with a 1-process build on rank 0 that takes the
+whole row.
+
+argv: result file, a JSON object {job: {"settings": HF config settings (model_type included), "parallel": extra
+overrides}}. Rank 0 writes one JSON line per (job, lora): job, lora, loss_rel, grad_rel, worst, trainable,
+slices (each rank's [tokens, targets, real tokens, first position]), ok_error. A failure is caught per job.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as torch_dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from trainyard import dist, precision
+from trainyard.config_file import load_config
+from trainyard.data.collate import collate
+from trainyard.data.formats import IGNORE_INDEX
+from trainyard.model import source as source_room
+from trainyard.objective import Sft
+from trainyard.parallel import context_parallel
+from trainyard.train import build
+
+TINY = str(Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml")
+DOCUMENTS = (20, 13, 28)
+"""61 tokens: padded to 62, each rank 31; the second document (tokens 20-32) crosses the boundary at 31, and every
+document is longer than the windows (8)."""
+WRAPPERS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "module"})
+
+
+def rows() -> list[dict[str, list[int]]]:
+    generator = torch.Generator().manual_seed(7)
+    docs = [torch.randint(3, 90, (n,), generator=generator).tolist() for n in DOCUMENTS]
+    return [{"input_ids": d, "labels": [IGNORE_INDEX, *d[1:]]} for d in docs]
+
+
+def key(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in WRAPPERS)
+
+
+def perturb_adapters(model: torch.nn.Module) -> None:
+    """Every lora_B the same seeded values by name in both builds, so lora_A's gradients are not zero."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" not in name:
+                continue
+            generator = torch.Generator().manual_seed(zlib.crc32(key(name).encode()))
+            full = torch.randn(param.shape, generator=generator, dtype=torch.float32).mul_(0.05)
+            if isinstance(param, DTensor):
+                param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements).to_local())
+            else:
+                param.copy_(full)
+
+
+def build_model(overrides: list[str], info: dist.DistInfo) -> tuple[torch.nn.Module, int]:
+    cfg = load_config(TINY, overrides)
+    tokenizer = source_room.load_tokenizer(cfg.model, None)
+    model, _, _ = build.build_and_wrap(cfg, info, precision.resolve(cfg, info.device), None, tokenizer)
+    if cfg.lora.enabled:
+        perturb_adapters(model)
+    model.train()
+    return model, tokenizer.pad_token_id
+
+
+def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    grads: dict[str, torch.Tensor | None] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+            grads[key(name)] = None if grad is None else grad.detach().float().clone()
+    return grads
+
+
+def compare(settings: dict, lora: bool, info: dist.DistInfo, parallel: list[str]) -> dict:
+    common = [f"model.config={json.dumps(settings)}", "model.tokenizer=builtin:bytes", "train.precision=fp32",
+              f"lora.enabled={str(lora).lower()}", "model.attn_implementation=auto", "data.padding_free=true"]
+    sharded, pad_id = build_model([*common, "dist.strategy=fsdp", "dist.context_parallel=2", *parallel], info)
+    context = context_parallel.slice_of(sharded)
+    batch = collate(rows(), pad_id, True, context)
+    objective = Sft()
+    targets = torch.tensor([float(objective.count(batch))])
+    dist.all_reduce_sum(targets)
+    slice_facts = [batch["input_ids"].size(1), objective.count(batch), int(batch["real_tokens"]),
+                   int(batch["position_ids"][0, 0])]
+    loss_sum = objective.loss_sum(sharded, batch, info.device)
+    (loss_sum * info.world_size / targets.item()).backward()  # the loop's scale: FSDP averages over the world
+    summed = dist.all_reduce_sum(loss_sum.detach().clone())
+    slices: list[list[int] | None] = [None] * info.world_size
+    torch_dist.all_gather_object(slices, slice_facts)
+    grads = grads_of(sharded)
+    del sharded
+    if not info.is_main:
+        return {}
+    alone = dist.DistInfo(0, 1, 0, 1, info.device, None)
+    reference, _ = build_model([*common, "dist.strategy=none", *parallel], alone)
+    whole = collate(rows(), pad_id, True)
+    want_loss = objective.loss_sum(reference, whole, info.device)
+    assert objective.count(whole) == targets.item(), (objective.count(whole), targets.item())
+    (want_loss / targets.item()).backward()
+    want = grads_of(reference)
+    assert sorted(want) == sorted(grads), f"trainable parameters differ: {sorted(set(want) ^ set(grads))}"
+    worst, grad_rel = "", 0.0
+    for name, expected in want.items():
+        got = grads[name]
+        assert expected is not None and got is not None and got.shape == expected.shape, name
+        rel = (got - expected).abs().max().item() / max(expected.abs().max().item(), 1e-30)
+        if rel > grad_rel:
+            worst, grad_rel = name, rel
+    return {"loss_rel": abs(summed.item() - want_loss.item()) / abs(want_loss.item()), "grad_rel": grad_rel,
+            "worst": worst, "trainable": len(want), "slices": slices}
+
+
+def main() -> None:
+    result_file, jobs = Path(sys.argv[1]), json.loads(sys.argv[2])
+    info = dist.init(load_config(TINY, ["dist.timeout_s=120"]).dist)
+    if info.is_main:
+        result_file.write_text("")
+    for job, spec in jobs.items():
+        for lora in (True, False):
+            try:
+                figures, error = compare(spec["settings"], lora, info, spec.get("parallel", [])), None
+            except Exception:  # whatever it is, reported for this job alone
+                figures, error = {}, traceback.format_exc()
+            errors: list[str | None] = [None] * info.world_size
+            torch_dist.all_gather_object(errors, error)
+            error = next((f"rank {r}: {e}" for r, e in enumerate(errors) if e), None)
+            line = json.dumps({"job": job, "lora": lora, "loss_rel": None, "grad_rel": None, **figures,
+                               "ok_error": error})
+            if info.is_main:
+                with result_file.open("a") as out:
+                    out.write(line + "\n")
+                print(line, flush=True)
+    dist.exit_process(0)
+
+
+if __name__ == "__main__":
+    main()
