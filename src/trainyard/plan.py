@@ -116,18 +116,12 @@ def auto_strategy(
     if info.world_size == 1:
         return "none", "one process"
     device = device or device_memory_bytes(info)
-    nodes = math.ceil(info.world_size / max(info.local_world_size, 1))
     if cfg is not None:
         try:
-            peaks: list[tuple[str, int]] = []
             batch = lengths.largest_micro_batch(cfg)
-            for candidate in ["ddp", *(["hsdp"] if nodes > 1 else []), "fsdp"]:
-                peak = estimate.planned_peak(cfg, candidate, info.world_size, info.local_world_size, device, batch)
-                peaks.append((candidate, peak))
-                if peak <= device:
-                    break
+            chosen, peaks = estimate.auto_strategy(cfg, info.world_size, info.local_world_size, device, batch)
             said = ", ".join(f"{name} {peak / 2**30:.1f} GiB" for name, peak in peaks)
-            return peaks[-1][0], f"estimated peak per rank {said}, of {device / 2**30:.1f} GiB"
+            return chosen, f"estimated peak per rank {said}, of {device / 2**30:.1f} GiB"
         except (ModelError, ConfigError, OptionError, OSError, ValueError) as err:
             reason = f"no estimate ({str(err).splitlines()[0]}); replicated state decides: "
     else:

@@ -221,3 +221,30 @@ def test_an_8b_lora_on_one_h100_is_planned_for_its_short_documents(tmp_path: Pat
     code, output = dry_run(*job, "--skip-data-check")
     assert code == 2 and "on 1 x 1 h100-80gb (does NOT fit)" in output
     assert planned_tokens(output) == 16_384 and "--skip-data-check, the data was not read" in output
+
+
+def llama_3b(tmp_path: Path) -> Path:
+    """A 3B Llama's config.json: its replicated full fine-tuning state (~51 GB) is more than half an H100, yet a
+    DDP rank's whole peak fits one."""
+    folder = tmp_path / "llama-3b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 3072,
+        "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8,
+        "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16"}))
+    return folder
+
+
+def test_auto_is_resolved_by_one_rule_in_the_plan_and_its_estimate(tmp_path: Path) -> None:
+    """dist.strategy auto: the plan's line, `trainyard estimate` and the dry run's estimate choose alike (the first
+    strategy whose estimated peak fits), never by the replicated state's half-device share."""
+    job = [f"data.path={short_chats(tmp_path)}", f"output_dir={tmp_path}", "model.config=null",
+           f"model.path={llama_3b(tmp_path)}", "lora.enabled=false", "dist.strategy=auto"]
+    cluster = ["--gpu", "h100-80gb", "--gpus-per-node", "8"]
+    code, output = dry_run(*job, *cluster)
+    assert code == 0, output
+    assert "strategy         ddp (requested auto: estimated peak per rank ddp" in output, output
+    estimated = run_cli("estimate", TINY, *job, *cluster, "--json")
+    assert estimated.returncode == 0, estimated.stderr[-2000:]
+    assert json.loads(estimated.stdout)["strategy"] == "ddp"

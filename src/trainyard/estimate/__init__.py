@@ -115,11 +115,16 @@ def estimate(cfg: JobConfig, hardware: Hardware, assumptions: Assumptions = Assu
     else:
         network_gbps, network = hardware.network_gbps, "--network-gbps"
     model = model or mem.model_of(cfg)
+    batch = lengths.largest_micro_batch(cfg)
+    if cfg.dist.strategy == "auto" and hardware.gpus_per_node * hardware.nodes > 1:
+        device = mem.device_bytes(kind, hardware.gpus_per_node)
+        strategy = auto_strategy(cfg, hardware.gpus_per_node * hardware.nodes, hardware.gpus_per_node, device,
+                                 batch)[0]
+        cfg = _with(cfg, **{"dist.strategy": strategy})
     layout = mem.resolve_strategy(cfg, model, kind, hardware.gpus_per_node, hardware.nodes)
     precision = mem.resolve_precision(cfg, kind)
     size = mem.dtypes(cfg, precision, layout.strategy)
     accum = accumulation_steps(cfg, layout.world)
-    batch = lengths.largest_micro_batch(cfg)
     memory = mem.memory(cfg, model, layout, precision, batch)
     timed = estimate_time.timing(cfg, model, layout, size, accum, assumptions.mfu, network_gbps,
                                  assumptions.diloco_h, assumptions.disk_gbytes_s, lengths)
@@ -159,6 +164,19 @@ def planned_peak(cfg: JobConfig, strategy: str, world: int, per_node: int, devic
     layout = mem.resolve_strategy(planned, model, kind, per_node, math.ceil(world / per_node))
     precision = mem.resolve_precision(cfg, kind)  # as on a GPU: auto is bf16-mixed
     return mem.memory(planned, model, layout, precision, batch).peak
+
+
+def auto_strategy(cfg: JobConfig, world: int, per_node: int, device_bytes: int,
+                  batch: mem.MicroBatch | None = None) -> tuple[str, list[tuple[str, int]]]:
+    """dist.strategy auto, the one rule of the dry run, the estimate and `train`: the first of ddp, hsdp (several
+    nodes: only gradients cross the slow link) and fsdp whose estimated peak per rank fits the device; with the
+    peaks tried, in that order."""
+    peaks: list[tuple[str, int]] = []
+    for candidate in ["ddp", *(["hsdp"] if world > per_node else []), "fsdp"]:
+        peaks.append((candidate, planned_peak(cfg, candidate, world, per_node, device_bytes, batch)))
+        if peaks[-1][1] <= device_bytes:
+            break
+    return peaks[-1][0], peaks
 
 
 def fits(cfg: JobConfig, strategy: str, world: int, device_bytes: int) -> bool:

@@ -37,8 +37,6 @@ CUDA_CONTEXT_BYTES = 1 * GIB
 # preloads (launch/allocator.py). Measured (benchmarks/estimate_accuracy.py, benchmarks/RESULTS.md).
 CPU_MALLOC_SLACK = 0.10
 CPU_RUNTIME_BYTES = 0.45 * GIB
-# Replicated state may use at most this share of a device under dist.strategy auto (as plan.choose_strategy).
-DDP_MEMORY_SHARE = 0.5
 # Logits at target positions, bytes per element at the loss's backward: log_softmax's saved fp32 output, the
 # fp32 gradient arriving from the loss, and log_softmax's fp32 input gradient, alive at once.
 LOGIT_BYTES = 12
@@ -165,17 +163,12 @@ def dtypes(cfg: JobConfig, precision: precision_room.Precision, strategy: str) -
 
 
 def resolve_strategy(cfg: JobConfig, model: Model, kind: Gpu, gpus_per_node: int, nodes: int) -> Layout:
-    """dist.strategy for this layout; auto as plan.choose_strategy decides it (ddp while replicated
-    state fits half a device, hsdp across nodes when a node's shard fits, else fsdp)."""
+    """The layout of dist.strategy, as given or as estimate.auto_strategy resolved auto (by the peaks it
+    estimates: the rule the dry run and `train` share)."""
     world = gpus_per_node * nodes
-    strategy = cfg.dist.strategy
-    if world == 1:
-        strategy = "none"
-    elif strategy == "auto":
-        state = _replicated_state(cfg, model)
-        budget = DDP_MEMORY_SHARE * device_bytes(kind, gpus_per_node)
-        several = nodes > 1 and state / gpus_per_node <= budget
-        strategy = "ddp" if state <= budget else "hsdp" if several else "fsdp"
+    strategy = "none" if world == 1 else cfg.dist.strategy
+    if strategy == "auto":
+        raise ValueError("dist.strategy auto reaches the layout unresolved: resolve it with estimate.auto_strategy")
     shard = shard_size(cfg, strategy, world, gpus_per_node)
     ep, why = expert_parallel(cfg, model, kind, strategy, shard, gpus_per_node, world)
     return Layout(kind, gpus_per_node, nodes, strategy, shard, ep, why)
@@ -209,13 +202,6 @@ def shard_size(cfg: JobConfig, strategy: str, world: int, gpus_per_node: int) ->
 
 def _sharded(cfg: JobConfig, strategy: str) -> bool:
     return strategy in ("fsdp", "hsdp") or (strategy == "diloco" and cfg.diloco.inner in ("fsdp", "hsdp"))
-
-
-def _replicated_state(cfg: JobConfig, model: Model) -> float:
-    """Weights + gradients + AdamW as a DDP rank holds them (plan.replicated_state_bytes' rule)."""
-    counts = model.counts
-    frozen_bytes = 2 if cfg.lora.enabled and cfg.model.dtype != "float32" else 4
-    return (counts.total - counts.trainable) * frozen_bytes + counts.trainable * (4 + 4 + 8)
 
 
 def tokens_per_micro_batch(cfg: JobConfig) -> int:

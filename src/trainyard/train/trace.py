@@ -276,6 +276,11 @@ def formula(cfg: JobConfig, config: Any, hardware: estimate.Hardware) -> tuple[L
     shape = estimate_arch.shape_of(config)
     model = estimate_memory.Model(shape, estimate_arch.count(estimate_arch.meta_model(cfg, config), shape))
     kind = machines.gpu(hardware.gpu)
+    world = hardware.gpus_per_node * hardware.nodes
+    if cfg.dist.strategy == "auto" and world > 1:
+        device = machines.device_bytes(kind, hardware.gpus_per_node)
+        strategy = estimate.auto_strategy(cfg, world, hardware.gpus_per_node, device)[0]
+        cfg = cfg.model_copy(update={"dist": cfg.dist.model_copy(update={"strategy": strategy})})
     layout = estimate_memory.resolve_strategy(cfg, model, kind, hardware.gpus_per_node, hardware.nodes)
     return layout, estimate_memory.memory(cfg, model, layout, estimate_memory.resolve_precision(cfg, kind))
 
