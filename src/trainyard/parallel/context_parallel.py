@@ -5,7 +5,7 @@ head shard, so each rank attends whole documents for 1/N of the heads, then trad
 CP is carved out of the shard dimension (`dist.build_mesh`: "shard" = "shard_mod_cp" x "cp"), as expert
 parallelism is: the ranks that split a row still shard the weights under FSDP2/HSDP. It enters the job in two
 places only: `attach` (from parallelize.apply) swaps the model's attention for `context_attention`, which wraps the
-implementation `attention.choose` picked; the collator slices each row (data/collate.py: context_slice) for the
+implementation `attention.choose` picked (varlen); the collator slices each row (data/collate.py: context_slice) for the
 rank `slice_of` names. The loop is unchanged: each target token is counted on the one rank that holds it, so the
 step's global count is already right, and FSDP sums the ranks' gradients as for any other data-parallel rank.
 
@@ -35,9 +35,10 @@ from trainyard.model import attention
 
 CONTEXT = "trainyard_context"
 """The name transformers' AttentionInterface knows `context_attention` by."""
-INNER = (attention.VARLEN, *attention.FLASH)
-"""Inner implementations that read a row's documents from position_ids (no mask built from the local slice):
-trainyard's varlen (proven exact here on CPU) and flash-attention's varlen kernels."""
+INNER = (attention.VARLEN,)
+"""Inner implementations proven exact under the exchange: trainyard's varlen, which reads the row's documents from
+the whole row's position_ids (on CUDA too: sdpa per document). flash-attention's varlen kernels read them the same
+way but are not yet checked on a GPU; sdpa and eager build their mask from the rank's slice, which would be wrong."""
 STRATEGIES = ("fsdp", "hsdp")
 FAMILIES = ("llama", "qwen3", "mistral")
 """Families whose CP loss and gradients are proven equal to one process's (tests/dist/test_context_parallel.py);
@@ -86,9 +87,9 @@ def check(model: torch.nn.Module, size: int, shard: int, data: DataConfig, where
         )
     if inner not in INNER:
         raise ConfigError(
-            f"dist.context_parallel {size} needs attention that reads documents from position_ids; {family} runs "
+            f"dist.context_parallel {size} runs trainyard's varlen attention inside its exchange; {family} runs "
             f"{inner} here", where=where,
-            fix="set model.attn_implementation: varlen (or auto), or dist.context_parallel: 1",
+            fix="set model.attn_implementation: varlen, or dist.context_parallel: 1",
         )
     heads = model.config.num_attention_heads
     if heads % size:

@@ -51,7 +51,7 @@ def test_the_model_check_refuses_what_is_not_proven_exact() -> None:
     assert "not proven exact for gemma2" in refusal(build("gemma2", VARLEN))
     assert "must divide the attention heads (4)" in refusal(llama, size=3, shard=3)
     assert "must divide the shard dimension (3 ranks)" in refusal(llama, size=2, shard=3)
-    assert "reads documents from position_ids; llama runs sdpa" in refusal(build("llama", "sdpa"))
+    assert "runs trainyard's varlen attention inside its exchange; llama runs sdpa" in refusal(build("llama", "sdpa"))
     padded = DataConfig(path="x.jsonl", padding_free=False)
     assert "collates padded rows (data.padding_free is off)" in refusal(llama, data=padded)
 
