@@ -1,6 +1,6 @@
 """The training loss: cross-entropy summed over target tokens, with logits computed only where a label follows,
 and never for more than one chunk of tokens at a time. Training and evaluation both use it; it imports only data's
-IGNORE_INDEX and parallel's unwrap.
+IGNORE_INDEX, parallel's unwrap and what the model's attention takes (model.documents).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from transformers import modeling_utils
 
 from trainyard.data import IGNORE_INDEX
+from trainyard.model.documents import model_inputs
 from trainyard.parallel.parallelize import unwrap
 
 _MASK_KEEP = hasattr(modeling_utils, "slice_logits_to_keep")  # boolean logits_to_keep masks (transformers 5)
@@ -38,7 +39,7 @@ def token_loss_sum(
     on CPU. The kept positions then go through the head `chunk_tokens` at a time (train.loss_chunk_tokens),
     inside the model's forward, where FSDP2 holds the head's gathered weight. For a padding-free row the
     target positions are found on the host, so the device never waits on a mask's count."""
-    inputs = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+    inputs = model_inputs(batch, device, unwrap(model).config)
     targets = batch["labels"][:, 1:]
     is_target = targets != IGNORE_INDEX
     if not keeps_logits(model):

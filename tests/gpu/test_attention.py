@@ -8,19 +8,20 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.gpu.conftest import Device
 from trainyard.data import collate
-from trainyard.model import attention
+from trainyard.model import attention, torch_varlen
+from trainyard.model.documents import model_inputs
 
 pytestmark = pytest.mark.gpu
 
 
-def tiny_llama(device: Device, hidden: int, max_positions: int) -> LlamaForCausalLM:
-    """A bf16 Llama on the device, under the attention auto chooses there."""
+def tiny_llama(device: Device, hidden: int, max_positions: int, implementation: str = "auto") -> LlamaForCausalLM:
+    """A bf16 Llama on the device, under the attention auto chooses there (or `implementation`)."""
     target = torch.device("cuda" if device.cuda else "cpu")
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions)
     model = LlamaForCausalLM(config).to(target, torch.bfloat16).eval()
-    model.config._attn_implementation = attention.choose("auto", model, target, training=False)
+    model.config._attn_implementation = attention.choose(implementation, model, target, training=False)
     return model
 
 
@@ -31,10 +32,13 @@ def documents(lengths: list[int], seed: int) -> list[list[int]]:
 
 @torch.no_grad()
 def together(model: LlamaForCausalLM, docs: list[list[int]], positions: bool = True) -> torch.Tensor:
-    """The documents' logits as one padding-free row (without its position_ids where not `positions`)."""
+    """The documents' logits as one padding-free row as the training loop passes it (model_inputs: the collator's
+    bounds), or without its position_ids and bounds where not `positions`."""
     batch = collate([{"input_ids": doc, "labels": doc} for doc in docs], pad_id=0)
-    position_ids = {"position_ids": batch["position_ids"].to(model.device)} if positions else {}
-    return model(input_ids=batch["input_ids"].to(model.device), use_cache=False, **position_ids).logits[0].float()
+    if not positions:
+        batch = {"input_ids": batch["input_ids"]}
+    inputs = model_inputs(batch, model.device, model.config)
+    return model(**inputs, use_cache=False).logits[0].float()
 
 
 @torch.no_grad()
@@ -56,7 +60,7 @@ def test_auto_attention_isolates_padding_free_documents(device: Device):
 def test_a_padding_free_row_longer_than_a_stretch_keeps_every_document_to_itself(device: Device):
     """On CUDA the varlen attention runs stretches of short documents as one masked sdpa call each (attention.
     MASKED_CALL_DOCUMENTS): a row of ~10k tokens in 40 documents crosses a stretch's bound."""
-    model = tiny_llama(device, hidden=64, max_positions=1024)
+    model = tiny_llama(device, hidden=64, max_positions=1024, implementation="varlen")
     docs = documents(torch.randint(50, 450, (40,), generator=torch.Generator().manual_seed(2)).tolist(), seed=3)
     assert sum(map(len, docs)) > attention.MASKED_CALL_ROW
     row = together(model, docs)
@@ -64,3 +68,40 @@ def test_a_padding_free_row_longer_than_a_stretch_keeps_every_document_to_itself
     torch.testing.assert_close(row, alone(model, docs), atol=3e-2, rtol=3e-2)  # bf16 kernels, other tilings
     if model.device.type in attention.MASKED_CALL_DEVICES:  # the masked calls ran (CUDA), each within the bound
         assert made and all(mask.shape[-1] <= attention.MASKED_CALL_ROW for mask in made.values())
+
+
+@pytest.mark.parametrize(("window", "kv_heads", "head_dim"), [(None, 2, 64), (64, 2, 64), (None, 8, 128)])
+def test_torch_s_varlen_kernel_computes_the_contract_its_cpu_reference_checks(device: Device, window, kv_heads,
+                                                                               head_dim):
+    """The kernel auto runs on CUDA against torch_varlen.reference, which the CPU suite checks against every family's
+    eager attention (tests/unit/model/test_families.py): causal per document, windows, GQA, forward and backward."""
+    if not device.cuda or torch_varlen.KERNEL is None:
+        pytest.skip("torch's varlen kernel runs on CUDA only")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [37, 1500, 5, 300, 1]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(sum(lengths), heads, head_dim, device="cuda", generator=generator, dtype=torch.bfloat16,
+                           requires_grad=True) for heads in (8, kv_heads, kv_heads))
+    options = dict(scale=head_dim**-0.5, window_size=(window - 1, 0) if window else (-1, 0),
+                   **({"enable_gqa": True} if kv_heads != 8 else {}))
+    if kv_heads != 8 and not torch_varlen.GQA:
+        pytest.skip("this torch's varlen kernel has no enable_gqa (the attention repeats KV heads instead)")
+    outputs, grads = [], []
+    for run in (torch_varlen.KERNEL, torch_varlen.reference):
+        out = run(q, k, v, cu, cu, max(lengths), max(lengths), **options)
+        out.float().square().sum().backward()
+        outputs.append(out.float())
+        grads.append([x.grad.float().clone() for x in (q, k, v)])
+        for x in (q, k, v):
+            x.grad = None
+    torch.testing.assert_close(outputs[0], outputs[1], atol=2e-2, rtol=2e-2)  # bf16, other tilings
+    for mine, theirs in zip(*grads):
+        torch.testing.assert_close(mine, theirs, atol=5e-2, rtol=5e-2)
+
+
+def test_auto_runs_torch_s_varlen_kernel_on_cuda(device: Device):
+    if not device.cuda:
+        pytest.skip("auto picks the kernel on CUDA only")
+    model = tiny_llama(device, hidden=128, max_positions=4096)
+    expected = "flash_attention_2" if attention._has_flash_attn() else attention.TORCH_VARLEN
+    assert model.config._attn_implementation == expected

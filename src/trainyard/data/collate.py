@@ -31,11 +31,27 @@ def _restarting_positions(lengths: list[int], total: int) -> list[int]:
     return positions + list(range(total - len(positions)))
 
 
+def document_bounds(lengths: list[int], total: int) -> dict[str, torch.Tensor]:
+    """The row's documents as varlen kernels take them, made here on the host so that no layer reads them back
+    from the device: `cu_seq_lens` (int32 [documents + 1], each document's start, then the row's end) and
+    `max_length` (0-d, the longest). What is left up to `total` (padding) is one more document, as in
+    _restarting_positions."""
+    lengths = [size for size in lengths if size] + ([total - sum(lengths)] if total > sum(lengths) else [])
+    starts = [0]
+    for size in lengths:
+        starts.append(starts[-1] + size)
+    return {
+        "cu_seq_lens": torch.tensor(starts, dtype=torch.int32),
+        "max_length": torch.tensor(max(lengths, default=0), dtype=torch.long),
+    }
+
+
 def padding_free_batch(rows: list[Row]) -> dict[str, torch.Tensor]:
     """All rows' documents concatenated into one row [1, T] with restarting position_ids and no
     attention_mask: no padding is computed, and transformers' attention backends (or trainyard's
-    varlen, see attention.py) keep each document to itself. Every document's first label is
-    IGNORE_INDEX, so no token learns to predict across a boundary."""
+    varlen, see attention.py) keep each document to itself; the documents' bounds come along
+    (document_bounds). Every document's first label is IGNORE_INDEX, so no token learns to predict
+    across a boundary."""
     input_ids = [token for row in rows for token in row["input_ids"]]
     lengths = [size for row in rows for size in _documents(row)]
     return {
@@ -43,6 +59,7 @@ def padding_free_batch(rows: list[Row]) -> dict[str, torch.Tensor]:
         "labels": torch.tensor([[label for row in rows for label in row["labels"]]], dtype=torch.long),
         "position_ids": torch.tensor([_restarting_positions(lengths, len(input_ids))], dtype=torch.long),
         "real_tokens": torch.tensor(len(input_ids), dtype=torch.long),
+        **document_bounds(lengths, len(input_ids)),
     }
 
 
@@ -70,18 +87,21 @@ def context_slice(batch: dict[str, torch.Tensor], rank: int, size: int, pad_id: 
     multiple of `size`. position_ids stay each token's place in its document (rotary and the documents are the
     whole row's); the labels carry one more than the tokens, the label the slice's last logit predicts, so the
     loss's shift (labels[:, 1:]) finds each target on the one rank holding the token before it, and a count of
-    targets over the CP group counts each once. real_tokens: the slice's tokens that are not padding."""
+    targets over the CP group counts each once. real_tokens: the slice's tokens that are not padding. The document
+    bounds are the whole padded row's: the attention inside the exchange sees every token of the row."""
     total = batch["input_ids"].size(1)
     length = -(-total // size)
     padding = length * size - total
     start, end = rank * length, (rank + 1) * length
     positions = batch["position_ids"][0].tolist()
+    lengths = batch["cu_seq_lens"].diff().tolist()
     labels = F.pad(batch["labels"], (0, padding + 1), value=IGNORE_INDEX)
     return {
         "input_ids": F.pad(batch["input_ids"], (0, padding), value=pad_id)[:, start:end],
         "labels": labels[:, start : end + 1],
         "position_ids": torch.tensor([positions + list(range(padding))], dtype=torch.long)[:, start:end],
         "real_tokens": torch.tensor(max(0, min(end, total) - start), dtype=torch.long),
+        **document_bounds(lengths, total + padding),
     }
 
 

@@ -9,7 +9,9 @@ entries are masked and still computed; flex_attention builds a block mask (compi
 
 `varlen` (registered with transformers as "trainyard_varlen") is the CPU-friendly varlen path: it
 cuts the row at the document boundaries and runs each document's attention on its own, so no T x T
-mask is built and no cross-document score is computed. Whatever a family adds is kept, from the
+mask is built and no cross-document score is computed. The boundaries are the collator's, made on the host
+(documents.py); only a forward without them reads position_ids back from the device. On CUDA, auto runs torch's own
+varlen kernel (torch_varlen.py) for every family whose features it keeps. Whatever a family adds is kept, from the
 arguments its attention layer passes: `sliding_window` (per layer), `scaling`, `softcap` (Gemma 2's
 attention-logit soft-capping) and `s_aux` (gpt-oss's attention sinks). Documents of a family with
 soft-capping or sinks run through that family's own eager attention (transformers' code), given a
@@ -43,9 +45,12 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from trainyard.config.data import DataConfig
 from trainyard.errors import ModelError
-from trainyard.model import layers
+from trainyard.model import documents, layers
+from trainyard.model.documents import DOCUMENT_KWARGS, document_bounds, documents_in_kwargs
 
 VARLEN = "trainyard_varlen"
+TORCH_VARLEN = "trainyard_torch_varlen"
+"""torch's own varlen attention (torch_varlen.py): auto's choice on CUDA for a family whose features it keeps."""
 FLEX = "trainyard_flex"
 """flex_attention with a block mask per document (flex.py): what model.attn_implementation flex_attention runs, and
 auto's choice on CUDA for soft-capping or sinks where flash-attention cannot keep them."""
@@ -74,6 +79,8 @@ their attention (Llama 4) leaves varlen, flex and flash-attention no way to see 
 (sdpa, eager) is built from them."""
 MASK_ONLY = (CHUNKED, POSITIONS_NOT_PASSED)
 """What only the mask transformers builds from position_ids keeps: auto chooses sdpa for it."""
+TORCH_VARLEN_DROPS = (SOFTCAP, SINKS, *MASK_ONLY)
+"""What torch's varlen kernel has no way to keep: soft-capping, sinks, and what only transformers' mask keeps."""
 CPU_TRAINING = ("varlen", "sdpa", "eager")
 """flex_attention has no backward on CPU (torch 2.13); flash-attention needs CUDA."""
 _MASK_WITHOUT_POSITIONS = frozenset({"gpt_oss"})
@@ -164,9 +171,9 @@ def choose(
     the job's rows (`packed`: see packed_rows).
 
     auto: flash-attention varlen on a GPU with the flash_attn package where its kernels keep every feature of
-    the family; else on CUDA, flex_attention for soft-capping or sinks (the family's eager attention would hold
-    [heads, L, L] scores per layer); else sdpa where only transformers' mask keeps the family (MASK_ONLY); else
-    `varlen`."""
+    the family; else on CUDA, torch's own varlen kernel where it keeps them (TORCH_VARLEN_DROPS, no dropout), and
+    flex_attention for soft-capping or sinks (the family's eager attention would hold [heads, L, L] scores per
+    layer); else sdpa where only transformers' mask keeps the family (MASK_ONLY); else `varlen`."""
     refuse_dropped(requested, model, where, packed)
     if requested == "auto":
         return auto_choice(features(model, packed), device.type, device.type == "cuda" and _has_flash_attn(),
@@ -197,6 +204,8 @@ def auto_choice(
     the [heads, L, L] scores."""
     if flash and all("flash_attention_2" in SUPPORTED_BY[feature] for feature in found):
         return "flash_attention_2"
+    if device_type == "cuda" and _has_torch_varlen() and not dropout and not set(TORCH_VARLEN_DROPS) & set(found):
+        return TORCH_VARLEN
     flex_keeps_it = (SOFTCAP in found or SINKS in found) and not (SOFTCAP in found and checkpointing)
     if device_type == "cuda" and flex_keeps_it and not dropout:
         return FLEX
@@ -234,27 +243,28 @@ def config_name(model: torch.nn.Module) -> str:
 @functools.cache
 def _has_flash_attn() -> bool:
     """flash_attn imports here. A build made for another torch or CUDA is found by find_spec and fails at import
-    ("undefined symbol"): auto then keeps to varlen, saying why once, instead of failing the model load."""
+    ("undefined symbol"): auto then keeps to torch's or trainyard's varlen, saying why once, instead of failing the
+    model load."""
     if importlib.util.find_spec("flash_attn") is None:
         return False
     try:
         importlib.import_module("flash_attn")
     except (ImportError, OSError) as err:
         logging.getLogger("trainyard").warning(
-            "flash_attn is installed but does not import (%s): attention runs trainyard's varlen instead; reinstall "
+            "flash_attn is installed but does not import (%s): auto chooses among the others; reinstall "
             "flash-attn for this torch (pip install flash-attn --no-build-isolation)", str(err).splitlines()[0])
         return False
     return True
 
 
-def document_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
-    """Per row, the [start, end) of each document: a new one starts wherever the position does not
-    go up by one (transformers' own packed-sequence rule)."""
-    rows = []
-    for positions in position_ids.tolist():
-        starts = [0] + [i for i in range(1, len(positions)) if positions[i] != positions[i - 1] + 1]
-        rows.append(list(zip(starts, starts[1:] + [len(positions)])))
-    return rows
+@functools.cache
+def _has_torch_varlen() -> bool:
+    """torch.nn.attention.varlen.varlen_attn is in this torch (2.10 and later)."""
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None and hasattr(
+        importlib.import_module("torch.nn.attention.varlen"), "varlen_attn")
+
+
+documents.HOST_BOUNDS.update({VARLEN, TORCH_VARLEN})  # they read the collator's bounds
 
 
 _last_bounds: tuple[torch.Tensor | None, list[list[tuple[int, int]]]] = (None, [])
@@ -262,11 +272,19 @@ _masks: dict[tuple[Any, ...], torch.Tensor] = {}
 """The stretches' masks of the forward whose bounds _bounds_of holds (it empties this when they change)."""
 
 
-def _bounds_of(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
-    """Every layer of one forward gets the same position_ids tensor: read it to the host once."""
+def _bounds_of(position_ids: torch.Tensor, cu_seq_lens: torch.Tensor | None) -> list[list[tuple[int, int]]]:
+    """The row's documents, once per forward (every layer gets the same tensors): from the collator's host
+    cu_seq_lens (model_inputs), or, without them (evaluation's and generation's own calls, a caller's plain
+    forward), read back from position_ids on the device."""
     global _last_bounds
-    if _last_bounds[0] is not position_ids:
-        _last_bounds = (position_ids, document_bounds(position_ids))
+    source = position_ids if cu_seq_lens is None else cu_seq_lens
+    if _last_bounds[0] is not source:
+        if cu_seq_lens is None:
+            bounds = document_bounds(position_ids)
+        else:
+            starts = cu_seq_lens.tolist()
+            bounds = [list(zip(starts, starts[1:]))]
+        _last_bounds = (source, bounds)
         _masks.clear()  # another forward's documents: the stretches' masks go with the bounds they were made for
     return _last_bounds[1]
 
@@ -279,13 +297,20 @@ def varlen_attention(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Each document of each row on its own; [B, H, T, D] in, [B, T, H, D] out like transformers' sdpa."""
+    """Each document of each row on its own; [B, H, T, D] in, [B, T, H, D] out like transformers' sdpa. The
+    documents come from the host bounds model_inputs passes, else from position_ids (_bounds_of)."""
     position_ids = kwargs.pop("position_ids", None)
     kwargs.pop("is_causal", None)
+    cu_seq_lens = kwargs.pop("cu_seq_lens_q", None)
+    for name in DOCUMENT_KWARGS[1:]:
+        kwargs.pop(name, None)
     refuse_unknown(module, kwargs)
-    if attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2]:
+    if documents_in_kwargs(attention_mask):
+        attention_mask = None
+    given = cu_seq_lens is not None and query.shape[0] == 1
+    if attention_mask is not None or (position_ids is None and not given) or query.shape[2] != key.shape[2]:
         return _masked_attention(module, query, key, value, attention_mask, kwargs), None
-    bounds = _bounds_of(position_ids)
+    bounds = _bounds_of(position_ids, cu_seq_lens if given else None)
     if len(bounds) == 1:  # position_ids [1, T] stand for every row
         bounds = bounds * query.shape[0]
     masked = masked_calls(query, kwargs)

@@ -27,6 +27,7 @@ from trainyard.config import ModelConfig
 from trainyard.errors import ModelError
 from trainyard.model import attention
 from trainyard.model import flex  # noqa: F401  registers attention.FLEX with transformers
+from trainyard.model import torch_varlen  # noqa: F401  registers attention.TORCH_VARLEN with transformers
 from trainyard.model.source import architecture, first_sentence
 
 

@@ -31,14 +31,16 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from trainyard import dist
 from trainyard.config.data import DataConfig
 from trainyard.errors import ConfigError
-from trainyard.model import attention
+from trainyard.model import attention, documents
 
 CONTEXT = "trainyard_context"
 """The name transformers' AttentionInterface knows `context_attention` by."""
-INNER = (attention.VARLEN,)
-"""Inner implementations proven exact under the exchange: trainyard's varlen, which reads the row's documents from
-the whole row's position_ids (on CUDA too: sdpa per document). flash-attention's varlen kernels read them the same
-way but are not yet checked on a GPU; sdpa and eager build their mask from the rank's slice, which would be wrong."""
+INNER = (attention.VARLEN, attention.TORCH_VARLEN)
+"""Inner implementations that see whole documents under the exchange: trainyard's varlen (proven exact), and torch's
+varlen kernel, auto's choice on CUDA, which reads the same whole-row bounds the collator made (context_slice; not yet
+checked under the exchange on a GPU). Without those bounds varlen reads the whole row's position_ids. flash-attention's
+varlen kernels are not yet checked on a GPU; sdpa and eager build their mask from the rank's slice, which would be
+wrong."""
 STRATEGIES = ("fsdp", "hsdp")
 FAMILIES = ("llama", "qwen3", "mistral")
 """Families whose CP loss and gradients are proven equal to one process's (tests/dist/test_context_parallel.py);
@@ -201,4 +203,5 @@ def context_attention(
 
 
 AttentionInterface.register(CONTEXT, context_attention)
+documents.HOST_BOUNDS.add(CONTEXT)
 AttentionMaskInterface.register(CONTEXT, attention.varlen_mask)

@@ -19,6 +19,8 @@ from trainyard.config import DpoConfig
 from trainyard.config.preference import REFERENCE_FREE
 from trainyard.data import IGNORE_INDEX
 from trainyard.loss import add_product, chunkable_head, final_softcap, head_computes, keeps_logits
+from trainyard.model.documents import model_inputs
+from trainyard.parallel.parallelize import unwrap
 
 STATS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
          "logps/rejected")
@@ -46,7 +48,7 @@ def target_logps(
 ) -> torch.Tensor:
     """log p(label) of every target token, row-major, fp32; logits only where a label follows, and (as the SFT
     loss, train.loss_chunk_tokens) never more than one chunk of them at a time, forward or backward."""
-    inputs = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+    inputs = model_inputs(batch, device, unwrap(model).config)
     targets = batch["labels"][:, 1:]
     is_target = targets != IGNORE_INDEX
     wanted = targets[is_target].to(device)

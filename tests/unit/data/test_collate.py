@@ -35,6 +35,10 @@ def test_padding_free_rows_are_one_row_of_documents():
     assert batch["labels"].tolist() == [[-100, 2, 3, -100, 5, -100, 7]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1]]
     assert "attention_mask" not in batch and batch["real_tokens"].item() == 7
+    # the documents' bounds for varlen kernels, made here: the same documents the position_ids give
+    assert batch["cu_seq_lens"].tolist() == [0, 3, 5, 7] and batch["cu_seq_lens"].dtype == torch.int32
+    assert int(batch["max_length"]) == 3
+    assert document_bounds(batch["position_ids"]) == [[(0, 3), (3, 5), (5, 7)]]
 
 
 def test_padded_packed_rows_get_restarting_positions_and_padding_a_block_of_its_own():
@@ -180,3 +184,6 @@ def test_context_parallel_slices_put_back_together_are_the_row_padded_to_a_multi
     assert targets == whole["labels"][0, 1:].tolist() + [-100] * (padding + 1)  # the last token predicts nothing
     assert sum(int((s["labels"][:, 1:] != -100).sum()) for s in slices) == 9
     assert sum(int(s["real_tokens"]) for s in slices) == 11
+    for s in slices:  # each rank's attention sees the whole padded row, its padding a document of its own
+        assert s["cu_seq_lens"].tolist() == [0, 7, 11] + ([11 + padding] if padding else [])
+        assert int(s["max_length"]) == 7

@@ -20,8 +20,10 @@ from trainyard import dist, precision
 from trainyard.checkpoint import export
 from trainyard.config_file import load_config
 from trainyard.errors import ModelError
-from trainyard.model import attention, weights
+from trainyard.data import collate
+from trainyard.model import attention, torch_varlen, weights
 from trainyard.model import build as model_room
+from trainyard.model.documents import model_inputs
 from trainyard.model import source as source_room
 from trainyard.train.build import build_and_wrap
 
@@ -108,6 +110,46 @@ def test_default_attention_gives_the_family_s_losses_and_gradients(
     assert [mask.shape for mask in attention._masks.values()] == ([(1, 1, side, side)] * len(windows) if side else [])
     if attention.features(ref):  # the check can fail: dropping what the family adds changes the function
         assert max(differences(family, PLAIN, ref, ref_loss)) > 20 * TOLERANCE
+
+
+def collated_loss(model: torch.nn.Module) -> torch.Tensor:
+    """packed_loss's row as the training loop gives it: collated, the documents' bounds made on the host."""
+    rows = [{"input_ids": d.tolist(), "labels": [-100, *d[1:].tolist()]} for d in documents()]
+    batch = collate(rows, pad_id=0)
+    logits = model(**model_inputs(batch, CPU, model.config), use_cache=False).logits[0, :-1]
+    return torch.nn.functional.cross_entropy(logits, batch["labels"][0, 1:], ignore_index=-100)
+
+
+def _device_read(*args: object) -> None:
+    raise AssertionError("the documents were read back from position_ids")
+
+
+@pytest.mark.parametrize("implementation", [attention.VARLEN, attention.TORCH_VARLEN])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_collator_s_bounds_give_the_family_s_losses_and_gradients(
+    family: str, implementation: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host bounds reach the attention (no read of position_ids), through trainyard's varlen and through torch's
+    varlen contract (its CPU reference here; tests/gpu checks the kernel against it) where auto on CUDA picks it."""
+    ref, ref_loss = reference(family)
+    model = build(family, "eager")
+    model.load_state_dict(ref.state_dict())
+    model.config._attn_implementation = implementation
+    ran = []
+    monkeypatch.setattr(attention, "document_bounds", _device_read)
+    monkeypatch.setattr(torch_varlen, "reference", lambda *a, **k: ran.append(1) or reference_kernel(*a, **k))
+    loss = collated_loss(model)
+    loss.backward()
+    grads = [((_grad(mine) - theirs.grad).abs().max() / theirs.grad.abs().max().clamp_min(1e-12)).item()
+             for mine, theirs in zip(model.parameters(), ref.parameters()) if theirs.grad is not None]
+    assert abs(loss.item() - ref_loss) / ref_loss < TOLERANCE and max(grads) < TOLERANCE, (loss.item(), ref_loss, grads)
+    on_cuda = attention.choose("auto", ref, torch.device("cuda"), training=False)
+    kernel_keeps_it = not set(attention.TORCH_VARLEN_DROPS) & set(attention.features(ref))
+    assert (on_cuda == attention.TORCH_VARLEN) == kernel_keeps_it, on_cuda
+    assert bool(ran) == (implementation == attention.TORCH_VARLEN and kernel_keeps_it)
+
+
+reference_kernel = torch_varlen.reference
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -268,7 +310,7 @@ def test_a_hub_folder_trains_and_exports_what_from_pretrained_loads(
         torch.testing.assert_close(back[key], tensor, rtol=0, atol=1e-6, msg=key)
 
 
-def test_a_flash_attn_that_does_not_import_falls_back_to_varlen_saying_why(
+def test_a_flash_attn_that_does_not_import_falls_back_to_torch_s_varlen_saying_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A flash-attn wheel built for another torch: find_spec finds it, its import fails. On a GPU, auto must not
@@ -280,7 +322,7 @@ def test_a_flash_attn_that_does_not_import_falls_back_to_varlen_saying_why(
     attention._has_flash_attn.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="trainyard"):
-            assert attention.choose("auto", build("llama", "eager"), torch.device("cuda")) == attention.VARLEN
+            assert attention.choose("auto", build("llama", "eager"), torch.device("cuda")) == attention.TORCH_VARLEN
         assert "flash_attn is installed but does not import (flash_attn_2_cuda.so: undefined symbol" in caplog.text
         with pytest.raises(ModelError, match="flash_attn package that imports"):
             attention.choose("flash_attention_2", build("llama", "eager"), torch.device("cuda"))
