@@ -1,5 +1,8 @@
 """The global batch across world sizes: micro-batches accumulated per rank for a world size, and the optimizer
-steps train.epochs makes over the rows. Shared by the trainer, the plan and the estimate."""
+steps train.epochs makes over the rows. Shared by the trainer, the plan and the estimate.
+
+The world size here counts data ranks: the ranks of a context-parallel group train the same rows, so a job of W
+processes at dist.context_parallel N has W / N of them (`data_ranks`)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,11 @@ from fractions import Fraction
 
 from trainyard.config import JobConfig
 from trainyard.errors import ConfigError
+
+
+def data_ranks(cfg: JobConfig, world_size: int) -> int:
+    """The data-parallel ranks of `world_size` processes: each context-parallel group reads one rank's rows."""
+    return max(world_size // cfg.dist.context_parallel, 1)
 
 
 def steps_for_epochs(cfg: JobConfig, rows: int, world_size: int, saved_samples: int | None = None) -> int:
@@ -41,14 +49,16 @@ def accumulation_steps(cfg: JobConfig, world_size: int, saved_samples: int | Non
 
     Without train.global_batch_size/tokens the global batch is micro x world (accumulation 1),
     except when resuming: then the checkpoint's global batch (`saved_samples`) is kept, so a
-    restart on another world size re-derives accumulation instead of changing the batch.
+    restart on another world size re-derives accumulation instead of changing the batch. `world_size`: the data
+    ranks (`data_ranks`), as for steps_for_epochs.
     """
     train = cfg.train
     per_pass_samples = train.micro_batch_size * world_size
+    ranks = "world_size" if cfg.dist.context_parallel == 1 else "data ranks (world / dist.context_parallel)"
     if train.global_batch_size is not None:
         total, unit, field = train.global_batch_size, per_pass_samples, "train.global_batch_size"
         head = f"{field}={total}"
-        unit_text = f"micro_batch_size x world_size = {train.micro_batch_size} x {world_size}"
+        unit_text = f"micro_batch_size x {ranks} = {train.micro_batch_size} x {world_size}"
         other = f"set {field} to a multiple of {unit}, or change micro_batch_size"
     elif train.global_batch_tokens is not None:
         total = train.global_batch_tokens
@@ -56,17 +66,17 @@ def accumulation_steps(cfg: JobConfig, world_size: int, saved_samples: int | Non
         field = "train.global_batch_tokens"
         head = f"{field}={total}"
         unit_text = (
-            f"micro_batch_size x world_size x data.max_length = "
+            f"micro_batch_size x {ranks} x data.max_length = "
             f"{train.micro_batch_size} x {world_size} x {cfg.data.max_length}"
         )
         other = f"set {field} to a multiple of {unit}, or change micro_batch_size"
     elif saved_samples is not None:
         total, unit, field = saved_samples, per_pass_samples, "train.micro_batch_size"
         head = (
-            f"the checkpoint's global batch of {total} samples (micro_batch_size x world_size when it was saved: "
+            f"the checkpoint's global batch of {total} samples (micro_batch_size x {ranks} when it was saved: "
             "train.global_batch_size is unset)"
         )
-        unit_text = f"micro_batch_size x world_size = {train.micro_batch_size} x {world_size}"
+        unit_text = f"micro_batch_size x {ranks} = {train.micro_batch_size} x {world_size}"
         other = "change micro_batch_size, or start a fresh run (checkpoint.resume: never)"
     else:
         return 1

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as torch_dist
 
 from trainyard import dist, estimate, hardware, precision
-from trainyard.batch import accumulation_steps, steps_for_epochs
+from trainyard.batch import accumulation_steps, data_ranks, steps_for_epochs
 from trainyard.checkpoint.layout import committed, latest_full, newest_intact
 from trainyard.config import JobConfig
 from trainyard.data import survey as data_survey
@@ -265,11 +265,12 @@ def _data_lines(cfg: JobConfig, target: Target, problems: list[str]) -> tuple[li
     except TrainyardError as err:
         problems.append(f"the data is unusable: {_problem(err)}")
         return [f"data             unusable: {err.what}"], Lengths()
-    accum = accumulation_steps(cfg, target.world)
-    samples = cfg.train.micro_batch_size * accum * target.world
+    ranks = data_ranks(cfg, target.world)
+    accum = accumulation_steps(cfg, ranks)
+    samples = cfg.train.micro_batch_size * accum * ranks
     if cfg.train.epochs is not None:
         rows = max(round(found.usable_rows_estimate()), 1)
-        cfg.train.epoch_rows, cfg.train.max_steps = rows, steps_for_epochs(cfg, rows, target.world)
+        cfg.train.epoch_rows, cfg.train.max_steps = rows, steps_for_epochs(cfg, rows, ranks)
     return data_survey.describe(found, cfg, samples), _lengths_found(cfg, found)
 
 
@@ -309,7 +310,7 @@ def data_lengths(cfg: JobConfig, world_size: int) -> Lengths:
         return Lengths(source=f"data.max_length: {unusable}", batch_why=unusable)
     if cfg.train.epochs is not None:
         rows = max(round(found.usable_rows_estimate()), 1)
-        cfg.train.epoch_rows, cfg.train.max_steps = rows, steps_for_epochs(cfg, rows, world_size)
+        cfg.train.epoch_rows, cfg.train.max_steps = rows, steps_for_epochs(cfg, rows, data_ranks(cfg, world_size))
     return _lengths_found(cfg, found)
 
 
@@ -400,14 +401,15 @@ def describe_plan(
     target = target or Target.here(world_size)
     info = DistInfo(0, world_size, 0, target.gpus_per_node, torch.device("cpu"), None)
     device_bytes = hardware.device_bytes(hardware.gpu(target.gpu), target.gpus_per_node)
-    accum = accumulation_steps(cfg, world_size)
+    ranks = data_ranks(cfg, world_size)
+    accum = accumulation_steps(cfg, ranks)
     model = meta_model(cfg)
-    samples = cfg.train.micro_batch_size * accum * world_size
+    samples = cfg.train.micro_batch_size * accum * ranks
     train, data = cfg.train, cfg.data
     lines = [
         f"run dir          {cfg.run_dir}",
         f"world size       {world_size}",
-        f"micro batch      {cfg.train.micro_batch_size} samples x {accum} accumulation x {world_size} ranks",
+        f"micro batch      {cfg.train.micro_batch_size} samples x {accum} accumulation x {_ranks_words(cfg, ranks)}",
         f"global batch     {_global_batch_words(cfg, samples)}",
         f"objective        {_objective_words(cfg)}",
         f"steps            {_steps_words(train)} (lr {train.lr:g}, {train.schedule}, warmup {train.warmup_steps})",
@@ -444,6 +446,10 @@ def describe_plan(
                 f"sync every {outer.sync_every} steps "
                 f"(outer lr {outer.outer_lr:g}, Nesterov {outer.outer_momentum:g}, {outer.pseudo_grad_dtype})"
             )
+    if cfg.dist.context_parallel > 1:
+        size = cfg.dist.context_parallel
+        lines.append(f"context          context parallel {size}: each rank holds 1/{size} of every row's tokens and "
+                     f"attends whole documents for heads / {size} (an all-to-all around each attention)")
     if data.mixture:
         total = sum(source.weight for source in data.mixture)
         shares = ", ".join(f"{source.path} {source.weight / total:.0%}" for source in data.mixture)
@@ -504,13 +510,19 @@ def _experts_words(cfg: JobConfig, model: torch.nn.Module, info: DistInfo, strat
             f"of each MoE layer (tokens sent to them by all-to-all), {further}{requested}")
 
 
+def _ranks_words(cfg: JobConfig, ranks: int) -> str:
+    """The ranks that read rows: under context parallelism, each group of dist.context_parallel ranks is one."""
+    size = cfg.dist.context_parallel
+    return f"{ranks} ranks" if size == 1 else f"{ranks} data ranks (context-parallel groups of {size} ranks)"
+
+
 def check_world(cfg: JobConfig, nodes: int, per_node: int) -> None:
     """The job's shape at the world a cluster script asks for, checked when the script is written: a global
     batch, shard group or set of DiLoCo sites that does not divide it would otherwise fail only once the nodes
     are allocated and every rank has started."""
     world = nodes * per_node
     info = DistInfo(0, world, 0, per_node, torch.device("cpu"), None)
-    accumulation_steps(cfg, world)
+    accumulation_steps(cfg, data_ranks(cfg, world))
     if cfg.dist.strategy == "hsdp":
         dist.hsdp_shape(info, cfg.dist.shard_size, where=cfg.where("dist.shard_size"))
     if cfg.dist.strategy == "diloco":

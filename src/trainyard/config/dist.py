@@ -101,8 +101,9 @@ class DistConfig(Section):
     contiguous 1/N of every row's tokens through the whole block (Ulysses: an all-to-all around attention trades the
     sequence shard for a head shard, so each rank attends whole documents for heads / N). Carved out of the shard
     dimension: must divide it (and the heads). Activations per rank fall by about N; the data-parallel size, the
-    sampler's, is the world / N. 1: none. Not yet with dist.expert_parallel, diloco, DPO, train.epochs, or families
-    whose rows are padded (hybrid layers); proven for llama, qwen3 and mistral."""
+    sampler's and the global batch's, is the world / N. Full checkpoints resume at another CP size. 1: none. Not yet
+    with dist.expert_parallel, diloco, DPO, or families whose rows are padded (hybrid layers); proven for llama,
+    qwen3 and mistral."""
     defer_grad_sync: bool = False
     """fsdp/hsdp with accumulation: reduce gradients only on a window's last micro-batch. Trades memory
     for speed: unsharded gradients of the whole model live until then (off: each micro-batch

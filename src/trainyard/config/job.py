@@ -68,9 +68,6 @@ class JobConfig(Section):
                              f"{self.train.objective}: set dist.context_parallel: 1")
         if not self.data.padding_free:
             raise ValueError(f"dist.context_parallel {size} slices padding-free rows: set data.padding_free: true")
-        if self.train.epochs is not None:
-            raise ValueError(f"dist.context_parallel {size}: train.epochs is not sized by the CP groups yet; set "
-                             "train.max_steps instead")
         return self
 
     @model_validator(mode="after")

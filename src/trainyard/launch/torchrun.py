@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainyard.batch import accumulation_steps
+from trainyard.batch import accumulation_steps, data_ranks
 from trainyard.config import DistConfig, JobConfig
 from trainyard.errors import ConfigError
 from trainyard.launch.local import EXIT_FILE_ENV, SIGNALS_TO_FORWARD
@@ -286,7 +286,7 @@ def check_node_range(cfg: JobConfig, plan: LaunchPlan) -> None:
     kept = []
     for nodes in counts:
         try:
-            accumulation_steps(cfg, nodes * nproc)
+            accumulation_steps(cfg, data_ranks(cfg, nodes * nproc))
             kept.append(nodes)
         except ConfigError:
             pass

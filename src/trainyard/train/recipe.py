@@ -241,7 +241,7 @@ def _size_by_epochs(job: Job, state: LoopState) -> None:
     reads it from config.yaml, written next."""
     train, rows = job.cfg.train, len(job.data.train)
     samples = job.facts["global_batch_samples"]
-    steps = steps_for_epochs(job.cfg, rows, job.info.world_size, saved_samples=samples)
+    steps = steps_for_epochs(job.cfg, rows, diloco_ft.data_slice(job.cfg, job.info)[1], saved_samples=samples)
     train.epoch_rows = rows  # first: max_steps next to epochs needs it (TrainConfig._one_length)
     train.max_steps = steps
     job.sink.emit("system", step=state.step, event="steps_from_epochs", epochs=train.epochs, rows=rows,

@@ -21,6 +21,7 @@ from trainyard import dist
 from trainyard.batch import accumulation_steps
 from trainyard.checkpoint import save as checkpoint
 from trainyard.data.mixture import MixtureStream
+from trainyard.diloco import ft as diloco_ft
 from trainyard.errors import CheckpointError, Preempted
 from trainyard.estimate.timing import young_daly_interval_s
 
@@ -168,9 +169,11 @@ def resume(job: Job) -> LoopState:
         return LoopState()
     saved = checkpoint.read_trainer_state(path)
     world = job.info.world_size
-    # Any world size keeps the global batch (the checkpoint's, if the config sets none): re-derive accumulation.
-    job.accum = accumulation_steps(job.cfg, world, saved.get("global_batch_samples"))
-    job.facts["global_batch_samples"] = job.cfg.train.micro_batch_size * job.accum * world
+    # Any world size keeps the global batch (the checkpoint's, if the config sets none): re-derive accumulation
+    # for the ranks that read rows (a context-parallel group is one; the sampler's position is global).
+    data_world = diloco_ft.data_slice(job.cfg, job.info)[1]
+    job.accum = accumulation_steps(job.cfg, data_world, saved.get("global_batch_samples"))
+    job.facts["global_batch_samples"] = job.cfg.train.micro_batch_size * job.accum * data_world
     checkpoint.check_compatible(saved, job.facts, path)
     loading = time.monotonic()
     rank_state = checkpoint.load_full(

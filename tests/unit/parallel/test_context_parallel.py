@@ -1,5 +1,5 @@
 """dist.context_parallel is refused, exit 2 naming the field, where it cannot run exactly this round: without
-fsdp/hsdp, with expert parallelism, DPO, padded rows or train.epochs; on a family not proven, attention that builds
+fsdp/hsdp, with expert parallelism, DPO or padded rows; on a family not proven, attention that builds
 its mask from the rank's slice, or a size that does not divide the heads or the shard dimension. KV heads are
 repeated just enough for the group to split them."""
 
@@ -31,7 +31,6 @@ def refusal(model, size: int = 2, shard: int = 2, data: DataConfig | None = None
     ([*SHARDED, "dist.expert_parallel=2"], "dist.expert_parallel 2: the two do not compose yet"),
     ([*SHARDED, "train.objective=dpo"], "runs train.objective sft only"),
     ([*SHARDED, "data.padding_free=false"], "slices padding-free rows"),
-    ([*SHARDED, "train.epochs=1", "~train.max_steps"], "train.epochs is not sized by the CP groups"),
 ])
 def test_what_context_parallelism_cannot_run_yet_is_refused_naming_it(overrides: list[str], named: str) -> None:
     with pytest.raises(ConfigError, match=f"dist.context_parallel 2.*{named}|{named}.*dist.context_parallel"):
@@ -40,6 +39,7 @@ def test_what_context_parallelism_cannot_run_yet_is_refused_naming_it(overrides:
 
 def test_a_refusal_exits_2_without_a_traceback() -> None:
     assert load_config(TINY, SHARDED).dist.context_parallel == 2
+    assert load_config(TINY, [*SHARDED, "train.epochs=1", "~train.max_steps"]).train.epochs == 1  # sized by data ranks
     result = run_cli("train", TINY, "dist.strategy=ddp", "dist.context_parallel=2", "--dry-run")
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "dist.context_parallel" in result.stderr
