@@ -11,7 +11,7 @@ from torch.distributed import ProcessGroup
 
 from trainyard import dist
 from trainyard.dist import DistInfo
-from trainyard.hardware import training_flops
+from trainyard.hardware import FlopShape, training_flops
 from trainyard.model import attention
 from trainyard.train import state as loop_state
 from trainyard.train.job import Job
@@ -69,7 +69,7 @@ def own_votes(job: Job, window: list[dict[str, torch.Tensor]], last_full: float)
     return StepVotes(
         targets=sum(job.objective.count(b) for b in window),
         real_tokens=sum(int(b.pop("real_tokens")) for b in window),
-        flops=sum(training_flops(job.flops, document_lengths(b)) for b in window),
+        flops=sum(micro_batch_flops(job.flops, b, job.cfg.dist.context_parallel) for b in window),
         save_written=float(job.saves.written_here()),
         save_failed=float(job.saves.failed_here()),
         preempted=float(bool(loop_state.SIGNALLED)),
@@ -94,10 +94,19 @@ def agree_at_sync(job: Job, tally: RoundTally, votes: StepVotes) -> StepVotes:
     return agreed
 
 
+def micro_batch_flops(shape: FlopShape, batch: dict[str, torch.Tensor], context: int) -> float:
+    """Model FLOPs of a micro-batch on this rank. A context-parallel slice (`context` ranks share each row) carries
+    the whole row's document bounds (collate.context_slice): each rank counts 1/`context` of the whole row's
+    FLOPs, so the group sums to the row's, its attention over whole documents, not over the slices' pieces."""
+    return training_flops(shape, document_lengths(batch)) / context
+
+
 def document_lengths(batch: dict[str, torch.Tensor]) -> list[int]:
-    """The documents a micro-batch computes, each attending to itself: a padded row's unmasked tokens, or the blocks
-    its position_ids restart (padding-free rows). A padded packed row's padding restarts too: the one padding MFU
-    counts."""
+    """The documents a micro-batch computes, each attending to itself: a padded row's unmasked tokens, or a
+    padding-free row's documents from the bounds the collator made (a CP slice: the whole row's), else the blocks
+    its position_ids restart. A padded packed row's padding restarts too: the one padding MFU counts."""
     if "attention_mask" in batch:
         return batch["attention_mask"].sum(dim=1).tolist()
+    if "cu_seq_lens" in batch:
+        return batch["cu_seq_lens"].diff().tolist()
     return [end - start for row in attention.document_bounds(batch["position_ids"]) for start, end in row]
