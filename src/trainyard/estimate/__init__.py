@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from trainyard import hardware as machines  # `hardware` names the Hardware a function plans for
-from trainyard.batch import accumulation_steps
+from trainyard.batch import accumulation_steps, data_ranks
 from trainyard.config import JobConfig
 from trainyard.errors import ConfigError, ModelError, OptionError
 from trainyard.estimate import host as host_room
@@ -124,7 +124,7 @@ def estimate(cfg: JobConfig, hardware: Hardware, assumptions: Assumptions = Assu
     layout = mem.resolve_strategy(cfg, model, kind, hardware.gpus_per_node, hardware.nodes)
     precision = mem.resolve_precision(cfg, kind)
     size = mem.dtypes(cfg, precision, layout.strategy)
-    accum = accumulation_steps(cfg, layout.world)
+    accum = accumulation_steps(cfg, data_ranks(cfg, layout.world))
     memory = mem.memory(cfg, model, layout, precision, batch)
     timed = estimate_time.timing(cfg, model, layout, size, accum, assumptions.mfu, network_gbps,
                                  assumptions.diloco_h, assumptions.disk_gbytes_s, lengths)
@@ -247,6 +247,7 @@ def to_json(result: Estimate) -> dict[str, Any]:
         "strategy": layout.strategy,
         "shard_group": layout.shard,
         "expert_parallel": layout.expert_parallel,
+        "context_parallel": layout.context_parallel,
         "precision": result.precision,
         "accumulation": result.accumulation,
         "params": {"total": result.total_params, "trainable": result.trainable_params},
@@ -271,7 +272,7 @@ def render(result: Estimate) -> str:
              ("optimizer (AdamW)", memory.optimizer), ("ddp buckets", memory.ddp_buckets),
              ("diloco outer state", memory.diloco_outer), ("diloco sync chunks", memory.diloco_sync),
              ("autocast copies", memory.mixed_precision_copies), ("fsdp buffers", memory.fsdp_buffers),
-             ("ep all-to-all", memory.expert_exchange),
+             ("ep all-to-all", memory.expert_exchange), ("cp all-to-all", memory.context_exchange),
              ("activations", memory.activations), ("logits (loss)", memory.logits),
              ("allocator slack", memory.allocator_slack), ("cuda context", memory.cuda_context),
              ("runtime (python)", memory.runtime)]
@@ -281,6 +282,7 @@ def render(result: Estimate) -> str:
         f"layout           {layout.nodes} x {layout.gpus_per_node} {layout.gpu.name}, {layout.strategy}"
         + (f" (shard group {layout.shard})" if layout.shard > 1 else "")
         + (f", expert parallel {layout.expert_parallel}" if layout.expert_parallel > 1 else "")
+        + (f", context parallel {layout.context_parallel}" if layout.context_parallel > 1 else "")
         + f", {result.precision}",
         f"parameters       {result.total_params:,} total, {result.trainable_params:,} trainable",
         f"memory per device ({unit}):",
@@ -331,6 +333,8 @@ def _traffic_words(result: Estimate, why: bool = True) -> str:
                   f"({timed.expert_exchange_link}), FSDP2 gathers {timed.expert_gathered_bytes / 1e9:.3g} GB")
     elif timed.expert_gathered_bytes:
         words += f"; experts: FSDP2 gathers {timed.expert_gathered_bytes / 1e9:.3g} GB per GPU"
+    if layout.context_parallel > 1:
+        words += f"; context: all-to-all {timed.context_exchanged_bytes / 1e9:.3g} GB per GPU around attention"
     if why and layout.expert_parallel_why:
         words += f"; dist.expert_parallel auto -> {layout.expert_parallel}: {layout.expert_parallel_why}"
     return words

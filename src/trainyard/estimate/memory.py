@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 import torch
 
 from trainyard import precision as precision_room
-from trainyard.batch import accumulation_steps
+from trainyard.batch import accumulation_steps, data_ranks
 from trainyard.config import JobConfig
 from trainyard.config.preference import REFERENCE_FREE
 from trainyard.estimate import arch as estimate_arch
+from trainyard.estimate import context as context_room
 from trainyard.estimate import experts as experts_room
 from trainyard.estimate.arch import Counts, Shape
 from trainyard.hardware import GIB, Gpu, device_bytes
@@ -65,6 +66,8 @@ class Layout:
     """EP size: each rank holds experts / it of every MoE layer's routed experts (estimate/experts.py)."""
     expert_parallel_why: str = ""
     """dist.expert_parallel auto: why this size."""
+    context_parallel: int = 1
+    """CP size: each rank holds tokens / it of every row through the block (estimate/context.py)."""
 
     @property
     def world(self) -> int:
@@ -107,6 +110,8 @@ class Memory:
     """A trainable tied embedding's second gradient at the end of backward, while the head's is held."""
     expert_exchange: float = 0.0
     """EP's all-to-all buffers of one MoE layer: the routed (token, expert) rows sent and those received."""
+    context_exchange: float = 0.0
+    """CP's all-to-all buffers of one layer's attention: q, k and v sent and received."""
     head_gradient: float = 0.0
     """A trainable head's gradient, whole (FSDP2 reduces the root's only after the backward): the chunked loss makes
     it in its forward (loss.py), the plain head in the first op of backward; either way beside every activation."""
@@ -171,7 +176,7 @@ def resolve_strategy(cfg: JobConfig, model: Model, kind: Gpu, gpus_per_node: int
         raise ValueError("dist.strategy auto reaches the layout unresolved: resolve it with estimate.auto_strategy")
     shard = shard_size(cfg, strategy, world, gpus_per_node)
     ep, why = expert_parallel(cfg, model, kind, strategy, shard, gpus_per_node, world)
-    return Layout(kind, gpus_per_node, nodes, strategy, shard, ep, why)
+    return Layout(kind, gpus_per_node, nodes, strategy, shard, ep, why, context_room.context_size(cfg, strategy))
 
 
 def expert_parallel(cfg: JobConfig, model: Model, kind: Gpu, strategy: str, shard: int, gpus_per_node: int,
@@ -183,7 +188,7 @@ def expert_parallel(cfg: JobConfig, model: Model, kind: Gpu, strategy: str, shar
     size = dtypes(cfg, resolve_precision(cfg, kind), strategy)
     element = (size.compute, size.frozen if cfg.lora.enabled else size.master, size.master, size.mixed)
     return experts_room.choose(cfg, model.shape, model.counts, strategy, shard, gpus_per_node,
-                               accumulation_steps(cfg, world),
+                               accumulation_steps(cfg, data_ranks(cfg, world)),
                                tokens_per_micro_batch(cfg), element)
 
 
@@ -228,8 +233,8 @@ def micro_batch_bound(cfg: JobConfig) -> MicroBatch:
 def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_room.Precision,
            batch: MicroBatch | None = None) -> Memory:
     """Every part of one device's memory at the step's peak, and the peak itself, for the micro-batch `batch`
-    (default: micro_batch_bound)."""
-    batch = batch or micro_batch_bound(cfg)
+    (default: micro_batch_bound); under context parallelism, the rank's 1/N of its tokens."""
+    batch = context_room.rank_batch(batch or micro_batch_bound(cfg), layout.context_parallel)
     size = dtypes(cfg, precision, layout.strategy)
     counts, shard = model.counts, layout.shard
     frozen = counts.total - counts.trainable
@@ -247,6 +252,8 @@ def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_ro
         mixed_precision_copies=0.0 if sharded or not size.mixed else _autocast_copies(counts, size),
         fsdp_buffers=_fsdp_buffers(counts, size, layout) if sharded else 0.0,
         expert_exchange=_expert_exchange(batch, model.shape, size, layout.expert_parallel),
+        context_exchange=context_room.exchange_buffer_bytes(model.shape, size.compute, layout.context_parallel,
+                                                            batch.tokens),
         activations=activation_bytes(cfg, model.shape, counts, size, layout.gpu, batch),
         recomputed_layer=recomputed_layer_bytes(cfg, model.shape, counts, size, layout.gpu, batch),
         logits=_logit_bytes(cfg, model.shape, batch),
@@ -255,6 +262,8 @@ def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_ro
     )
     if layout.expert_parallel > 1:
         parts.notes.append(_experts_note(model, layout, size))
+    if layout.context_parallel > 1:
+        parts.notes.append(context_room.note(layout.context_parallel, batch))
     _add_peak(parts, cfg, layout)
     if cfg.train.objective == "dpo":
         parts.notes.append(_dpo_words(cfg))
@@ -353,11 +362,12 @@ def _add_peak(parts: Memory, cfg: JobConfig, layout: Layout) -> None:
     peak at different times. With accumulation the gradients of earlier micro-batches stay while the next one's
     activations build up."""
     static = (parts.weights + parts.lora_adapters + parts.optimizer + parts.ddp_buckets + parts.diloco_outer
-              + parts.diloco_sync + parts.mixed_precision_copies + parts.fsdp_buffers + parts.expert_exchange)
+              + parts.diloco_sync + parts.mixed_precision_copies + parts.fsdp_buffers + parts.expert_exchange
+              + parts.context_exchange)
     # With checkpointing the logits and their gradients are gone before the last layer is recomputed.
     forward = (parts.activations - parts.recomputed_layer + max(parts.recomputed_layer, parts.logits)
                + parts.head_gradient)
-    accumulates = accumulation_steps(cfg, layout.world) > 1
+    accumulates = accumulation_steps(cfg, data_ranks(cfg, layout.world)) > 1
     held = parts.gradients if accumulates else 0.0
     parts.peak_tensor_bytes = static + max(forward + held, parts.gradients + parts.tied_gradient)
     if accumulates:

@@ -14,9 +14,10 @@ import math
 from dataclasses import dataclass
 
 from trainyard import hardware
-from trainyard.batch import largest_micro_batch
+from trainyard.batch import data_ranks, largest_micro_batch
 from trainyard.config import JobConfig
 from trainyard.config.preference import REFERENCE_FREE
+from trainyard.estimate import context as context_room
 from trainyard.estimate import experts as experts_room
 from trainyard.estimate.memory import Dtypes, Layout, MicroBatch, Model, micro_batch_bound
 from trainyard.hardware import kind_peak_flops
@@ -126,6 +127,8 @@ class Timing:
     expert_exchanged_bytes: float = 0.0
     """Hidden states each GPU's EP all-to-alls send per step (part of the bytes above); 0 without EP."""
     expert_exchange_link: str = "none"
+    context_exchanged_bytes: float = 0.0
+    """What each GPU's CP all-to-alls around attention send per step (part of the bytes above); 0 without CP."""
 
     @property
     def step_s(self) -> float:
@@ -224,10 +227,20 @@ def traffic(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: i
     moved.ring(gradients - expert_gradients, layout.shard, reduces, ring_spans, intra, inter)
     moved.ring(expert_gradients / ep, held_apart, reduces, ring_spans, intra, inter)
     moved.exchange(experts.exchanged, ep, layout.gpus_per_node, intra, inter)
+    moved.exchange(context_bytes(cfg, model, layout, size, accum, tokens_per_micro_batch), layout.context_parallel,
+                   layout.gpus_per_node, intra, inter)
     replicas = layout.world // layout.shard
     if replicas > 1:  # a node's shards share its network link: the whole gradient crosses it
         moved.across(2 * (replicas - 1) / replicas * gradients / diloco_h, inter)
     return moved, experts
+
+
+def context_bytes(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: int,
+                  tokens_per_micro_batch: float) -> float:
+    """What each GPU's CP all-to-alls send per step (estimate/context.py): its 1/N of each micro-batch's tokens."""
+    cp = layout.context_parallel
+    return context_room.exchange_bytes_per_step(model.shape, size.compute, cp, tokens_per_micro_batch / cp, accum,
+                                                cfg.model.gradient_checkpointing)
 
 
 def checkpoint_bytes(cfg: JobConfig, model: Model, size: Dtypes) -> float:
@@ -247,7 +260,7 @@ def timing(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: in
     """Step time, the job's time, and what failures cost it with checkpoints every Young/Daly interval; DPO's
     reference: LoRA's forward with the adapters off in every step, or full fine-tuning's pass before the first."""
     per_row, documents = lengths.per_row(cfg)
-    rows_per_step = cfg.train.micro_batch_size * accum * layout.world
+    rows_per_step = cfg.train.micro_batch_size * accum * data_ranks(cfg, layout.world)
     tokens = round(rows_per_step * per_row)
     per_token = flops_per_token(cfg, model, documents)
     forward = hardware.forward_flops(model.counts.flops, documents) / sum(documents)
@@ -290,6 +303,7 @@ def timing(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: in
         expert_gathered_bytes=experts.gathered,
         expert_exchanged_bytes=experts.exchanged,
         expert_exchange_link=experts.link,
+        context_exchanged_bytes=context_bytes(cfg, model, layout, size, accum, cfg.train.micro_batch_size * per_row),
     )
 
 

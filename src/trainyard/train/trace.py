@@ -42,6 +42,7 @@ from trainyard.config import JobConfig
 from trainyard.diloco import outer as diloco
 from trainyard.errors import ConfigError
 from trainyard.estimate import arch as estimate_arch
+from trainyard.estimate import context as estimate_context
 from trainyard.estimate import memory as estimate_memory
 from trainyard.estimate.memory import Layout, Memory
 from trainyard.model import attention
@@ -389,6 +390,7 @@ def trace(cfg: JobConfig, hardware: estimate.Hardware, layers: int | None = None
 def _trace(cfg: JobConfig, hardware: estimate.Hardware, layers: int | None) -> Trace:
     config = architecture(cfg, layers)
     layout, planned = formula(cfg, config, hardware)
+    estimate_context.refuse_trace(cfg, layout.context_parallel)
     precision = estimate_memory.resolve_precision(cfg, layout.gpu)
     model = meta_model(cfg, config, precision, "cpu" if layout.gpu.device_name is None else "cuda")
     info = dist.DistInfo(0, layout.world, 0, layout.gpus_per_node, CPU, "fake")

@@ -1,0 +1,88 @@
+"""The estimate under dist.context_parallel N: each rank holds tokens / N of a micro-batch through the block (its
+activations and logits those of a micro-batch N times shorter, attention's scores still spanning whole documents),
+one layer's q/k/v exchange buffers, and per step the all-to-all bytes around every layer's attention; the global
+batch counts data ranks (world / N). The dry run names the CP size; --trace refuses it (its step runs whole rows).
+A ~1B Llama (32 heads, 8 KV heads) with one 32,768-token document on 8 H100s."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tests.conftest import REPO
+from trainyard import estimate, plan
+from trainyard.config_file import load_config
+from trainyard.errors import ConfigError
+from trainyard.estimate import context
+from trainyard.hardware import gpu
+from trainyard.parallel.context_parallel import kv_repeats
+from trainyard.train import trace
+
+LLAMA_1B = str(REPO / "configs" / "llama-1b.yaml")
+H100_8 = estimate.Hardware("h100-80gb", 8, 1)
+TOKENS, LAYERS, HEADS, KV_HEADS, HEAD_DIM, BF16 = 32768, 16, 32, 8, 64, 2
+LONG = ["data.max_length=32768", "data.packing=false", "train.micro_batch_size=1", "train.global_batch_size=8"]
+
+
+def job(size: int, *more: str):
+    return load_config(LLAMA_1B, [*LONG, f"dist.context_parallel={size}", *more])
+
+
+@pytest.fixture(scope="module")
+def model() -> estimate.mem.Model:
+    return estimate.mem.model_of(job(1))
+
+
+@pytest.fixture(scope="module")
+def planned(model) -> dict[int, estimate.Estimate]:
+    return {size: estimate.estimate(job(size), H100_8, model=model, suggest=False) for size in (1, 4, 8)}
+
+
+def test_each_rank_holds_tokens_over_n_and_one_layers_exchange(planned: dict, model) -> None:
+    plain, eight = planned[1], planned[8]
+    assert eight.layout.context_parallel == 8 and plain.layout.context_parallel == 1
+    assert eight.memory.weights == plain.memory.weights  # the shard dimension is the same 8 ranks
+    # the same formula for a micro-batch of 32768 / 8 tokens whose longest document is still the whole one
+    precision = estimate.mem.resolve_precision(job(1), gpu(H100_8.gpu))
+    alone = estimate.mem.memory(job(1), model, plain.layout, precision, estimate.mem.MicroBatch(TOKENS // 8, TOKENS))
+    assert eight.memory.activations == alone.activations and eight.memory.logits == alone.logits
+    assert eight.memory.activations == pytest.approx(plain.memory.activations / 8, rel=1e-6)
+    # q (32 heads), k and v (8 KV heads each: 8 divides them, no repeat), sent and received, of 4096 tokens
+    assert eight.memory.context_exchange == 2 * (TOKENS // 8) * HEAD_DIM * (HEADS + 2 * KV_HEADS) * BF16
+    assert plain.memory.context_exchange == 0
+    assert any("context parallel 8: each rank holds 4,096 tokens" in note for note in eight.memory.notes)
+    assert eight.memory.peak < plain.memory.peak - 20 * 2**30
+
+
+def test_the_all_to_all_bytes_per_step_and_the_data_ranks(planned: dict) -> None:
+    plain, four, eight = planned[1].timing, planned[4].timing, planned[8].timing
+    assert plain.context_exchanged_bytes == 0
+    # accumulation: 8 rows over 8 / N data ranks of one row each; every layer sends 7/8 of its 4096 tokens' q, k, v
+    # and output (2 x 32 + 2 x 8 heads of 64) forward and backward (the seed config does not checkpoint)
+    assert planned[8].accumulation == 8 and planned[4].accumulation == 4 and planned[1].accumulation == 1
+    per_layer = 7 / 8 * (TOKENS // 8) * (2 * HEADS + 2 * KV_HEADS) * HEAD_DIM * BF16
+    assert eight.context_exchanged_bytes == pytest.approx(8 * 2 * LAYERS * per_layer)
+    assert four.context_exchanged_bytes == pytest.approx(4 * 2 * LAYERS * 3 / 4 * (TOKENS // 4) * 80 * 64 * BF16)
+    assert eight.within_node_bytes - plain.within_node_bytes > eight.context_exchanged_bytes  # gathers per micro-batch
+    assert plain.tokens_per_step == four.tokens_per_step == eight.tokens_per_step == 8 * TOKENS
+    assert "context: all-to-all" in estimate.render(planned[8])
+    assert estimate.to_json(planned[8])["context_parallel"] == 8
+
+
+@pytest.mark.parametrize(("heads", "kv", "size"), [(32, 8, 8), (32, 8, 16), (8, 1, 8), (8, 2, 4), (4, 2, 2)])
+def test_kv_heads_repeat_as_the_exchange_repeats_them(model, heads: int, kv: int, size: int) -> None:
+    shape = replace(model.shape, heads=heads, kv_heads=kv)
+    assert context.kv_heads_exchanged(shape, size) == kv * kv_repeats(heads, kv, size)
+
+
+def test_the_dry_run_names_the_cp_size_and_the_data_ranks() -> None:
+    text = plan.describe_plan(job(8, "train.max_steps=4"), 8, plan.Target("h100-80gb", 8, 1))
+    assert "1 samples x 8 accumulation x 1 data ranks (context-parallel groups of 8 ranks)" in text
+    assert "context parallel 8: each rank holds 1/8 of every row's tokens" in text
+
+
+def test_trace_refuses_context_parallelism_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match="does not model dist.context_parallel 8") as err:
+        trace.trace(job(8), H100_8, layers=2)
+    assert err.value.where is not None and "without --trace" in (err.value.fix or "")
