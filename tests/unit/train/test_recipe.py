@@ -143,9 +143,10 @@ def test_the_loop_reads_the_device_once_a_step(job: str, tmp_path: Path, monkeyp
     assert set(loop) <= {("aten._local_scalar_dense.default", "recipe.py:_train_window")}, loop
 
 
-def test_the_model_s_forward_reads_the_device_never(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("job", ["lora", "dpo"])  # the SFT loss and the preference pairs' log-probabilities
+def test_the_model_s_forward_reads_the_device_never(job: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Padding-free rows: the collator's host bounds reach the attention, and transformers' mask is not built."""
-    _, model = step_syncs("lora", tmp_path, monkeypatch)
+    _, model = step_syncs(job, tmp_path, monkeypatch)
     assert not model, model
 
 
