@@ -25,7 +25,8 @@ class ModelConfig(Section):
         "auto", "varlen", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"
     ] = "auto"
     """auto: flash_attention_2 on a GPU with flash-attn installed where it keeps every feature of the family; else on
-    a GPU flex_attention for soft-capping or sinks (Gemma 2, gpt-oss); else varlen (each document of a padding-free
+    a GPU torch's own varlen kernel (FlashAttention-2 inside torch) where it keeps them, and flex_attention for
+    soft-capping or sinks (Gemma 2, gpt-oss); else varlen (each document of a padding-free
     row on its own, no mask, with the family's windows, soft-capping and sinks). sdpa/eager isolate documents with
     a dense mask; flex_attention with a block mask per document read from the positions. A choice that would drop a
     feature of the family is refused."""
