@@ -97,12 +97,13 @@ def torch_varlen_attention(
     its reference (elsewhere); anything else through trainyard's varlen."""
     bounds = kwargs.get("cu_seq_lens_q")
     given = attention_mask is None or attention.documents_in_kwargs(attention_mask)
-    if bounds is None or not given or query.shape[0] != 1 or not kept(query, kwargs, module.training):
+    one_row = query.shape[0] == 1 and query.shape[2] == key.shape[2]  # no cache: a training or scoring forward
+    if bounds is None or not given or not one_row or not kept(query, kwargs, module.training):
         return attention.varlen_attention(module, query, key, value, attention_mask, **kwargs)
     attention.refuse_unknown(module, {k: v for k, v in kwargs.items() if k not in ("position_ids", "is_causal")})
     window = kwargs.get("sliding_window")
     longest = int(kwargs["max_length_q"])
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [T, H, D], as transformers' flash
     if not GQA and k.shape[1] != q.shape[1]:
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
