@@ -364,7 +364,7 @@ def _steps_words(train: Any) -> str:
     return f"{train.max_steps} (train.epochs {train.epochs:g} over {train.epoch_rows:,} rows)"
 
 
-def _precision_on(cfg: JobConfig, target: Target) -> precision.Precision:
+def precision_on(cfg: JobConfig, target: Target) -> precision.Precision:
     """train.precision on the target's devices (a GPU kind never asked of this machine's torch)."""
     if target.gpu == "cpu":
         return precision.resolve(cfg, torch.device("cpu"))
@@ -413,7 +413,7 @@ def describe_plan(
         f"global batch     {_global_batch_words(cfg, samples)}",
         f"objective        {_objective_words(cfg)}",
         f"steps            {_steps_words(train)} (lr {train.lr:g}, {train.schedule}, warmup {train.warmup_steps})",
-        f"precision        {precision.describe(_precision_on(cfg, target), cfg.lora.enabled)}",
+        f"precision        {precision.describe(precision_on(cfg, target), cfg.lora.enabled)}",
         f"lora             {_lora_words(cfg, model)}",
         f"checkpoints      {checkpoint_policy(cfg)}",
     ]

@@ -7,7 +7,7 @@ import gc
 import sys
 
 # Imported for what they do: each module registers its commands on `app`.
-from trainyard.cli import cluster, estimate, jobs, runs  # noqa: F401
+from trainyard.cli import cluster, estimate, init, jobs, runs  # noqa: F401
 from trainyard.cli.app import app, run_command  # noqa: F401 (app: tests invoke it)
 
 
