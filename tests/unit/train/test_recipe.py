@@ -104,12 +104,13 @@ JOBS = {
     "moe": (TINY_MOE, []),  # grouped expert adapters, routing figures
     "dpo": (TINY, ["lora.enabled=true", "train.objective=dpo"]),
 }
+PADDED = (TINY, ["lora.enabled=true", "data.padding_free=false"])
 
 
 def step_syncs(job: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Counter, Counter]:
     """Syncs of STEPS steps that are not log steps but the last, outside the log point: the loop's own, and those
     inside the model's forward and backward (transformers and the attention), by (what, where)."""
-    config, more = JOBS[job]
+    config, more = JOBS[job] if job in JOBS else PADDED
     if job == "dpo":
         more = [*more, f"data.path={pairs(tmp_path)}"]
     cfg = load_config(config, [
@@ -143,7 +144,13 @@ def test_the_loop_reads_the_device_once_a_step(job: str, tmp_path: Path, monkeyp
     assert set(loop) <= {("aten._local_scalar_dense.default", "recipe.py:_train_window")}, loop
 
 
-@pytest.mark.parametrize("job", ["lora", "dpo"])  # the SFT loss and the preference pairs' log-probabilities
+PADDED_SYNCS = pytest.mark.xfail(strict=True, reason=(
+    "issue 49: padded rows' forwards read the device in transformers (the sdpa mask's `_ignore_causal_mask_sdpa` "
+    ".item(), `slice_logits_to_keep`'s boolean index), and where the mask is skipped the varlen attention reads "
+    "position_ids; no documented way avoids them"))
+
+
+@pytest.mark.parametrize("job", ["lora", "dpo", pytest.param("padded", marks=PADDED_SYNCS)])
 def test_the_model_s_forward_reads_the_device_never(job: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Padding-free rows: the collator's host bounds reach the attention, and transformers' mask is not built."""
     _, model = step_syncs(job, tmp_path, monkeypatch)
