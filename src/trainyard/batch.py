@@ -9,10 +9,21 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from fractions import Fraction
 
 from trainyard.config import JobConfig
 from trainyard.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The micro-batch memory is planned for: its tokens as collated (padding included) and its longest document
+    (the attention scores a token keeps span it)."""
+
+    tokens: int
+    longest: int
+    source: str = "micro_batch_size x data.max_length: the data was not read"
 
 
 def data_ranks(cfg: JobConfig, world_size: int) -> int:

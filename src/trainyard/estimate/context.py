@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
+from trainyard.batch import MicroBatch
 from trainyard.config import JobConfig
 from trainyard.errors import ConfigError
 from trainyard.estimate.arch import Shape
 
-if TYPE_CHECKING:
-    from trainyard.estimate.memory import MicroBatch
 
 CONTEXT_STRATEGIES = ("fsdp", "hsdp")
 """Where CP runs: it is carved out of their shard dimension (DistConfig refuses it elsewhere)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trainyard import precision as precision_room
-from trainyard.batch import accumulation_steps, data_ranks
+from trainyard.batch import MicroBatch, accumulation_steps, data_ranks
 from trainyard.config import JobConfig
 from trainyard.config.preference import REFERENCE_FREE
 from trainyard.estimate import arch as estimate_arch
@@ -213,16 +213,6 @@ def tokens_per_micro_batch(cfg: JobConfig) -> int:
     """An upper bound: a padding-free or packed micro-batch holds at most micro_batch_size x max_length tokens, a
     DPO micro-batch twice that (a row is a pair: two documents, each cut at max_length)."""
     return cfg.train.micro_batch_size * cfg.data.max_length * (2 if cfg.train.objective == "dpo" else 1)
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """The micro-batch memory is planned for: its tokens as collated (padding included) and its longest document
-    (the attention scores a token keeps span it)."""
-
-    tokens: int
-    longest: int
-    source: str = "micro_batch_size x data.max_length: the data was not read"
 
 
 def micro_batch_bound(cfg: JobConfig) -> MicroBatch:
