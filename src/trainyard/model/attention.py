@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import logging
 import sys
 from collections.abc import Callable
@@ -259,9 +260,12 @@ def _has_flash_attn() -> bool:
 
 @functools.cache
 def _has_torch_varlen() -> bool:
-    """torch.nn.attention.varlen.varlen_attn is in this torch (2.10 and later)."""
-    return importlib.util.find_spec("torch.nn.attention.varlen") is not None and hasattr(
-        importlib.import_module("torch.nn.attention.varlen"), "varlen_attn")
+    """torch.nn.attention.varlen.varlen_attn is in this torch with `window_size` (2.11 and later: 2.10's took
+    `is_causal` instead, and trainyard's path makes causal and sliding attention through the window)."""
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return False
+    kernel = getattr(importlib.import_module("torch.nn.attention.varlen"), "varlen_attn", None)
+    return kernel is not None and "window_size" in inspect.signature(kernel).parameters
 
 
 documents.HOST_BOUNDS.update({VARLEN, TORCH_VARLEN})  # they read the collator's bounds
