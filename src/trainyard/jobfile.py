@@ -144,7 +144,7 @@ def _read_data(draft: Draft, objective: str, target: plan.Target) -> Lengths:
         cut = sum(document > length for document in found.documents)
         draft.set("data.max_length", length, f"the data's documents: p99 {cuts['p99']:,} tokens, longest "
                   f"{cuts['max']:,} ({cut:,} cut at this length)")
-    return plan.data_lengths(draft.job(), target.world)
+    return plan.reading.data_lengths(draft.job(), target.world)
 
 
 def _first_row_format(cfg: JobConfig) -> str:

@@ -191,9 +191,9 @@ def test_train_refuses_by_the_dry_runs_rule_for_its_prepared_rows(tmp_path: Path
     model, info = plan.meta_model(cfg), DistInfo(0, 1, 0, 1, torch.device("cpu"), None)
     assert model is not None
     rows = datasets.Dataset.from_dict({"input_ids": [[1] * (10 + i) for i in range(20)]})
-    plan.check_fits("none", "ddp", 1, model, info, None, cfg, plan.prepared_lengths(cfg, rows))
+    plan.check_fits("none", "ddp", 1, model, info, None, cfg, plan.reading.prepared_lengths(cfg, rows))
     with pytest.raises(ConfigError) as refused:
-        plan.check_fits("none", "ddp", 1, model, info, None, cfg, plan.prepared_lengths(cfg, None))
+        plan.check_fits("none", "ddp", 1, model, info, None, cfg, plan.reading.prepared_lengths(cfg, None))
     assert "the plan does not fit" in refused.value.what and "8,000,000 tokens" in refused.value.what
 
 

@@ -57,7 +57,7 @@ def estimate_command(
         traced = step_trace.trace(cfg, hardware)
         print(json.dumps(step_trace.to_json(traced), indent=2) if as_json else step_trace.render(traced))
         return
-    from trainyard.plan import data_lengths
+    from trainyard.plan.reading import data_lengths
 
     lengths = data_lengths(cfg, gpus_per_node * nodes)
     result = estimate.estimate(cfg, hardware, assumptions, lengths=lengths)

@@ -3,7 +3,7 @@
 Activation checkpointing and compile first; then FSDP2 shards each block, then the root (HSDP: the same on a
 2-D mesh), while every weight is still on the meta device; only then is memory allocated for this rank's
 shards, and weights.py fills them. DDP (and a lone process) materialise one whole copy, fill it, then
-replicate. The strategy itself is plan.py's decision.
+replicate. The strategy itself is plan's decision.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def build_and_wrap(
         logging.getLogger("trainyard").info(
             "lora r=%d alpha=%g on %s", cfg.lora.r, cfg.lora.alpha, lora_room.describe_lora_reach(model)
         )
-    lengths = plan.prepared_lengths(cfg, train_rows)
+    lengths = plan.reading.prepared_lengths(cfg, train_rows)
     strategy = plan.choose_strategy(cfg.dist.strategy, model, info)
     if cfg.dist.strategy == "auto" and info.distributed:
         strategy, why = plan.auto_strategy(model, info, cfg, lengths=lengths)

@@ -80,7 +80,7 @@ def test_a_damaged_checkpoint_is_named_passed_over_by_auto_and_refused_by_name(t
         with pytest.raises(CheckpointError) as err:
             named()
         assert str(newest / name) in err.value.what and how in err.value.what, err.value.what
-    assert plan._auto_resume_words(run_dir) == f"auto: from {older} (passing over damaged {newest.name})"
+    assert plan.reading.auto_resume_words(run_dir) == f"auto: from {older} (passing over damaged {newest.name})"
     status = read_status(run_dir)
     assert list(status["damaged_checkpoints"]) == [newest.name]
     assert f"DAMAGED checkpoint {newest.name}" in format_status(status)
@@ -92,7 +92,7 @@ def test_auto_starts_fresh_when_every_committed_checkpoint_is_damaged(tmp_path: 
     for step in (4, 8):
         truncate(sealed(checkpoints, step) / "__0_0.distcp")
     assert resolve_resume("auto", checkpoints) is None
-    words = plan._auto_resume_words(tmp_path)
+    words = plan.reading.auto_resume_words(tmp_path)
     assert "every committed checkpoint" in words and "step-00000004, step-00000008" in words, words
     assert (step_dir(checkpoints, 4) / MARKER).is_file() and (step_dir(checkpoints, 8) / MARKER).is_file()
 

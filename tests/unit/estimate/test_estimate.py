@@ -279,7 +279,7 @@ def test_dpo_lengths_read_from_the_data_are_each_pairs_documents(tmp_path) -> No
     path.write_text("".join(json.dumps({"prompt": f"{i}*{i}=", "chosen": str(i * i), "rejected": "no" * (i + 1)})
                             + "\n" for i in range(20)))
     cfg = load_config(TINY, ["train.objective=dpo", "lora.enabled=false", f"data.path={path}"])
-    lengths = plan.data_lengths(cfg, 1)
+    lengths = plan.reading.data_lengths(cfg, 1)
     assert len(lengths.documents) == 2 * 20 and lengths.rows == 20 and "20 pairs" in lengths.source
     result = estimate.estimate(cfg, estimate.Hardware("cpu"), lengths=lengths)
     pair = sum(lengths.documents) / 20

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import psutil
@@ -13,22 +12,18 @@ import torch
 import torch.distributed as torch_dist
 
 from trainyard import dist, estimate, hardware, precision
-from trainyard.batch import accumulation_steps, data_ranks, steps_for_epochs
-from trainyard.checkpoint.layout import committed, latest_full, newest_intact
+from trainyard.batch import accumulation_steps, data_ranks
 from trainyard.config import JobConfig
-from trainyard.data import survey as data_survey
 from trainyard.diloco import outer as diloco
 from trainyard.dist import DistInfo
-from trainyard.doctor.preflight import check_source
-from trainyard.errors import ConfigError, ModelError, OptionError, TrainyardError
+from trainyard.errors import ConfigError, ModelError, OptionError
 from trainyard.estimate import arch as estimate_arch
 from trainyard.estimate import memory as estimate_memory
 from trainyard.estimate.timing import Lengths, dpo_reference
 from trainyard.model import attention
 from trainyard.model import build as model_room
-from trainyard.model import source as source_room
 from trainyard.parallel import expert_parallel
-from trainyard.runs import layout as run_layout
+from trainyard.plan import reading
 
 
 def meta_model(cfg: JobConfig) -> torch.nn.Module | None:
@@ -71,7 +66,6 @@ def _lora_words(cfg: JobConfig, model: torch.nn.Module | None) -> str:
     return f"{words} on {lora_room.describe_lora_reach(model)}" if model is not None else words
 
 
-MIXTURE_ROWS = "a mixture's rows are packed to data.max_length"
 # AdamW keeps two fp32 moments per trainable parameter.
 _ADAM_BYTES_PER_PARAM = 8
 # Replicated state may use at most this share of a device; the rest is activations.
@@ -234,7 +228,7 @@ def dry_run(cfg: JobConfig, target: Target, read_data: bool = True) -> tuple[str
     problems: list[str] = []
     if read_data:
         cfg = cfg.model_copy(deep=True)  # train.epochs sets max_steps from the rows the survey counts
-        data_lines, lengths = _data_lines(cfg, target, problems)
+        data_lines, lengths = reading.data_lines(cfg, target.world, problems)
     else:
         data_lines = ["data             not read here (--skip-data-check)"]
         lengths = Lengths(batch_why="--skip-data-check, the data was not read")
@@ -243,117 +237,12 @@ def dry_run(cfg: JobConfig, target: Target, read_data: bool = True) -> tuple[str
     problem = does_not_fit(result) if result is not None else None
     if problem:
         problems.append(problem)
-    lines = [text, f"resume           {_resume_words(cfg, problems)}"]
+    lines = [text, f"resume           {reading.resume_words(cfg, problems)}"]
     return "\n".join(lines), problems
 
 
 def _hardware(target: Target) -> estimate.Hardware:
     return estimate.Hardware(target.gpu, target.gpus_per_node, target.nodes)
-
-
-def _data_lines(cfg: JobConfig, target: Target, problems: list[str]) -> tuple[list[str], Lengths]:
-    """The data survey's lines and the documents' lengths for the estimate; a problem when the data is unusable."""
-    if cfg.data.mixture:
-        return [], Lengths(batch_why=MIXTURE_ROWS)
-    tokenizer, why = source_room.offline_tokenizer(cfg.model)
-    try:
-        if tokenizer is None:
-            _check_files(cfg)
-            lengths = Lengths(batch_why=f"the rows were not encoded: {why}")
-            return [f"data             {cfg.data.path}: readable; rows not encoded: {why}"], lengths
-        found = data_survey.survey(cfg, tokenizer)
-    except TrainyardError as err:
-        problems.append(f"the data is unusable: {_problem(err)}")
-        return [f"data             unusable: {err.what}"], Lengths()
-    ranks = data_ranks(cfg, target.world)
-    accum = accumulation_steps(cfg, ranks)
-    samples = cfg.train.micro_batch_size * accum * ranks
-    if cfg.train.epochs is not None:
-        rows = max(round(found.usable_rows_estimate()), 1)
-        cfg.train.epoch_rows, cfg.train.max_steps = rows, steps_for_epochs(cfg, rows, ranks)
-    return data_survey.describe(found, cfg, samples), _lengths_found(cfg, found)
-
-
-def _lengths_found(cfg: JobConfig, found: data_survey.Survey) -> Lengths:
-    """The estimate's token lengths from a survey: every document, and the rows (DPO: pairs) they make."""
-    cuts = data_survey.percentiles(found.lengths)
-    unit = "pairs" if cfg.train.objective == "dpo" else "documents"
-    source = f"the data's {found.usable:,} {unit}, p50 {cuts['p50']:,} tokens"
-    read = "the data's largest" if found.encoded >= found.rows else f"the largest of the {found.encoded:,} rows read"
-    return Lengths(tuple(found.documents), source, found.usable_rows_estimate(), read)
-
-
-def _problem(err: TrainyardError) -> str:
-    where = f"{err.where}: " if err.where else ""
-    return f"{where}{err.what}" + (f" (fix: {err.fix})" if err.fix else "")
-
-
-def _check_files(cfg: JobConfig) -> None:
-    """Without the tokenizer, at least every data file exists and parses (preflight's checks)."""
-    for field, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
-        if value and not value.startswith("builtin:"):
-            check_source(Path(value), field, cfg.data.on_bad_row == "skip", cfg.train.objective)
-
-
-def data_lengths(cfg: JobConfig, world_size: int) -> Lengths:
-    """The documents' token lengths for `trainyard estimate`, when the data and tokenizer can be read here; with
-    train.epochs, `cfg`'s max_steps from the rows counted."""
-    if cfg.data.mixture:
-        return Lengths(batch_why=MIXTURE_ROWS)
-    tokenizer, why = source_room.offline_tokenizer(cfg.model)
-    if tokenizer is None:
-        return Lengths(source=f"data.max_length: {why}", batch_why=f"the rows were not encoded: {why}")
-    try:
-        found = data_survey.survey(cfg, tokenizer)
-    except TrainyardError as err:
-        unusable = f"the data is unusable ({err.what})"
-        return Lengths(source=f"data.max_length: {unusable}", batch_why=unusable)
-    if cfg.train.epochs is not None:
-        rows = max(round(found.usable_rows_estimate()), 1)
-        cfg.train.epoch_rows, cfg.train.max_steps = rows, steps_for_epochs(cfg, rows, data_ranks(cfg, world_size))
-    return _lengths_found(cfg, found)
-
-
-def prepared_lengths(cfg: JobConfig, train_rows: Any) -> Lengths:
-    """The trainer's lengths, to choose and check its plan by as the dry run does: its prepared rows' documents."""
-    if cfg.data.mixture:
-        return Lengths(batch_why=MIXTURE_ROWS)
-    if train_rows is None:
-        return Lengths(batch_why="the rows were not given")
-    return Lengths(data_survey.prepared_documents(train_rows), batch_why="the data's largest")
-
-
-def _resume_words(cfg: JobConfig, problems: list[str]) -> str:
-    """What checkpoint.resume will start from, checked now rather than on the nodes."""
-    resume = cfg.checkpoint.resume
-    if resume == "never":
-        return "never: a fresh start"
-    if resume == "auto":
-        return _auto_resume_words(cfg.run_dir)
-    from trainyard.checkpoint.export import find_checkpoint  # PEFT and the export: only to resume from a path
-
-    try:
-        step = find_checkpoint(Path(resume))
-    except TrainyardError as err:
-        problems.append(f"checkpoint.resume ({cfg.where('checkpoint.resume') or 'override'}): {_problem(err)}, "
-                        "or use auto or never")
-        return f"{resume}: unusable"
-    return f"from {step}"
-
-
-def _auto_resume_words(run_dir: Path) -> str:
-    """auto resumes from the newest intact checkpoint: the dry run names it and every damaged one it passes over."""
-    checkpoints = run_dir / run_layout.CHECKPOINTS
-    newest = newest_intact(checkpoints) if checkpoints.is_dir() else None
-    latest = latest_full(checkpoints) if checkpoints.is_dir() else None
-    damaged = [p.name for p in committed(checkpoints) if latest and newest != p and p.name <= latest.name
-               and (newest is None or p.name > newest.name)]
-    passed = f" (passing over damaged {', '.join(damaged)})" if damaged else ""
-    if newest:
-        return f"auto: from {newest}{passed}"
-    if damaged:
-        return f"auto: every committed checkpoint in {run_dir} is damaged{passed}, a fresh start"
-    return f"auto: nothing committed in {run_dir} yet, a fresh start"
 
 
 def _steps_words(train: Any) -> str:
