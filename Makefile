@@ -43,7 +43,7 @@ test-gpu: $(STAMP)
 # trainyard vs HF Trainer + PEFT vs TRL, back to back (~45 min on 2 cores); appends to benchmarks/RESULTS.md.
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
-	$(PY) benchmarks/bench.py
+	$(PY) benchmarks/cpu/bench.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

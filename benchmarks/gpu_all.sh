@@ -27,11 +27,11 @@ if wanted suite; then  # four pytest processes share the GPU: the suite checks r
   background+=($!)
 fi
 if wanted flex; then
-  ( timeout 240 python3 benchmarks/flex_attention.py > "$out/flex.txt" 2>&1; echo "exit $?" >> "$out/flex.txt" ) &
+  ( timeout 240 python3 benchmarks/gpu/flex_attention.py > "$out/flex.txt" 2>&1; echo "exit $?" >> "$out/flex.txt" ) &
   background+=($!)
 fi
 if wanted trace; then  # the estimate's trace of the jobs the benchmarks below measure
-  moe=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from moe_lora import SHAPE
+  moe=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks/moe"); from moe_lora import SHAPE
 print(" ".join(f"{k}={v}" for k, v in SHAPE.items()))')
   grouped="lora.moe_adapter=grouped lora.r=16 lora.alpha=32 train.micro_batch_size=16"
   ( for job in "configs/llama-1b.yaml" "src/trainyard/configs/tiny-moe.yaml $moe $grouped"; do
@@ -46,22 +46,22 @@ for pid in "${background[@]}"; do wait "$pid"; done
 stamp "suite, flex, trace done"
 
 if wanted bench; then  # alone on the GPU from here on
-  timeout 150 python3 benchmarks/gpu_suite.py --steps 12 > "$out/gpu_suite.txt" 2>&1
+  timeout 150 python3 benchmarks/gpu/gpu_suite.py --steps 12 > "$out/gpu_suite.txt" 2>&1
   stamp "gpu_suite done"
 fi
 if wanted attention; then  # llama-1b under the other attention implementations (flex compiles first)
-  timeout 70 python3 benchmarks/gpu_suite.py --steps 12 --strategies fsdp --set model.attn_implementation=sdpa \
+  timeout 70 python3 benchmarks/gpu/gpu_suite.py --steps 12 --strategies fsdp --set model.attn_implementation=sdpa \
     >> "$out/attention.txt" 2>&1
-  timeout 170 python3 benchmarks/gpu_suite.py --steps 12 --strategies fsdp \
+  timeout 170 python3 benchmarks/gpu/gpu_suite.py --steps 12 --strategies fsdp \
     --set model.attn_implementation=flex_attention >> "$out/attention.txt" 2>&1
   stamp "attention done"
 fi
 if wanted mfu; then  # a larger step: 8 rows of 2048 tokens
-  timeout 90 python3 benchmarks/gpu_suite.py --steps 8 --strategies fsdp --micro-batch 8 > "$out/mfu.txt" 2>&1
+  timeout 90 python3 benchmarks/gpu/gpu_suite.py --steps 8 --strategies fsdp --micro-batch 8 > "$out/mfu.txt" 2>&1
   stamp "mfu done"
 fi
 if wanted moe; then
-  timeout 200 python3 benchmarks/moe_lora_cuda.py --steps 20 > "$out/moe.txt" 2>&1
+  timeout 200 python3 benchmarks/moe/moe_lora_cuda.py --steps 20 > "$out/moe.txt" 2>&1
   stamp "moe done"
 fi
 tail -n 30 "$out/suite.txt" 2>/dev/null

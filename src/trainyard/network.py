@@ -31,7 +31,7 @@ _PRESETS: dict[str, dict[str, str]] = {
     "infiniband": {"NCCL_IB_DISABLE": "0"},
     # Long fat pipes between sites: more sockets and threads, bigger buffers, no IB. Tuning helps a WAN
     # only so far: a job whose gradients cross it every step should run dist.strategy: diloco, which
-    # crosses it once per diloco.sync_every steps (benchmarks/diloco_wan.py measures the difference).
+    # crosses it once per diloco.sync_every steps (benchmarks/diloco/diloco_wan.py measures the difference).
     # TORCH_NCCL_ASYNC_ERROR_HANDLING stays at torch's default, 3: on an error the process is torn down without
     # ncclCommAbort, which (under 1) can block on a partitioned network and leave the job hanging.
     "wan": {

@@ -79,7 +79,7 @@ def _kill_namespace_processes(namespace: str) -> None:
 @contextlib.contextmanager
 def namespace_hosts() -> Iterator[tuple[Host, Host]]:
     """Two namespaces joined by a veth pair, removed (with whatever still runs in them) on exit.
-    Needs root; also used by the multi-host benchmarks (benchmarks/netns_hosts.py)."""
+    Needs root; also used by the multi-host benchmarks (benchmarks/common/netns_hosts.py)."""
     _ensure_ip_tool()
     tag = f"{os.getpid() % 100000}"
     pair = (

@@ -35,7 +35,7 @@ ALLOCATOR_SLACK = 0.10
 CUDA_CONTEXT_BYTES = 1 * GIB
 # On a CPU device: what malloc keeps of freed tensor memory, as a share of live tensor bytes, and the process's
 # interpreter, torch, transformers, peft and process group before any model (RSS), under the malloc the launcher
-# preloads (launch/allocator.py). Measured (benchmarks/estimate_accuracy.py, benchmarks/RESULTS.md).
+# preloads (launch/allocator.py). Measured (benchmarks/memory/estimate_accuracy.py, benchmarks/RESULTS.md).
 CPU_MALLOC_SLACK = 0.10
 CPU_RUNTIME_BYTES = 0.45 * GIB
 # Logits at target positions, bytes per element at the loss's backward: log_softmax's saved fp32 output, the

@@ -3,7 +3,7 @@
 glibc's malloc keeps freed memory in its arenas; a training process frees and re-allocates the same large
 tensors every step (FSDP2's gathered blocks, activations), and glibc hands little of it back, so RSS climbs well
 above the live tensor bytes (benchmarks/RESULTS.md, issue 25). The launcher preloads PREFERRED's library into the
-workers (LD_PRELOAD) when the system has it, chosen by measurement (benchmarks/step_memory.py); without one the
+workers (LD_PRELOAD) when the system has it, chosen by measurement (benchmarks/memory/step_memory.py); without one the
 workers keep glibc's. TRAINYARD_ALLOCATOR=glibc turns the preload off; a path names another library; an
 LD_PRELOAD the user set already is left alone.
 

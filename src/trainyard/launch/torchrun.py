@@ -231,7 +231,7 @@ def _with_is_host(conf: tuple[str, ...], rdzv: str, node_rank: int | None) -> tu
 KEEP_ALIVE = ("keep_alive_interval=2", "keep_alive_max_attempt=3", "last_call_timeout=10")
 """A node that stops beating is dropped from the c10d rendezvous after 6 s, not torch's 15 s (5 s x 3); and once
 `--nnodes MIN:MAX` has its minimum, the round waits 10 s for more nodes, not 30: both are what the surviving nodes
-wait before training again when a host is lost (benchmarks/recovery.py). Nodes that start later still join: the
+wait before training again when a host is lost (benchmarks/recovery/recovery.py). Nodes that start later still join: the
 world grows at their arrival."""
 
 

@@ -5,7 +5,7 @@ scale, then an add), and two more in the backward. Here `addmm(base(x), lora_A(x
 both inside the rank-r product, so only [tokens, r] tensors are ever scaled, forward or backward. Same function,
 same parameters, names, init, saving and merging: only `forward` differs, and PEFT's own runs whenever an adapter
 is merged, disabled, a variant (DoRA), biased, or more than one is active. In the bench step's profile the scale and
-the add were ~10% of a LoRA step of SmolLM2-135M on CPU (benchmarks/profile_step.py).
+the add were ~10% of a LoRA step of SmolLM2-135M on CPU (benchmarks/cpu/profile_step.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """trainyard DPO against TRL's DPOTrainer at its best on this machine: LoRA, 2 processes, tokens/s and peak RSS.
 
-    python benchmarks/dpo.py                                  # 3 rounds of 12 steps, SmolLM2-135M-Instruct
-    python benchmarks/dpo.py --steps 3 --rounds 1 --model tiny --trl-variants fp32 --no-wait   # a quick try
+    python benchmarks/cpu/dpo.py                                  # 3 rounds of 12 steps, SmolLM2-135M-Instruct
+    python benchmarks/cpu/dpo.py --steps 3 --rounds 1 --model tiny --trl-variants fp32 --no-wait   # a quick try
 
 Both stacks train the same model with the same LoRA (r=8, alpha=16, dropout 0, q/k/v/o/gate/up/down) on the same
 pairs (prompt/chosen/rejected strings made from alpaca_data.py's rows: the alpaca prompt, its reply chosen, another
@@ -34,11 +34,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import alpaca_data
 import psutil
-from bench_env import commit, cpu_description, loadavg, wait_for_quiet
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
+
+import alpaca_data  # noqa: E402
+from bench_env import commit, cpu_description, loadavg, wait_for_quiet  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MODELS = {
     "smollm2": ("benchmarks/configs/bench-smollm2.yaml", ["data.max_length=1024"]),

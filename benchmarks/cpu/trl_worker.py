@@ -1,6 +1,6 @@
 """TRL's SFTTrainer + PEFT LoRA under torchrun, on an alpaca JSONL file (bench.py's trl row).
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/trl_worker.py --data train.jsonl \\
+    torchrun --standalone --nproc-per-node 2 benchmarks/cpu/trl_worker.py --data train.jsonl \\
         --eval-data eval.jsonl --steps 12 --bf16 --padding-free check --out trl.json
 
 The rows become TRL prompt/completion pairs: prompt = trainyard's alpaca prompt, completion = the
@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 from datasets import Dataset
-from hf_common import LORA_TARGETS, CountingCollator, StepTimer, finish, read_rows, shared_training_args
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
@@ -37,6 +38,10 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from trainyard.config import ModelConfig
 from trainyard.data.formats import alpaca_prompt
 from trainyard.model.source import resolve_model_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
+
+from hf_common import LORA_TARGETS, CountingCollator, StepTimer, finish, read_rows, shared_training_args  # noqa: E402
 
 TOLERANCE = 1e-3
 

@@ -1,7 +1,7 @@
 """Alpaca-format JSONL rows with a realistic length profile, from a fixed seed.
 
-    python benchmarks/alpaca_data.py --rows 96 --out runs/bench/train.jsonl
-    python benchmarks/alpaca_data.py --rows 64 --seed 2 --out runs/bench/eval.jsonl --tokenizer MODEL_DIR
+    python benchmarks/common/alpaca_data.py --rows 96 --out runs/bench/train.jsonl
+    python benchmarks/common/alpaca_data.py --rows 64 --seed 2 --out runs/bench/eval.jsonl --tokenizer MODEL_DIR
 
 Every stack in bench.py trains on the same file, so throughput depends on the same mix of short and
 long rows as real instruction data: about 85% of the rows are 50-200 tokens (prompt + response with

@@ -1,7 +1,7 @@
 """How long lite, synchronous full and asynchronous full checkpoints stall training.
 
-    python benchmarks/checkpoint_stall.py               # waits for a quiet machine, runs, records
-    python benchmarks/checkpoint_stall.py --only tiny-lora-sync --no-wait --no-record
+    python benchmarks/recovery/checkpoint_stall.py               # waits for a quiet machine, runs, records
+    python benchmarks/recovery/checkpoint_stall.py --only tiny-lora-sync --no-wait --no-record
 
 Six 2-process CPU runs (about 4 minutes on 2 cores): the tiny config and the real
 SmolLM2-135M-Instruct, LoRA with lite + full checkpoints, sync and async, and full
@@ -31,7 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_env import REPO, append_results, loadavg, results_head, wait_for_quiet
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
+
+from bench_env import REPO, append_results, loadavg, results_head, wait_for_quiet  # noqa: E402
+
 
 TINY = [
     "configs/tiny.yaml",
@@ -202,7 +205,8 @@ def record(lines: list[str], notes: list[str]) -> None:
         "",
         *lines,
         "",
-        "Command: `python benchmarks/checkpoint_stall.py`; per-run overrides are in the script (RUNS, COMMON).",
+        "Command: `python benchmarks/recovery/checkpoint_stall.py`; per-run overrides are in the script "
+        "(RUNS, COMMON).",
         "",
         "",
     ]

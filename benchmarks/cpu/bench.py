@@ -1,8 +1,8 @@
 """`make bench`: trainyard vs HF Trainer + PEFT vs TRL SFTTrainer, back to back, one table of ratios.
 
-    python benchmarks/bench.py                                 # 3 rounds of 12 steps, recorded (~45 min, 2 cores)
-    python benchmarks/bench.py --steps 3 --rounds 1 --no-record   # a quick try
-    python benchmarks/bench.py --only trainyard hf-best
+    python benchmarks/cpu/bench.py                                 # 3 rounds of 12 steps, recorded (~45 min, 2 cores)
+    python benchmarks/cpu/bench.py --steps 3 --rounds 1 --no-record   # a quick try
+    python benchmarks/cpu/bench.py --only trainyard hf-best
 
 Every row trains SmolLM2-135M-Instruct with LoRA (r=8, alpha=16, dropout 0, q/k/v/o/gate/up/down) on
 the same generated alpaca rows (alpaca_data.py; steps x 8 rows, each trained on once), 8 samples per
@@ -29,15 +29,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import alpaca_data
-import bench_report
 import psutil
-import roofline
-from bench_env import LoadSampler, loadavg, wait_for_quiet
 
 from trainyard.precision import cpu_bf16_units
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
+
+import alpaca_data  # noqa: E402
+import bench_report  # noqa: E402
+import roofline  # noqa: E402
+from bench_env import LoadSampler, loadavg, wait_for_quiet  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
 CONFIG = "benchmarks/configs/bench-smollm2.yaml"
 SAMPLES_PER_STEP = 8
 MAX_LENGTH = 512
@@ -105,7 +108,7 @@ def command(run: Run, ctx: dict[str, Any]) -> list[str]:
         if nproc == 1:
             overrides.append("dist.strategy=auto")
         return [sys.executable, "-m", "trainyard.cli", "train", CONFIG, "--nproc", str(nproc), *overrides]
-    script = "benchmarks/trl_worker.py" if run.row == "trl" else "benchmarks/hf_trainer_baseline.py"
+    script = "benchmarks/cpu/trl_worker.py" if run.row == "trl" else "benchmarks/cpu/hf_trainer_baseline.py"
     tail = ["--data", ctx["train"], "--eval-data", ctx["eval"], "--steps", str(steps)]
     tail += ["--samples-per-step", str(SAMPLES_PER_STEP), "--out", f"{out}/{run.slug}.json"]
     if run.row != "trl":

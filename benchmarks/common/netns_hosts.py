@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from bench_env import sh
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from tests.dist.checkpoint_helpers import kill_tree, last_step, written_events  # noqa: E402

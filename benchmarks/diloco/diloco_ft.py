@@ -1,7 +1,7 @@
 """Fault-tolerant DiLoCo (torchft) across two hosts: one site lost and back, against a run without failures.
 
-    python benchmarks/diloco_ft.py                 # as root; appends to RESULTS.md
-    python benchmarks/diloco_ft.py --steps 120 --kill-at 30 --return-at 60 --no-record
+    python benchmarks/diloco/diloco_ft.py                 # as root; appends to RESULTS.md
+    python benchmarks/diloco/diloco_ft.py --steps 120 --kill-at 30 --return-at 60 --no-record
 
 Two hosts are two network namespaces joined by a veth pair (`namespace_hosts` of tests/e2e/test_multihost.py),
 each a site of 2 processes under its own `trainyard launch` (diloco.fault_tolerant, gloo over the veth; site 0's
@@ -26,8 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_env import append_results, results_head
-from netns_hosts import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
+
+from bench_env import append_results, results_head  # noqa: E402
+from netns_hosts import (  # noqa: E402
     HOST_ADDRESSES,
     REPO,
     Host,
@@ -38,6 +40,7 @@ from netns_hosts import (
     wait_until,
     written_events,
 )
+
 
 JOB = [
     "configs/scratch-stdlib.yaml", "train.total_tokens=null", "train.micro_batch_size=4", "eval.at_end=false",
@@ -157,7 +160,7 @@ def record(lines: list[str], args: argparse.Namespace) -> None:
         f"- run 2: site 1 SIGKILLed after site 0's step {args.kill_at}, started again (fresh) after its step "
         f"{args.return_at}",
         "", *lines, "",
-        f"Command: `python benchmarks/diloco_ft.py --steps {args.steps} --sync-every {args.sync_every} "
+        f"Command: `python benchmarks/diloco/diloco_ft.py --steps {args.steps} --sync-every {args.sync_every} "
         f"--kill-at {args.kill_at} --return-at {args.return_at}` (as root).", "", "",
     ]
     append_results(text)

@@ -1,9 +1,9 @@
 """Expert LoRA on one CUDA GPU: the grouped low-rank products (`lora.moe_adapter=grouped`) against PEFT's fold
-(`peft`), the job of benchmarks/moe_lora.py (configs/tiny-moe.yaml at GLM-4.5-Air's shape / 8: 128 routed experts,
+(`peft`), the job of benchmarks/moe/moe_lora.py (configs/tiny-moe.yaml at GLM-4.5-Air's shape / 8: 128 routed experts,
 8 per token, hidden 512) on one rank, with micro-batches sized for a GPU. Needs CUDA.
 
-    python benchmarks/moe_lora_cuda.py                                 # bf16-mixed and fp32, 20 steps each way
-    python benchmarks/moe_lora_cuda.py --precisions bf16-mixed --steps 40 --micro-batch 32
+    python benchmarks/moe/moe_lora_cuda.py                                 # bf16-mixed and fp32, 20 steps each way
+    python benchmarks/moe/moe_lora_cuda.py --precisions bf16-mixed --steps 40 --micro-batch 32
 
 Figures per run: real tokens/s (summary.json), the median step after the first, the largest
 `torch.cuda.max_memory_allocated` the train events report, and the largest relative loss difference between the
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from moe_lora import SHAPE
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MODES = ("peft", "grouped")
 
 
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=16)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("needs CUDA: benchmarks/moe_lora.py measures the CPU")
+        raise SystemExit("needs CUDA: benchmarks/moe/moe_lora.py measures the CPU")
     print(json.dumps({"device": torch.cuda.get_device_name(0), "capability": torch.cuda.get_device_capability(0),
                       "torch": torch.__version__}), flush=True)
     with tempfile.TemporaryDirectory(prefix="moe-lora-cuda-") as tmp:

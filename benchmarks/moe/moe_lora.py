@@ -1,8 +1,8 @@
 """Expert LoRA, grouped low-rank products against PEFT's fold, at GLM-4.5-Air's proportions scaled to a CPU.
 
-    python benchmarks/moe_lora.py                     # 2 rounds of 12 steps each way + the MoE layer profile
-    python benchmarks/moe_lora.py --rounds 1 --steps 6 --no-profile
-    python benchmarks/moe_lora.py --expert-parallel --no-profile   # grouped under FSDP2 against EP=2
+    python benchmarks/moe/moe_lora.py                     # 2 rounds of 12 steps each way + the MoE layer profile
+    python benchmarks/moe/moe_lora.py --rounds 1 --steps 6 --no-profile
+    python benchmarks/moe/moe_lora.py --expert-parallel --no-profile   # grouped under FSDP2 against EP=2
 
 The job: configs/tiny-moe.yaml (glm4_moe from a config, byte tokenizer, builtin:dates) at GLM-4.5-Air's shape /8:
 128 routed experts, 8 per token, hidden 512, moe_intermediate_size 176, a shared expert, a dense first layer
@@ -37,9 +37,12 @@ from typing import Any
 
 import psutil
 import torch
-from bench_env import commit, cpu_description, loadavg
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
+
+from bench_env import commit, cpu_description, loadavg  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
 SHAPE = {
     "model.config.hidden_size": 512,
     "model.config.intermediate_size": 1368,

@@ -1,7 +1,7 @@
 """Bytes that cross the link between two hosts per optimizer step: FSDP2 vs HSDP (DDP for scale).
 
-    python benchmarks/hsdp_link_bytes.py                        # as root: runs, prints, appends to RESULTS.md
-    python benchmarks/hsdp_link_bytes.py --only tiny-full-fsdp tiny-full-hsdp --no-record
+    python benchmarks/diloco/hsdp_link_bytes.py                        # as root: runs, prints, appends to RESULTS.md
+    python benchmarks/diloco/hsdp_link_bytes.py --only tiny-full-fsdp tiny-full-hsdp --no-record
 
 Two hosts are two network namespaces joined by a veth pair (`namespace_hosts` of
 tests/e2e/test_multihost.py), each a node of 2 processes under `trainyard launch` (static
@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench_env import append_results, results_head
-from netns_hosts import REPO, Host, namespace_hosts, run_on_both
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
+
+from bench_env import append_results, results_head  # noqa: E402
+from netns_hosts import REPO, Host, namespace_hosts, run_on_both  # noqa: E402
+
 
 COMMON = [
     "eval.every_steps=0", "eval.at_end=false", "eval.baseline=false", "checkpoint.at_end=false",
@@ -93,7 +97,7 @@ def record(results: list[dict[str, Any]]) -> None:
         "",
         *table(results),
         "",
-        "Command: `python benchmarks/hsdp_link_bytes.py` (as root); overrides per run are in the script (RUNS).",
+        "Command: `python benchmarks/diloco/hsdp_link_bytes.py` (as root); overrides per run are in the script (RUNS).",
         "",
         "",
     ]

@@ -5,7 +5,7 @@ the CPU has native bf16 matrix units).
 
 Each variant runs in its own process: the peak is the process's RSS high-water mark over the first pass minus its
 RSS before it (glibc keeps freed memory, so a later pass would read the first one's peak); the time is the median of
-the passes after. `python benchmarks/chunked_loss.py [--tokens 2048] [--passes 3]`.
+the passes after. `python benchmarks/memory/chunked_loss.py [--tokens 2048] [--passes 3]`.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ goes to one share:
   elementwise  every other aten op: casts, copies, adds, SiLU, RMSNorm, RoPE, gathers, cat
   framework    the step's wall time minus every aten op's self time: Python, autograd's engine, dispatch
 
-    python benchmarks/profile_step.py                  # 3 profiled steps after 2 warm-ups; a table and one JSON line
-    python benchmarks/profile_step.py --precision bf16 --rows 20
+    python benchmarks/cpu/profile_step.py              # 3 profiled steps after 2 warm-ups; a table and one JSON line
+    python benchmarks/cpu/profile_step.py --precision bf16 --rows 20
 
 The profiler adds its own cost to every op (~5-10% here), so the shares are the figure; `step_s` (median of
 unprofiled steps) is the speed.

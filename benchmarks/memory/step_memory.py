@@ -1,9 +1,9 @@
 """Memory as a training process holds it, phase by phase: FSDP2 + LoRA of the ~0.93B Llama of load_memory.py on
 2 processes, bf16-mixed, micro-batch 1 x 128 tokens (issue 25's run).
 
-    python benchmarks/step_memory.py                         # 3 steps, glibc malloc as the launcher leaves it
-    python benchmarks/step_memory.py --trim                  # also malloc_trim(0) at each point: what is retention
-    python benchmarks/step_memory.py --preload /usr/lib/x86_64-linux-gnu/libjemalloc.so.2
+    python benchmarks/memory/step_memory.py                  # 3 steps, glibc malloc as the launcher leaves it
+    python benchmarks/memory/step_memory.py --trim           # also malloc_trim(0) at each point: what is retention
+    python benchmarks/memory/step_memory.py --preload /usr/lib/x86_64-linux-gnu/libjemalloc.so.2
 
 Each rank samples, after the load and after each step's forward, backward and optimizer step: VmRSS, RssAnon,
 the live bytes of CPU tensor storages (estimate_accuracy.LiveBytes, tracking from before the build), and with
@@ -27,7 +27,7 @@ from typing import Any
 
 from load_memory import GB, RssSampler
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RUN = ["lora.enabled=true", "train.precision=bf16-mixed", "dist.strategy=fsdp", "train.micro_batch_size=1",
        "data.max_length=128", "model.gradient_checkpointing=false"]
 
@@ -140,8 +140,8 @@ def main() -> None:
         return worker(args.worker[0], args.worker[1], args.steps, args.trim, not args.no_live, args.overrides)
     if not (args.folder / "config.json").is_file():
         args.folder.mkdir(parents=True, exist_ok=True)  # saved in a process of its own, as load_memory.py does
-        subprocess.run([sys.executable, str(REPO / "benchmarks" / "load_memory.py"), "--make", str(args.folder)],
-                       check=True)
+        maker = REPO / "benchmarks" / "memory" / "load_memory.py"
+        subprocess.run([sys.executable, str(maker), "--make", str(args.folder)], check=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
     if args.preload:
         env["LD_PRELOAD"] = args.preload

@@ -220,7 +220,7 @@ def report(**kw: Any) -> None:
         "",
         *body,
         "",
-        "Commands (from the repository root; `python benchmarks/bench.py "
+        "Commands (from the repository root; `python benchmarks/cpu/bench.py "
         + " ".join(a for a in (f"--steps {args.steps}", f"--rounds {args.rounds}")) + "` ran them):",
         "",
         "```",

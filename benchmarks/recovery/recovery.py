@@ -1,8 +1,8 @@
 """Time from a host's death to the next new training step, split where it goes.
 
-    python benchmarks/recovery.py                              # as root: tiny + SmolLM2 LoRA, 3 trials each
-    python benchmarks/recovery.py --jobs tiny --trials 1 --no-record
-    python benchmarks/recovery.py --elastic                    # host B stays dead: --nnodes 1:2 goes on alone
+    python benchmarks/recovery/recovery.py                              # as root: tiny + SmolLM2 LoRA, 3 trials each
+    python benchmarks/recovery/recovery.py --jobs tiny --trials 1 --no-record
+    python benchmarks/recovery/recovery.py --elastic                    # host B stays dead: --nnodes 1:2 goes on alone
 
 Two hosts are two network namespaces joined by a veth pair (`namespace_hosts` of tests/e2e/test_multihost.py),
 each a node of 2 processes under `trainyard launch --rdzv c10d --max-restarts 3`, checkpointing every few steps.
@@ -26,12 +26,15 @@ import json
 import re
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench_env import append_results, results_head
-from netns_hosts import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
+
+from bench_env import append_results, results_head  # noqa: E402
+from netns_hosts import (  # noqa: E402
     HOST_ADDRESSES,
     REPO,
     Host,
@@ -42,6 +45,7 @@ from netns_hosts import (
     wait_until,
     written_events,
 )
+
 
 COMMON = [
     "eval.every_steps=0", "eval.at_end=false", "eval.baseline=false", "checkpoint.at_end=false",

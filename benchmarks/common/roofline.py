@@ -1,7 +1,7 @@
 """This machine's matmul FLOP/s in fp32 and bf16: the denominator of bench.py's MFU.
 
-    python benchmarks/roofline.py                 # 2 processes x (cores / 2) threads, as training runs
-    python benchmarks/roofline.py --nproc 1 --seconds 1
+    python benchmarks/common/roofline.py                 # 2 processes x (cores / 2) threads, as training runs
+    python benchmarks/common/roofline.py --nproc 1 --seconds 1
 
 A nominal peak (cores x clock x FMA width) says little about a shared 2-core VM; the best the
 matmul kernels reach here does. Each of `--nproc` processes, started together with cores / nproc

@@ -1,7 +1,7 @@
 """Launch -> first step and launch -> exit of `trainyard train`, against `import torch`, at two commits.
 
-    python benchmarks/launch.py                                   # this tree against the issue's commit, 5 trials
-    python benchmarks/launch.py --before 292e8a6 --trials 7 --jobs tiny
+    python benchmarks/cpu/launch.py                                   # this tree against the issue's commit, 5 trials
+    python benchmarks/cpu/launch.py --before 292e8a6 --trials 7 --jobs tiny
 
 Each trial runs, in turn: `python -c "import torch"`, then every job with this tree's code, then with the code of
 `--before` (a detached worktree of that commit, run from its folder with its `src` first on PYTHONPATH, so its
@@ -28,9 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_env import commit, cpu_description, loadavg
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
 
-REPO = Path(__file__).resolve().parent.parent
+from bench_env import commit, cpu_description, loadavg  # noqa: E402
+
+
+REPO = Path(__file__).resolve().parents[2]
 JOBS = {
     "tiny": ["configs/tiny.yaml", "train.max_steps=1"],
     "quickstart": ["quickstart", "train.max_steps=1", "eval.at_end=false", "checkpoint.at_end=false"],

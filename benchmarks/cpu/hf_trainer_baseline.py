@@ -1,8 +1,8 @@
 """The reference stack: HF Trainer + PEFT LoRA under torchrun, on an alpaca JSONL file (bench.py's hf rows).
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/hf_trainer_baseline.py --mode seeds \\
+    torchrun --standalone --nproc-per-node 2 benchmarks/cpu/hf_trainer_baseline.py --mode seeds \\
         --data train.jsonl --eval-data eval.jsonl --steps 12 --out seeds.json
-    torchrun --standalone --nproc-per-node 2 benchmarks/hf_trainer_baseline.py --mode best --bf16 \\
+    torchrun --standalone --nproc-per-node 2 benchmarks/cpu/hf_trainer_baseline.py --mode best --bf16 \\
         --data train.jsonl --eval-data eval.jsonl --steps 12 --out best.json
 
 Same SmolLM2-135M-Instruct safetensors folder as trainyard, same LoRA (r=8, alpha=16, dropout 0, q/k/v/o/
@@ -22,13 +22,14 @@ No assertions: a measurement, never part of the test suite.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import transformers
 from datasets import Dataset
-from hf_common import LORA_TARGETS, CountingCollator, StepTimer, encode_alpaca, finish, read_rows, shared_training_args
 from peft import LoraConfig, get_peft_model
 from transformers import (
     AutoModelForCausalLM,
@@ -41,6 +42,18 @@ from transformers import (
 
 from trainyard.config import ModelConfig
 from trainyard.model.source import resolve_model_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
+
+from hf_common import (  # noqa: E402
+    LORA_TARGETS,
+    CountingCollator,
+    StepTimer,
+    encode_alpaca,
+    finish,
+    read_rows,
+    shared_training_args,
+)
 
 IGNORE_INDEX = -100
 MODES = {"seeds": 1, "best": 4}  # per-device batch

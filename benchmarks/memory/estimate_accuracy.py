@@ -14,9 +14,9 @@ imports and load included, minus nothing, under the malloc the launcher would pr
 the estimate's `peak` on `--gpu cpu` (live tensors + malloc retention + the runtime: what a CPU process holds).
 Then the predictions for the seed jobs, which no CPU can measure.
 
-    python benchmarks/estimate_accuracy.py            # every row (a few minutes on 2 cores)
-    python benchmarks/estimate_accuracy.py --quick    # single-process rows only
-    python benchmarks/estimate_accuracy.py --only fsdp  # rows whose name contains "fsdp"
+    python benchmarks/memory/estimate_accuracy.py            # every row (a few minutes on 2 cores)
+    python benchmarks/memory/estimate_accuracy.py --quick    # single-process rows only
+    python benchmarks/memory/estimate_accuracy.py --only fsdp  # rows whose name contains "fsdp"
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainyard.launch import allocator
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMOL = ["model.path=builtin:smollm2-135m-instruct", "data.max_length=256", "train.micro_batch_size=2"]
 TINY = [f"{REPO / 'configs' / 'tiny.yaml'}"]
 # tiny-moe with expert stacks large next to its activations, so LoRA's folded expert weights show

@@ -1,7 +1,7 @@
 """Activation checkpointing off / full / selective: step time and activation memory, one CPU thread.
 
-    python benchmarks/activation_checkpointing.py                       # bf16 autocast and fp32, 1 timed step each
-    python benchmarks/activation_checkpointing.py --steps 5 --precision fp32   # a quiet machine
+    python benchmarks/memory/activation_checkpointing.py                # bf16 autocast and fp32, 1 timed step each
+    python benchmarks/memory/activation_checkpointing.py --steps 5 --precision fp32  # a quiet machine
 
 One model per mode, built once and trained under each precision: SmolLM2-135M-Instruct (trainyard's builtin
 GGUF, dequantized to fp32 once) with LoRA r=8 on every linear projection (all but the head), on a batch of 4 x 256

@@ -1,9 +1,9 @@
 """The ~1B Llama full fine-tune of the GPU suite (configs/llama-1b.yaml) on one GPU, once per strategy:
 tokens/s, MFU and peak memory, one JSON line per run. The suite asserts only that these are reported.
 
-    python benchmarks/gpu_suite.py                                   # ddp and fsdp, 12 steps each
-    python benchmarks/gpu_suite.py --strategies fsdp --steps 30 --micro-batch 4
-    python benchmarks/gpu_suite.py --strategies fsdp --set model.attn_implementation=sdpa   # any job override
+    python benchmarks/gpu/gpu_suite.py                                   # ddp and fsdp, 12 steps each
+    python benchmarks/gpu/gpu_suite.py --strategies fsdp --steps 30 --micro-batch 4
+    python benchmarks/gpu/gpu_suite.py --strategies fsdp --set model.attn_implementation=sdpa   # any job override
 
 Each run is `trainyard train configs/llama-1b.yaml` under `torchrun --nproc-per-node 1` (a 1-rank NCCL group),
 random init, packed 2048-token rows of builtin:text, bf16-mixed. Figures leave out step 1 (kernel selection and
@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "llama-1b.yaml"
 
 

@@ -1,8 +1,8 @@
 """trainyard's flex_attention on a GPU (model/flex.py): exact against each family's eager attention, and the memory
 it saves on long documents. Needs CUDA; one JSON line per check. A benchmark, never run by the test suite.
 
-    python benchmarks/flex_attention.py                  # both checks
-    python benchmarks/flex_attention.py --only exact     # or: memory
+    python benchmarks/gpu/flex_attention.py                  # both checks
+    python benchmarks/gpu/flex_attention.py --only exact     # or: memory
 
 exact: Gemma 2 (soft-capping) and gpt-oss (sinks), tiny configs with windows shorter than the documents, three
 documents in one padding-free row through the compiled flex kernel, against the family's eager attention on each

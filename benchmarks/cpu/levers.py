@@ -5,8 +5,8 @@ AdamW) and is timed interleaved with the others, round after round, so load from
 of them alike. The micro-batch is 4 alpaca-shaped documents (60, 120, 180 and 420 tokens, the prompt
 half of each masked), as `make bench` draws them.
 
-    python benchmarks/levers.py                       # every case, 5 rounds (~3 min on one core)
-    python benchmarks/levers.py --only today padded-sdpa --rounds 3
+    python benchmarks/cpu/levers.py                       # every case, 5 rounds (~3 min on one core)
+    python benchmarks/cpu/levers.py --only today padded-sdpa --rounds 3
 
 Cases (each differs from `today`, trainyard's default step on this CPU, in one thing):
   today            padding-free row, varlen attention, logits at target positions, bf16-mixed, fused AdamW

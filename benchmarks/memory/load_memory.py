@@ -1,7 +1,7 @@
 """Peak RSS per rank, and time, while `build.build_and_wrap` loads a ~0.93B Llama from safetensors.
 
-    python benchmarks/load_memory.py                          # all cases (~4 GB in the temp dir, a few min)
-    python benchmarks/load_memory.py --only fsdp-fp32 --folder DIR --out DIR2
+    python benchmarks/memory/load_memory.py                          # all cases (~4 GB in the temp dir, a few min)
+    python benchmarks/memory/load_memory.py --only fsdp-fp32 --folder DIR --out DIR2
 
 Issue 9's goal: with FSDP2 on 2 processes, each rank's peak RSS while loading stays
 <= 0.6 x the full fp32 model + 0.5 GB (the old whole-model load peaked at 1.26 x). Under DDP each
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GB = 1e9
 LLAMA = {
     "hidden_size": 2048,

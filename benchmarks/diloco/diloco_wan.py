@@ -1,7 +1,7 @@
 """DDP vs DiLoCo across two hosts joined by a slow link: bytes on the link per step, tokens/s, loss at equal tokens.
 
-    python benchmarks/diloco_wan.py                      # as root: 100 Mbit/s, H = 50; appends to RESULTS.md
-    python benchmarks/diloco_wan.py --rate 50mbit --sync-every 25 --no-record
+    python benchmarks/diloco/diloco_wan.py                      # as root: 100 Mbit/s, H = 50; appends to RESULTS.md
+    python benchmarks/diloco/diloco_wan.py --rate 50mbit --sync-every 25 --no-record
 
 Two hosts are two network namespaces joined by a veth pair (`namespace_hosts` of tests/e2e/test_multihost.py),
 each a site of 2 processes under `trainyard launch` (gloo over the veth). Both ends of the veth are rate-limited
@@ -20,12 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench_env import append_results, results_head
-from netns_hosts import REPO, Host, namespace_hosts, run_on_both
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers
+
+from bench_env import append_results, results_head  # noqa: E402
+from netns_hosts import REPO, Host, namespace_hosts, run_on_both  # noqa: E402
+
 
 JOB = [
     "configs/scratch-stdlib.yaml", "train.total_tokens=null", "train.micro_batch_size=4", "eval.at_end=false",
@@ -101,7 +105,7 @@ def record(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
         "",
         *table(results, args.loss_window),
         "",
-        f"Command: `python benchmarks/diloco_wan.py --rate {args.rate} --sync-every {args.sync_every} "
+        f"Command: `python benchmarks/diloco/diloco_wan.py --rate {args.rate} --sync-every {args.sync_every} "
         f"--outer-lr {args.outer_lr} --outer-momentum {args.outer_momentum}` (as root).",
         "",
         "",
