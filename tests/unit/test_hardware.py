@@ -25,6 +25,7 @@ from trainyard.config import LoraConfig
 from trainyard.data.collate import padded_batch, padding_free_batch
 from trainyard.estimate.arch import KNOWN_ARCHITECTURES
 from trainyard.model import attention, lora
+from trainyard.model import documents as documents_room
 
 COUNTED = {
     "llama": "dense, tied embeddings: the lm_head counts once",
@@ -56,8 +57,9 @@ def lengths() -> list[int]:
 
 
 def counted(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
-    """(matmul FLOPs, attention FLOPs) torch counts over one forward and backward of the batch."""
-    inputs = {name: value for name, value in batch.items() if name != "real_tokens"}
+    """(matmul FLOPs, attention FLOPs) torch counts over one forward and backward of the batch, given to the model
+    as training gives it (model_inputs: the documents' bounds made on the host)."""
+    inputs = {**documents_room.model_inputs(batch, torch.device("cpu"), model.config), "labels": batch["labels"]}
     with FlopCounterMode(display=False) as counter:
         model(**inputs).loss.backward()
     flops = counter.get_flop_counts()["Global"]  # scores: baddbmm (varlen's short documents) or bmm; values: bmm
