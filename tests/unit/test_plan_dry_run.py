@@ -197,16 +197,21 @@ def test_train_refuses_by_the_dry_runs_rule_for_its_prepared_rows(tmp_path: Path
     assert "the plan does not fit" in refused.value.what and "8,000,000 tokens" in refused.value.what
 
 
-def llama_8b(tmp_path: Path) -> Path:
-    """An 8B Llama's config.json alone: the dry run builds it on the meta device, no weights."""
-    folder = tmp_path / "llama-8b"
+def llama(tmp_path: Path, name: str, **widths: object) -> Path:
+    """A Llama's config.json alone (Llama-3's shape at the given widths): the dry run builds it on the meta device,
+    no weights."""
+    folder = tmp_path / name
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16"}))
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_key_value_heads": 8, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+        **widths}))
     return folder
+
+
+def llama_8b(tmp_path: Path) -> Path:
+    return llama(tmp_path, "llama-8b", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, tie_word_embeddings=False)
 
 
 def test_an_8b_lora_on_one_h100_is_planned_for_its_short_documents(tmp_path: Path) -> None:
@@ -224,16 +229,9 @@ def test_an_8b_lora_on_one_h100_is_planned_for_its_short_documents(tmp_path: Pat
 
 
 def llama_3b(tmp_path: Path) -> Path:
-    """A 3B Llama's config.json: its replicated full fine-tuning state (~51 GB) is more than half an H100, yet a
-    DDP rank's whole peak fits one."""
-    folder = tmp_path / "llama-3b"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 3072,
-        "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8,
-        "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": True, "torch_dtype": "bfloat16"}))
-    return folder
+    """Its replicated full fine-tuning state (~51 GB) is more than half an H100, yet a DDP rank's whole peak fits one."""
+    return llama(tmp_path, "llama-3b", hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                 num_attention_heads=24, tie_word_embeddings=True)
 
 
 def test_auto_is_resolved_by_one_rule_in_the_plan_and_its_estimate(tmp_path: Path) -> None:
