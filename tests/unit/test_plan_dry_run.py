@@ -122,7 +122,9 @@ def test_estimate_reads_the_data_and_says_what_it_assumed(tmp_path: Path) -> Non
     assert result.exit_code == 0, result.output
     assert "the data's 8 documents" in result.output
     assert "1600 Gb/s per node (8 x 200 Gb/s InfiniBand, usual for a100-80gb nodes)" in result.output
-    result = CliRunner().invoke(app, ["estimate", TINY, "dist.network=wan", "--nodes", "2"])
+    assert "compute at an assumed MFU of 0.4, not measured" in result.output  # no measured path priced yet
+    result = CliRunner().invoke(app, ["estimate", TINY, "dist.network=wan", "--nodes", "2", "--mfu", "0.3"])
+    assert "compute at an assumed MFU of 0.3, not measured" in result.output
     assert "1 Gb/s per node (a WAN (dist.network: wan))" in result.output
 
 

@@ -66,6 +66,8 @@ class Estimate:
     lengths: str = ""
     """Where the tokens per step came from."""
     micro_batch: mem.MicroBatch | None = None
+    mfu: float = estimate_time.DEFAULT_MFU
+    """The MFU step time is priced at: assumed (--mfu), never measured for the path and GPU."""
     """The micro-batch memory was planned for."""
 
     @property
@@ -140,6 +142,7 @@ def estimate(cfg: JobConfig, hardware: Hardware, assumptions: Assumptions = Assu
         network=f"{network_gbps:g} Gb/s per node ({network})" if layout.nodes > 1 else "one node: no inter-node link",
         lengths=lengths.source,
         micro_batch=batch,
+        mfu=assumptions.mfu,
     )
     if suggest and not result.fits:
         result.fix = cheapest_fix(cfg, model, hardware, lengths)
@@ -296,7 +299,8 @@ def render(result: Estimate) -> str:
     if result.fix:
         lines.append(f"cheapest fix     {result.fix}")
     lines += [
-        f"step             {timed.step_s:.3g} s ({timed.compute_s:.3g} s compute, {timed.comm_s:.3g} s communication),"
+        f"step             {timed.step_s:.3g} s ({timed.compute_s:.3g} s compute at an assumed MFU of {result.mfu:g}, "
+        f"not measured; {timed.comm_s:.3g} s communication),"
         f" {timed.tokens_per_step:,} tokens ({result.lengths}); network: {result.network}",
         f"traffic          {_traffic_words(result)}",
         f"job              {timed.steps} steps: {timed.train_s / 3600:.3g} h training, "
@@ -365,7 +369,7 @@ def describe(cfg: JobConfig, hardware: Hardware,
             f"live tensors {_size(result.memory.peak_tensor_bytes)}) of {_size(result.device_bytes)} per device"
             f" on {where}"
             f" ({verdict}), planned for a micro-batch of {_micro_batch_words(result.micro_batch)}"
-            f"; step {result.timing.step_s:.3g} s at MFU {estimate_time.DEFAULT_MFU:g}, "
+            f"; step {result.timing.step_s:.3g} s at an assumed MFU of {result.mfu:g} (not measured), "
             f"{result.timing.tokens_per_step:,} tokens ({result.lengths}); network {result.network}"
             f"\ntraffic          {_traffic_words(result, why=False)}")
     if result.timing.reference:
