@@ -11,7 +11,7 @@ from pydantic import PrivateAttr, ValidationInfo, model_validator
 from trainyard.config.data import DataConfig
 from trainyard.config.dist import DilocoConfig, DistConfig
 from trainyard.config.loop import CheckpointConfig, EvalConfig, LogConfig, TrainConfig
-from trainyard.config.model import LoraConfig, ModelConfig
+from trainyard.config.model import LoraConfig, ModelConfig, quantize_problems
 from trainyard.config.preference import DpoConfig, objective_problems
 from trainyard.config.section import Section, field_and_where
 
@@ -73,6 +73,13 @@ class JobConfig(Section):
     @model_validator(mode="after")
     def _objective_settings_fit(self, info: ValidationInfo) -> "JobConfig":
         problems = objective_problems(self.train.objective, self.dpo, self.data)
+        if problems:
+            raise ValueError("; ".join(f"{field_and_where(info, field)} {why}" for field, why in problems))
+        return self
+
+    @model_validator(mode="after")
+    def _quantize_fits_the_job(self, info: ValidationInfo) -> "JobConfig":
+        problems = quantize_problems(self.model, self.lora)
         if problems:
             raise ValueError("; ".join(f"{field_and_where(info, field)} {why}" for field, why in problems))
         return self

@@ -30,6 +30,13 @@ class ModelConfig(Section):
     row on its own, no mask, with the family's windows, soft-capping and sinks). sdpa/eager isolate documents with
     a dense mask; flex_attention with a block mask per document read from the positions. A choice that would drop a
     feature of the family is refused."""
+    quantize: Literal["none", "nf4"] = "none"
+    """nf4: LoRA's frozen base linears (attention, MLP, each routed expert of a fused stack) stored in 4-bit NF4
+    with torchao (install trainyard[quant]); embeddings, norms and the head stay in model.dtype, as does a tensor
+    whose size NF4's blocks (64 values, scales in blocks of 256) do not divide. About 0.53 bytes per weight instead
+    of 2. torchao, not bitsandbytes: its NF4Tensor gathers under FSDP2 as its own type, while bitsandbytes' NF4
+    packed in bf16 is corrupted by FSDP2 (bitsandbytes#1945) and its uint8 storage trains to loss 0 / grad nan
+    (accelerate#3983). LoRA only: full fine-tuning would update the 4-bit weights."""
     trust_remote_code: bool = False
     cache_dir: str | None = None
     """Where GGUF files are converted to safetensors once, and a model.config job's random init is drawn once per
@@ -64,6 +71,20 @@ class ModelConfig(Section):
                 "fp32's range) or auto"
             )
         return dtype
+
+
+def quantize_problems(model: ModelConfig, lora: "LoraConfig") -> list[tuple[str, str]]:
+    """Where model.quantize cannot apply, as (field, why and the fix): 4-bit weights take no optimizer step."""
+    if model.quantize == "none":
+        return []
+    if not lora.enabled:
+        return [("model.quantize", f"{model.quantize} stores the frozen base of a LoRA job in 4 bits, but lora.enabled "
+                 "is false (full fine-tuning would train the 4-bit weights): set lora.enabled: true, or "
+                 "model.quantize: none")]
+    if lora.moe_adapter == "peft":
+        return [("lora.moe_adapter", "peft folds W + B·A over each whole expert stack, which model.quantize "
+                 f"{model.quantize} stores in 4 bits: set lora.moe_adapter: grouped, or model.quantize: none")]
+    return []
 
 
 class LoraConfig(Section):
