@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import SEED, TINY, assert_ok, events, run_cli, train_in, trainyard
+from tests.conftest import SEED, TINY, assert_ok, events, run_cli, run_script, train_in, trainyard
 from tests.dist.checkpoint_helpers import (
     COMMON,
     EVERY,
@@ -278,6 +279,17 @@ def test_auto_resumes_from_the_newest_intact_checkpoint_and_leaves_the_damaged_o
     log = (tmp_path / "tiny" / "logs" / "rank-0.log").read_text()
     assert f"skipping damaged checkpoint {newest}" in log and f"{shard} is truncated" in log, log[-3000:]
     assert shard.stat().st_size == 100 and (newest / MARKER).is_file(), "the damaged checkpoint was not left in place"
+
+
+def test_every_rank_loads_the_checkpoint_rank_0_chose_and_gets_its_refusal(world: World, tmp_path: Path) -> None:
+    """Ranks whose views of the checkpoints differ (rank 1 sees step 20 cut short): each judging damage on its own
+    loaded step 20 on rank 0 and step 10 on rank 1, mismatched shards in one model."""
+    run_script(world, "agreed_resume", str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["auto"] for r in ranks] == ["step-00000020", "step-00000020"], ranks
+    missing = tmp_path / "missing" / "step-00000020"
+    assert ranks[0]["named"] == ranks[1]["named"], ranks  # rank 1 did not go on to load alone
+    assert ranks[1]["named"].startswith(f"CheckpointError: checkpoint.resume: {missing} is not a committed"), ranks
 
 
 def test_a_damaged_step_is_set_aside_and_saved_again_as_the_uninterrupted_run_saved_it(

@@ -119,10 +119,12 @@ def remove_uncommitted(checkpoints: Path) -> list[Path]:
 
 
 def rotate(checkpoints: Path, keep_last: int, protected: Path | None) -> list[Path]:
-    """Drop the oldest full checkpoints beyond keep_last; never the newest or `protected`."""
-    full = committed(checkpoints, "full")
+    """Drop the oldest intact full checkpoints beyond keep_last intact ones; never the newest or `protected`. A
+    damaged one neither counts toward keep_last (no run could resume from it) nor is removed (its files are the
+    user's to inspect or restore)."""
+    intact = [path for path in committed(checkpoints, "full") if damage(path) is None]
     removed = []
-    for path in full[: max(0, len(full) - keep_last)]:
+    for path in intact[: max(0, len(intact) - keep_last)]:
         if protected is not None and path.resolve() == protected.resolve():
             continue
         (path / MARKER).unlink()  # uncommit first: a half-deleted dir is never loaded

@@ -7,11 +7,13 @@ checkpoint.py writes and reads; this room decides when and with what, so the loo
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import random
 import signal
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
@@ -152,6 +154,23 @@ def stop_for_preemption(job: Job, state: LoopState) -> NoReturn:
     )
 
 
+def _agreed_resume(job: Job) -> Path | None:
+    """Rank 0 reads the disk and every rank loads what it chose. Ranks that judged damage each on their own could
+    pick different checkpoints (a file flushed between two reads, a node's stale cache) and load mismatched shards;
+    a refusal reaches every rank too, instead of leaving the others waiting in a collective."""
+    verdict = ""
+    if job.info.is_main:
+        try:
+            path = checkpoint.resolve_resume(job.cfg.checkpoint.resume, job.checkpoints)
+            verdict = json.dumps({"path": None if path is None else str(path)})
+        except CheckpointError as err:
+            verdict = json.dumps({"what": err.what, "where": err.where, "fix": err.fix})
+    decided = json.loads(dist.broadcast_text(verdict, job.info.device))
+    if "what" in decided:
+        raise CheckpointError(decided["what"], where=decided["where"], fix=decided["fix"])
+    return None if decided["path"] is None else Path(decided["path"])
+
+
 def resume(job: Job) -> LoopState:
     """Clean partial saves, then load the checkpoint `checkpoint.resume` names (or start fresh)."""
     logger = logging.getLogger("trainyard")
@@ -159,7 +178,7 @@ def resume(job: Job) -> LoopState:
         for partial in checkpoint.remove_uncommitted(job.checkpoints):
             logger.info("removed partial checkpoint %s (no commit marker)", partial)
     dist.barrier()
-    path = checkpoint.resolve_resume(job.cfg.checkpoint.resume, job.checkpoints)
+    path = _agreed_resume(job)
     if path is None:
         if job.cfg.checkpoint.resume == "auto" and checkpoint.committed(job.checkpoints):
             logger.warning("starting fresh: every committed checkpoint in %s is damaged (named above, left in place)",

@@ -19,6 +19,7 @@ from trainyard.checkpoint.save import (
     resolve_resume,
     rotate,
     step_dir,
+    write_marker,
 )
 from trainyard.config_file import dump_config, load_config
 from trainyard.errors import CheckpointError, OptionError
@@ -55,6 +56,18 @@ def test_rotation_with_keep_last_1_never_removes_the_newest(tmp_path: Path) -> N
     assert names(committed(tmp_path)) == [3]
     rotate(tmp_path, keep_last=1, protected=step_dir(tmp_path, 3))
     assert names(committed(tmp_path)) == [3]
+
+
+def test_rotation_keeps_keep_last_intact_ones_and_never_removes_a_damaged_one(tmp_path: Path) -> None:
+    for step in (10, 20, 30):
+        write_marker(tmp_path, make(tmp_path, step, kind=None), "full")  # sealed with each file's size
+    (step_dir(tmp_path, 30) / "__0_0.distcp").write_bytes(b"sh")  # truncated after its commit
+    removed = rotate(tmp_path, keep_last=2, protected=None)
+    assert removed == []  # 10 and 20 are the two intact ones a resume could use
+    assert names(committed(tmp_path)) == [10, 20, 30]
+    write_marker(tmp_path, make(tmp_path, 40, kind=None), "full")
+    assert names(rotate(tmp_path, keep_last=2, protected=None)) == [10]
+    assert names(committed(tmp_path)) == [20, 30, 40]  # the damaged 30 stays, for whoever restores it
 
 
 def test_partial_folders_are_removed_and_never_found(tmp_path: Path) -> None:
