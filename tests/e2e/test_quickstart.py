@@ -13,8 +13,14 @@ from tests.conftest import assert_ok, events, trainyard
 pytestmark = pytest.mark.e2e
 
 
+SHORTER = ["train.max_steps=6", "eval.subset_size=20", "data.synthetic_train_size=400"]
+"""The built-in job's mechanics on a shorter run: the task is learnt by step 4 (train loss ~0.003 there in the
+15-step run), so 6 steps still cross the bar below; 20 held-out dates (10 a rank) against 40, 400 rows tokenized
+against 2000. The full run's held-out exact match (0% -> 97.5%) is what `make demo` and the benchmarks measure."""
+
+
 def test_quickstart_learns_the_task_and_saves_a_peft_adapter(tmp_path: Path) -> None:
-    result = trainyard("train", f"output_dir={tmp_path}", timeout=1200, fresh=True)  # as `make demo` runs it
+    result = trainyard("train", f"output_dir={tmp_path}", *SHORTER, timeout=1200, fresh=True)  # as `make demo` runs it
     assert_ok(result)
     run_dir = tmp_path / "quickstart"
     summary = json.loads((run_dir / "summary.json").read_text())
