@@ -103,7 +103,7 @@ class DistConfig(Section):
     dimension: must divide it (and the heads). Activations per rank fall by about N; the data-parallel size, the
     sampler's and the global batch's, is the world / N. Full checkpoints resume at another CP size. 1: none. Not yet
     with dist.expert_parallel, diloco, DPO, or families whose rows are padded (hybrid layers); proven for llama,
-    qwen3 and mistral."""
+    qwen3, mistral, gemma2 and gpt_oss."""
     defer_grad_sync: bool = False
     """fsdp/hsdp with accumulation: reduce gradients only on a window's last micro-batch. Trades memory
     for speed: unsharded gradients of the whole model live until then (off: each micro-batch

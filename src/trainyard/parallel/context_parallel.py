@@ -42,9 +42,9 @@ checked under the exchange on a GPU). Without those bounds varlen reads the whol
 varlen kernels are not yet checked on a GPU; sdpa and eager build their mask from the rank's slice, which would be
 wrong."""
 STRATEGIES = ("fsdp", "hsdp")
-FAMILIES = ("llama", "qwen3", "mistral")
-"""Families whose CP loss and gradients are proven equal to one process's (tests/dist/test_context_parallel.py);
-soft-capping (gemma2) and sinks (gpt_oss) come later."""
+FAMILIES = ("llama", "qwen3", "mistral", "gemma2", "gpt_oss")
+"""Families whose CP loss and gradients are proven equal to one process's (tests/dist/test_context_parallel.py):
+sliding windows (mistral, gemma2, gpt_oss), soft-capping (gemma2) and sinks (gpt_oss) included."""
 
 
 @dataclass(frozen=True)
@@ -178,6 +178,27 @@ def _groups_of(module: torch.nn.Module, groups: int) -> Iterator[None]:
         module.num_key_value_groups = saved
 
 
+def own_heads(per_head: torch.Tensor, group: ContextGroup) -> torch.Tensor:
+    """This rank's share of a per-query-head tensor: `sequence_to_heads` gives rank r the r-th contiguous block."""
+    heads = per_head.shape[0] // group.size
+    return per_head[group.rank * heads:(group.rank + 1) * heads]
+
+
+@contextlib.contextmanager
+def _own_sinks(module: torch.nn.Module, group: ContextGroup) -> Iterator[None]:
+    """gpt-oss's eager attention reads `module.sinks` (one per query head) itself, not the s_aux it is passed: this
+    rank's heads' sinks while the inner attention runs, a slice of the parameter, so its gradient reaches it."""
+    sinks = module._parameters.get("sinks")
+    if sinks is None:
+        yield
+        return
+    module._parameters["sinks"] = own_heads(sinks, group)
+    try:
+        yield
+    finally:
+        module._parameters["sinks"] = sinks
+
+
 def context_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -197,7 +218,9 @@ def context_attention(
     if kwargs.get("position_ids") is not None:
         kwargs["position_ids"] = whole_positions(kwargs["position_ids"], group)
     query, key, value = (sequence_to_heads(x, group) for x in (query, key, value))
-    with _groups_of(module, query.shape[1] // key.shape[1]):
+    if kwargs.get("s_aux") is not None:
+        kwargs["s_aux"] = own_heads(kwargs["s_aux"], group)
+    with _groups_of(module, query.shape[1] // key.shape[1]), _own_sinks(module, group):
         output, _ = inner(module, query, key, value, attention_mask, **kwargs)
     return heads_to_sequence(output, group), None
 

@@ -1,9 +1,10 @@
-"""Run under torchrun (2 ranks): for each job, with LoRA and with full fine-tuning, build the model the way training
+"""Run under torchrun (2 or 4 ranks): for each job, with LoRA and with full fine-tuning, build the model the way training
 does (`build.build_and_wrap`, dist.strategy fsdp, dist.context_parallel 2, fp32), collate one padding-free row of
 several documents through the training collator (each rank its slice; one document crosses the slice boundary and
 the row's odd length is padded), run the training loss with the loop's scale (world / global targets), and compare
 the ranks' summed loss and every trainable parameter's gradient with a 1-process build on rank 0 that takes the
-whole row.
+whole row. On 4 ranks there are two CP groups (CP 2 x FSDP 2: the weights sharded over all four); both take the same
+row, so the ranks' loss is twice the row's and FSDP's average over the world gives the row's gradient.
 
 argv: result file, a JSON object {job: {"settings": HF config settings (model_type included), "parallel": extra
 overrides}}. Rank 0 writes one JSON line per (job, lora): job, lora, loss_rel, grad_rel, worst, trainable,
@@ -105,8 +106,9 @@ def compare(settings: dict, lora: bool, info: dist.DistInfo, parallel: list[str]
     reference, _ = build_model([*common, "dist.strategy=none", *parallel], alone)
     whole = collate(rows(), pad_id, True)
     want_loss = objective.loss_sum(reference, whole, info.device)
-    assert objective.count(whole) == targets.item(), (objective.count(whole), targets.item())
-    (want_loss / targets.item()).backward()
+    replicas = info.world_size // context[1]  # CP groups, each taking the same row
+    assert objective.count(whole) * replicas == targets.item(), (objective.count(whole), targets.item())
+    (want_loss / objective.count(whole)).backward()
     want = grads_of(reference)
     assert sorted(want) == sorted(grads), f"trainable parameters differ: {sorted(set(want) ^ set(grads))}"
     worst, grad_rel = "", 0.0
@@ -116,7 +118,8 @@ def compare(settings: dict, lora: bool, info: dist.DistInfo, parallel: list[str]
         rel = (got - expected).abs().max().item() / max(expected.abs().max().item(), 1e-30)
         if rel > grad_rel:
             worst, grad_rel = name, rel
-    return {"loss_rel": abs(summed.item() - want_loss.item()) / abs(want_loss.item()), "grad_rel": grad_rel,
+    got_loss = summed.item() / replicas
+    return {"loss_rel": abs(got_loss - want_loss.item()) / abs(want_loss.item()), "grad_rel": grad_rel,
             "worst": worst, "trainable": len(want), "slices": slices}
 
 
