@@ -32,6 +32,8 @@ class Precision:
     compute_dtype: torch.dtype
     why: str
     """How `auto` decided, for the first log line."""
+    fp8_scaling: str | None = None
+    """fp8: bf16-mixed whose linear products run in FP8 with these scales (tensorwise, rowwise); None otherwise."""
 
     @property
     def mixed(self) -> bool:
@@ -80,10 +82,10 @@ def resolve(cfg: JobConfig, device: torch.device) -> Precision:
         trainable = compute = torch.float32
     elif name == "bf16":
         trainable = compute = torch.bfloat16
-    else:
+    else:  # bf16-mixed, and fp8: bf16-mixed with FP8 products (parallel/float8.py converts the linears)
         trainable, compute = torch.float32, torch.bfloat16
     frozen = _DTYPES.get(cfg.model.dtype, compute)
-    return Precision(name, trainable, frozen, compute, why)
+    return Precision(name, trainable, frozen, compute, why, cfg.train.fp8_scaling if name == "fp8" else None)
 
 
 def describe(precision: Precision, lora: bool) -> str:
@@ -94,6 +96,8 @@ def describe(precision: Precision, lora: bool) -> str:
         words = f"{precision.name}: adapters {names[precision.trainable_dtype]}, frozen base "
         words += names[precision.frozen_dtype]
     words += f", compute {names[precision.compute_dtype]}"
+    if precision.fp8_scaling:
+        words += f" with FP8 linear products ({precision.fp8_scaling} scales)"
     if precision.mixed:
         words += ", gradients reduced in fp32"
     return f"{words} ({precision.why})"
@@ -105,3 +109,22 @@ def autocast(precision: Precision, device: torch.device, enabled: bool = True) -
     if not (enabled and precision.mixed):
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=precision.compute_dtype)
+
+
+# FP8 matrix kernels (cuBLAS, torch._scaled_mm) take a linear whose both dimensions are multiples of this.
+FP8_DIVISOR = 16
+
+
+def fp8_linears(model: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """The linear layers train.precision fp8 runs in FP8, and those that stay bf16 because FP8 kernels cannot take
+    their shape, by name. Candidates are every linear but the output head and LoRA's adapters (kept bf16: rank r is
+    small, and their gradients are the training); one rule for the conversion and the estimate."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    converted: list[str] = []
+    kept: list[str] = []
+    for name, module in model.named_modules():
+        if type(module) is not torch.nn.Linear or module is head or "lora_" in name:
+            continue
+        fits = module.in_features % FP8_DIVISOR == 0 and module.out_features % FP8_DIVISOR == 0
+        (converted if fits else kept).append(name)
+    return converted, kept

@@ -53,10 +53,18 @@ class TrainConfig(Section):
     chunk's gradients at once, so only one chunk of [tokens, vocab] fp32 logits ever exists, forward and backward.
     None: as many tokens as fit LOSS_CHUNK_BYTES (256 MiB) of fp32 logits (512 for a 128k vocabulary); 0: the
     whole [tokens, vocab] logits at once, as transformers computes them."""
-    precision: Literal["auto", "bf16-mixed", "fp32", "bf16"] = "auto"
+    precision: Literal["auto", "bf16-mixed", "fp32", "bf16", "fp8"] = "auto"
     """bf16-mixed: fp32 master weights and AdamW moments, bf16 compute, fp32 gradient reduction.
     bf16: everything in bf16 (least memory; small updates round away). auto: bf16-mixed on GPUs with
-    bf16 and on CPUs with native bf16 matrix units (AMX, AVX512-BF16), fp32 otherwise."""
+    bf16 and on CPUs with native bf16 matrix units (AMX, AVX512-BF16), fp32 otherwise.
+    fp8: bf16-mixed whose decoder blocks' linear products run in FP8 (torchao float8 training; LoRA: the frozen
+    base layers in FP8, the adapters in bf16). Linears whose dimensions are not multiples of 16 stay bf16 and the
+    log names them; the head, embeddings and routed experts stay bf16. Needs a GPU of compute capability 8.9 or
+    more (L4, H100, H200); refused elsewhere."""
+    fp8_scaling: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """train.precision fp8's scales. tensorwise: one scale per tensor, and under FSDP2/HSDP the weights are
+    all-gathered in FP8 (half the bytes of bf16). rowwise: one scale per row (more accurate, slower; gathers in
+    bf16)."""
 
     @model_validator(mode="after")
     def _one_batch_rule(self) -> "TrainConfig":

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainyard.dist import DistInfo, is_fsdp
 from trainyard.model import weights
 from trainyard.model.build import decoder_blocks
-from trainyard.parallel import checkpointing, context_parallel, expert_parallel
+from trainyard.parallel import checkpointing, context_parallel, expert_parallel, float8
 from trainyard.precision import Precision
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ def apply(
     (LoRA adapters) keep them; the meta ones and every persistent buffer are read from `source`. diloco runs
     `site_inner` (diloco.inner) within each site; the outer sync across sites is diloco/outer.py's. Context
     parallelism swaps the attention for its sequence-to-heads exchange (context_parallel.py) before anything wraps
-    the blocks."""
+    the blocks; train.precision fp8 swaps the blocks' linears for FP8 ones (float8.py) there too."""
     already_real = {name for name, param in model.named_parameters() if not param.is_meta}
     experts = None
     if expert_parallel_size > 1:
@@ -69,6 +69,7 @@ def apply(
     if context_parallel_size > 1:
         assert mesh is not None and strategy in context_parallel.STRATEGIES, "CP is carved out of fsdp/hsdp's mesh"
         context_parallel.attach(model, mesh)
+    float8.apply(model, precision, info.device, shards_within(strategy, site_inner), "train.precision")
     if activation_checkpointing:
         selective = activation_checkpointing == "selective"
         checkpointing.enable_activation_checkpointing(model, selective=selective)
