@@ -44,6 +44,9 @@ runs the other `ranks` tests first, then these in file order; the second runs th
 module goes to the lane that reaches it first (CLAIMS), so the two lanes end together however the tests' times
 change. A launch mostly waits (start-up, rendezvous, timeouts), on cores the other lane uses. Each lane has worlds
 and reference runs of its own."""
+CLAIMED_TOGETHER = {"test_checkpoint_export.py": "test_checkpoint_resume.py", "test_expert_load.py": "test_moe.py"}
+"""Modules that read the same reference runs (tests/dist/conftest.py) go to one lane: the claim of the module named
+here is theirs too, so no reference is trained once in each lane."""
 CLAIMS = "TRAINYARD_SUITE_CLAIMS"
 """A folder shared by the two lanes (tests/suite.py sets it): a SHARED_LANE module's file there, made by the lane
 that runs it. Without it (plain pytest) a process runs every test it selects."""
@@ -72,18 +75,20 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     return None if claimed(Path(folder), item.path) else True
 
 
-CLAIMED: dict[Path, bool] = {}
+CLAIMED: dict[str, bool] = {}
 
 
 def claimed(folder: Path, module: Path) -> bool:
-    """Whether this process runs `module`: the first lane to reach it makes its file in `folder` (O_EXCL)."""
-    if module not in CLAIMED:
+    """Whether this process runs `module`: the first lane to reach it (or the module it is CLAIMED_TOGETHER with)
+    makes their file in `folder` (O_EXCL)."""
+    name = CLAIMED_TOGETHER.get(module.name, module.name)
+    if name not in CLAIMED:
         try:
-            os.close(os.open(folder / module.name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            CLAIMED[module] = True
+            os.close(os.open(folder / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            CLAIMED[name] = True
         except FileExistsError:
-            CLAIMED[module] = False
-    return CLAIMED[module]
+            CLAIMED[name] = False
+    return CLAIMED[name]
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -109,9 +114,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     (tasks on the shared worlds only: no launch, no fixed port, no reference run) in a third process, the
     single-process tests in a fourth."""
     for item in items:
-        if item.get_closest_marker("worlds"):
-            continue
         folder = item.path.relative_to(REPO / "tests").parts[0]
+        if item.get_closest_marker("worlds"):
+            if folder != "dist":  # tests/suite.py's worlds process collects tests/dist only (SCOPES)
+                raise pytest.UsageError(f"{item.nodeid}: `worlds` tests live in tests/dist")
+            continue
         if folder in ("dist", "e2e", "gpu") or item.path.name in SERIAL_FILES or \
                 SHARED_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ranks)
@@ -121,10 +128,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = lane_order(items, second=os.environ.get(LANE) == "2")
 
 
+SLOW_FIRST = ["test_quickstart.py", "test_elastic_hosts.py", "test_multihost.py", "test_slurm.py"]
+"""The first lane's own modules that take longest (most of it waiting on start-ups, timeouts and a cluster): run
+first, while the other processes fill the cores they leave, never alone at the end. The rest keep their order."""
+
+
 def lane_order(items: list[pytest.Item], second: bool) -> list[pytest.Item]:
-    """The first lane: its own tests, then the shared modules in file order; the second: the shared modules from the
-    last back (each module's tests in their order), so the lanes meet in the middle."""
+    """The first lane: its own tests (SLOW_FIRST's modules first), then the shared modules in file order; the
+    second: the shared modules from the last back (each module's tests in their order), so the lanes meet in the
+    middle."""
     own = [item for item in items if not item.get_closest_marker("either_lane")]
+    own.sort(key=lambda item: SLOW_FIRST.index(item.path.name) if item.path.name in SLOW_FIRST else len(SLOW_FIRST))
     modules: dict[Path, list[pytest.Item]] = {}
     for item in items:
         if item.get_closest_marker("either_lane"):

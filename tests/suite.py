@@ -31,6 +31,13 @@ SIDES = {
     "single-process": "not ranks and not worlds",
 }
 """Each process's name and its marker expression; the first prints as it goes, the others when all have ended."""
+SCOPES = {
+    "ranks": ["tests"], "ranks-lane-2": ["tests/dist"], "worlds": ["tests/dist"],
+    "single-process": ["tests", "--ignore=tests/dist", "--ignore=tests/e2e", "--ignore=tests/gpu"],
+}
+"""What each process collects when `make test` names no tests: only the folders its marker can select. Every test of
+tests/dist, e2e and gpu is `ranks` or `worlds`, and only tests/dist holds `worlds` and `either_lane` tests
+(tests/conftest.py refuses others). Each pytest process imports every module it collects."""
 
 
 def pytest(side: str, work: Path, extra: list[str], output: Path | None) -> subprocess.Popen[bytes]:
@@ -106,7 +113,7 @@ def main(extra: list[str]) -> int:
         shutil.rmtree(work / "claims", ignore_errors=True)  # a kept folder's claims are an earlier run's
         (work / "claims").mkdir(parents=True)
         logs = {side: work / f"{side}.log" for side in list(SIDES)[1:]}
-        processes = {side: pytest(side, work, extra or ["tests"], logs.get(side)) for side in reversed(SIDES)}
+        processes = {side: pytest(side, work, extra or SCOPES[side], logs.get(side)) for side in reversed(SIDES)}
         codes = {side: processes[side].wait() for side in SIDES}
         for side, log in logs.items():
             print(f"\n===== the {side} tests (run beside the ones above) =====\n{log.read_text()}")
