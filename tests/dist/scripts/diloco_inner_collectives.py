@@ -1,6 +1,7 @@
-"""Run under torchrun with 4 ranks (2 DiLoCo sites of 2): train the tiny job with rounds of 4 steps and write, per
-rank, every collective the flight recorder saw (its record id and its group's ranks) and where each step started
-and each outer sync began, as record ids, for the test to place each collective in an inner step or a sync."""
+"""Run on 4 ranks (2 DiLoCo sites of 2; torchrun's or a shared world's): train the tiny job with rounds of 4 steps
+and write, per rank, every collective the flight recorder saw while it trained (its record id and its group's ranks)
+and where each step started and each outer sync began, as record ids, for the test to place each collective in an
+inner step or a sync."""
 
 from __future__ import annotations
 
@@ -52,11 +53,15 @@ def main() -> None:
         return sync(self)
 
     health.record_progress, diloco.OuterSync.sync = marking, marked_sync
-    recipe.run(cfg)
+    first = next_record_id()  # a shared world's ranks recorded earlier tasks' collectives too
+    try:
+        recipe.run(cfg)
+    finally:
+        health.record_progress, diloco.OuterSync.sync = record_progress, sync
     trace = recorded()
     groups = {name: dist.get_process_group_ranks(group) for group, name in c10d._world.pg_names.items()}
     entries = [{"id": e["record_id"], "op": e["profiling_name"], "ranks": groups[e["process_group"][0]]}
-               for e in trace["entries"]]
+               for e in trace["entries"] if e["record_id"] >= first]
     rank = os.environ["RANK"]
     (result_dir / f"rank-{rank}.json").write_text(json.dumps({"marks": marks, "entries": entries}))
     exit_process(0)
