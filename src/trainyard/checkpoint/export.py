@@ -38,6 +38,7 @@ from trainyard.data.chat import tokenizer_as_trained
 from trainyard.errors import CheckpointError, OptionError
 from trainyard.model import build as model_room
 from trainyard.model import lora as lora_room
+from trainyard.model import quantize
 from trainyard.model import source as source_room
 from trainyard.runs import layout as run_layout
 
@@ -93,6 +94,8 @@ def build_base(cfg: JobConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, obj
     model_path = source_room.resolve_model_path(cfg.model) if cfg.model.path is not None else None
     tokenizer = source_room.load_tokenizer(cfg.model, model_path)
     model = model_room.load_model(cfg.model, model_path, tokenizer, dtype, cfg.train.seed)
+    if cfg.model.quantize == "nf4":  # the base the adapter trained on: each NF4 weight as training dequantized it
+        quantize.round_trip(model, quantize.nf4_targets(model, dtype)[0])
     return model, tokenizer
 
 
@@ -171,7 +174,7 @@ def export(ckpt: Path, out: Path, merge_lora: bool = False) -> Path:
     try:
         model, tokenizer = build_base(cfg, training_dtype(cfg, step.parent.parent))
         if cfg.lora.enabled:
-            _export_lora(model, step, tmp, merge_lora)
+            _export_lora(model, step, tmp, merge_lora, with_base=cfg.model.quantize == "none")
         else:
             check_model_matches(model, step)
             load_full_weights(model, step)
@@ -184,9 +187,10 @@ def export(ckpt: Path, out: Path, merge_lora: bool = False) -> Path:
     return out
 
 
-def _export_lora(base: torch.nn.Module, step: Path, out: Path, merge: bool) -> None:
-    """Merged: one plain model. Unmerged: the base, and the adapter PEFT loads onto it."""
-    if not merge:
+def _export_lora(base: torch.nn.Module, step: Path, out: Path, merge: bool, with_base: bool = True) -> None:
+    """Merged: one plain model. Unmerged: the base, and the adapter PEFT loads onto it; under model.quantize the
+    adapter alone (its base is model.path, quantized again by whoever loads it: no copy of it in full precision)."""
+    if not merge and with_base:
         base.save_pretrained(out)  # before PEFT injects its layers into the same modules
     with lora_room.known_peft_warnings_ignored():
         peft_model = PeftModel.from_pretrained(base, str(adapter_dir(step)))

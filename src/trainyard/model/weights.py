@@ -36,6 +36,7 @@ from transformers.core_model_loading import (
 )
 
 from trainyard.errors import ModelError
+from trainyard.model import quantize
 
 RowReader = Callable[[int, int], torch.Tensor]
 """Rows [start, stop) along dim 0 of one full tensor, in the source's dtype."""
@@ -213,6 +214,9 @@ def copy_own_rows(param: torch.Tensor, read: RowReader, name: str) -> None:
     start, stop = own_rows(param)
     if local.numel() == 0:
         return
+    if quantize.is_nf4(local):  # quantized as one whole tensor (a tensor at a time), then this rank's rows kept
+        quantize.fill_own_rows(local, _whole_rows(read, param.shape[0], name), start, stop)
+        return
     rows = read(start, stop)
     expected = tuple(local.shape)
     if tuple(rows.shape) != expected and not (local.dim() == 0 and rows.numel() == 1):
@@ -221,6 +225,14 @@ def copy_own_rows(param: torch.Tensor, read: RowReader, name: str) -> None:
             fix="model.path must hold weights of this architecture (check its config.json)",
         )
     local.copy_(rows.reshape(local.shape))
+
+
+def _whole_rows(read: RowReader, rows: int, name: str) -> torch.Tensor:
+    whole = read(0, rows)
+    if whole.shape[0] != rows:
+        raise ModelError(f"model.path: {name} has {whole.shape[0]} rows, the model expects {rows}",
+                         fix="model.path must hold weights of this architecture (check its config.json)")
+    return whole
 
 
 def tensors_to_load(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -18,6 +18,7 @@ from trainyard.config.preference import REFERENCE_FREE
 from trainyard.diloco import outer as diloco
 from trainyard.model import attention
 from trainyard.model import build as model_room
+from trainyard.model import quantize
 from trainyard.model import source as source_room
 from trainyard.model import weights
 from trainyard.parallel import context_parallel, expert_parallel
@@ -43,6 +44,7 @@ def build_and_wrap(
     where = cfg.where("model.attn_implementation")
     model = model_room.build_meta_model(cfg.model, config, base_dtype, info.device, not forward_only, where,
                                         attention.packed_rows(cfg.data))
+    nf4 = quantize.nf4_targets(model, base_dtype) if cfg.model.quantize == "nf4" else None
     if cfg.lora.enabled:
         from trainyard.model import lora as lora_room  # PEFT: a full fine-tune never loads it
 
@@ -83,6 +85,9 @@ def build_and_wrap(
     else:
         assert model_path is not None
         source = weights.SafetensorsFolder.open(model_path, model)
+    if nf4 is not None:
+        quantize.quantize_meta(model, set(nf4[0]), shards, info.device)
+        logging.getLogger("trainyard").info("model.quantize nf4: %s", quantize.describe(*nf4))
     wrapped = parallel.apply(model, strategy, info, precision, source, mesh, cfg.diloco.inner,
                              cfg.model.gradient_checkpointing, cfg.train.compile, ep, cp)
     return wrapped, strategy, mesh

@@ -1,0 +1,156 @@
+"""model.quantize nf4: LoRA's frozen base linears stored in 4-bit NF4 (torchao's NF4Tensor), the rest as it was.
+
+The weights to quantize are chosen on the plain model (every linear layer's weight but the head's, the routers' kept
+in fp32 and the ones a parent hands to a fused kernel), so training and export pick the same ones. Before the
+model is sharded, each becomes an NF4Tensor on the meta device: FSDP2 shards it as its own type (torchao implements
+FSDP2's all-gather hooks) and materialises 4-bit shards; no full-precision copy of it is ever allocated. Loading
+then reads one whole tensor at a time, quantizes it, and keeps this rank's rows: NF4's scales share one mean over
+the whole tensor, so a rank cannot quantize its rows alone and gather the same weight as the others.
+
+NF4 takes blocks of 64 values, whose scales are quantized in blocks of 256: a weight whose size 16384 does not
+divide stays in model.dtype (said in the log); under FSDP2 each rank's rows must hold whole blocks too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Iterator
+from types import ModuleType
+
+import torch
+
+from trainyard.errors import ModelError
+from trainyard.model.build import kept_in_fp32
+
+BLOCK = 64
+SCALER_BLOCK = 256
+UNIT = BLOCK * SCALER_BLOCK
+"""Values per NF4 scaler block: a quantized weight's size must be a multiple of it, and each shard's too."""
+
+
+def nf4_module() -> ModuleType:
+    """torchao's NF4, imported on first use only (seconds): its import logs that torchao's CUDA kernels do not load
+    on this machine (NF4 needs none of them) and a torch deprecation; neither is the user's to act on."""
+    with _quiet("torchao", "torch.utils._pytree"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+        except ImportError:
+            raise ModelError("model.quantize nf4 needs torchao, which is not installed",
+                             fix="pip install 'trainyard[quant]' (torchao), or set model.quantize: none") from None
+    return nf4_tensor
+
+
+@contextlib.contextmanager
+def _quiet(*names: str) -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR + 1)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def is_nf4(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is an NF4Tensor (False without importing torchao where nothing has)."""
+    return type(tensor).__name__ == "NF4Tensor"
+
+
+def nf4_targets(model: torch.nn.Module, dtype: torch.dtype) -> tuple[list[str], list[str]]:
+    """The weights NF4 stores, and the linear ones it leaves in `dtype` (size not a multiple of UNIT), by checkpoint
+    name, on the plain model (before LoRA): linear layers' weights but the head's, fp32-kept ones, and those a
+    parent reads past the layer's forward."""
+    from trainyard.model.lora import not_plain_linear
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    kept = kept_in_fp32(model, dtype)
+    not_plain = not_plain_linear(model)
+    quantized, left = [], []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or module is head or name in not_plain:
+            continue
+        key = f"{name}.weight"
+        if kept(key) or module.weight.dim() != 2:
+            continue
+        (quantized if module.weight.numel() % UNIT == 0 else left).append(key)
+    return quantized, left
+
+
+def quantize_meta(model: torch.nn.Module, targets: set[str], shards: int, device: torch.device) -> int:
+    """Each target weight (still on meta) as a meta NF4Tensor, before the model is sharded over `shards` ranks;
+    returns how many. A weight whose rows or blocks `shards` does not divide is refused, naming it."""
+    from trainyard.model.weights import checkpoint_key
+
+    nf4 = nf4_module()
+    done = 0
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, torch.nn.Linear) or checkpoint_key(f"{name}.weight") not in targets:
+            continue
+        _check_shards(checkpoint_key(f"{name}.weight"), weight.shape, shards)
+        module.weight = torch.nn.Parameter(_meta_nf4(nf4, weight.shape, weight.dtype, device),
+                                           requires_grad=False)
+        done += 1
+    return done
+
+
+def _meta_nf4(nf4: ModuleType, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An NF4Tensor of `shape` on the meta device (torchao quantizes only real tensors): one block of UNIT zeros
+    quantized, its sharded parts grown to the weight's size on meta. Its scales' mean and NF4's 16 levels, which
+    torchao never shards nor moves when FSDP2 or materialising does, are real on `device` at once (the load
+    copies the mean into them)."""
+    probe = nf4.to_nf4(torch.zeros(UNIT, dtype=dtype), BLOCK, SCALER_BLOCK)
+    grow = shape.numel() // UNIT
+    parts = {name: torch.empty(getattr(probe, name).numel() * grow, dtype=getattr(probe, name).dtype, device="meta")
+             for name in nf4._INNER_TENSOR_NAMES_FOR_SHARDING}
+    return nf4.NF4Tensor(*nf4.construct_nf4_args(probe, {
+        **parts, "size": shape, "stride": (shape[1], 1), "device": torch.device("meta"), "n_blocks": grow * SCALER_BLOCK,
+        "scaler_mean": probe.scaler_mean.to(device), "nf4": probe.nf4.to(device)}))
+
+
+def _check_shards(name: str, shape: torch.Size, shards: int) -> None:
+    rows, numel = shape[0], shape.numel()
+    if shards > 1 and (rows % shards or numel % (UNIT * shards)):
+        raise ModelError(
+            f"model.quantize nf4: {name} {tuple(shape)} cannot be split into {shards} shards of whole NF4 blocks "
+            f"(each rank's rows must hold a multiple of {UNIT} values)",
+            fix="shard over fewer ranks (dist.strategy ddp, or hsdp with a smaller dist.shard_size), "
+            "or set model.quantize: none",
+        )
+
+
+@torch.no_grad()
+def fill_own_rows(local: torch.Tensor, whole: torch.Tensor, start: int, stop: int) -> None:
+    """This rank's rows [start, stop) of `whole` (one full tensor), quantized as the whole tensor, into the NF4
+    `local` (its shard, or all of it)."""
+    nf4 = nf4_module()
+    quantized = nf4.to_nf4(whole.to(local.dtype).contiguous(), BLOCK, SCALER_BLOCK)
+    if stop - start != whole.shape[0]:
+        quantized = quantized.split(stop - start)[start // (stop - start)]
+    local.copy_(quantized)
+
+
+@torch.no_grad()
+def round_trip(model: torch.nn.Module, targets: list[str]) -> int:
+    """Each target weight of a whole plain model replaced by its NF4 value dequantized: the base training saw, for
+    an export to merge the adapter into. Returns how many."""
+    nf4 = nf4_module()
+    params = dict(model.named_parameters())
+    for name in targets:
+        weight = params[name]
+        weight.copy_(nf4.to_nf4(weight.detach().contiguous(), BLOCK, SCALER_BLOCK).get_original_weight())
+    return len(targets)
+
+
+def describe(quantized: list[str], left: list[str]) -> str:
+    """'14 linear weights in NF4; left in the model's dtype (size not a multiple of 16384): lm_head.weight'."""
+    words = f"{len(quantized)} linear weights in NF4"
+    if left:
+        shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+        words += f"; left in the model's dtype (size not a multiple of {UNIT}): {shown}"
+    return words
