@@ -1,0 +1,74 @@
+"""model.quantize nf4 on 2 ranks: LoRA trains on a 4-bit base under DDP and FSDP2, checkpoints hold no base weight,
+and the merged export computes what the NF4 model with its adapter computes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
+from transformers import AutoModelForCausalLM
+
+from tests.conftest import TINY, events, train_in
+from tests.world import World
+from trainyard import dist, precision
+from trainyard.checkpoint.export import adapter_dir, export, job_of
+from trainyard.model import quantize, weights
+from trainyard.model import source as source_room
+from trainyard.train.build import build_and_wrap
+
+pytestmark = [pytest.mark.dist, pytest.mark.worlds]
+
+WIDE = ["model.config.hidden_size=256", "model.config.intermediate_size=512", "model.config.num_key_value_heads=4"]
+"""The tiny model wide enough that every linear weight holds whole NF4 blocks on each of 2 ranks."""
+NF4 = ["model.quantize=nf4", "lora.enabled=true", *WIDE, "train.max_steps=12", "log.every_steps=1",
+       "log.progress=false", "log.tensorboard=false", "eval.every_steps=0", "eval.at_end=false",
+       "checkpoint.at_end=true", "dist.desync_check_steps=0"]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [event["loss"] for event in events(run_dir, "train")]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_lora_on_an_nf4_base_trains_and_checkpoints_no_base_weight(world: World, tmp_path: Path,
+                                                                  strategy: str) -> None:
+    train_in(world, TINY, f"output_dir={tmp_path}", f"dist.strategy={strategy}", *NF4)
+    run_dir = tmp_path / "tiny"
+    losses = _losses(run_dir)
+    assert sum(losses[-3:]) < 0.9 * sum(losses[:3]), losses
+    assert "14 linear weights in NF4" in (run_dir / "logs" / "rank-0.log").read_text()
+    step = run_dir / "checkpoints" / (run_dir / "checkpoints" / "LATEST").read_text().strip()
+    saved = FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    model_keys = [key for key in saved if key.startswith("model.")]
+    assert model_keys and all("lora_" in key for key in model_keys), model_keys
+
+
+def test_the_merged_export_computes_what_the_nf4_model_with_its_adapter_computes(world: World,
+                                                                                 tmp_path: Path) -> None:
+    train_in(world, TINY, f"output_dir={tmp_path}", "dist.strategy=fsdp", *NF4)
+    run_dir = tmp_path / "tiny"
+    merged_dir = export(run_dir, tmp_path / "merged", merge_lora=True)
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+
+    step = run_dir / "checkpoints" / (run_dir / "checkpoints" / "LATEST").read_text().strip()
+    cfg = job_of(step)
+    cfg.dist.strategy = "none"
+    info = dist.init(cfg.dist)
+    tokenizer = source_room.load_tokenizer(cfg.model, None)
+    trained, _, _ = build_and_wrap(cfg, info, precision.resolve(cfg, info.device), None, tokenizer, forward_only=True)
+    assert quantize.is_nf4(trained.base_model.model.model.layers[0].mlp.down_proj.base_layer.weight)
+    weights.load_adapter(trained, adapter_dir(step) / "adapter_model.safetensors")
+    ids = torch.randint(3, 200, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = trained(input_ids=ids).logits, merged(input_ids=ids).logits
+    assert (want - got).abs().max() < 1e-4 * want.abs().max()
+
+    unmerged = export(run_dir, tmp_path / "unmerged")
+    assert not list(unmerged.glob("*.safetensors"))  # the adapter alone: no full-precision copy of the base
+    adapter = load_file(unmerged / "adapter" / "adapter_model.safetensors")
+    assert adapter and all("lora_" in key for key in adapter)
+    assert json.loads((unmerged / "adapter" / "adapter_config.json").read_text())["r"] == 16
