@@ -79,7 +79,7 @@ class JobConfig(Section):
 
     @model_validator(mode="after")
     def _quantize_fits_the_job(self, info: ValidationInfo) -> "JobConfig":
-        problems = quantize_problems(self.model, self.lora)
+        problems = quantize_problems(self.model, self.lora, self.checkpoint.save_frozen)
         if problems:
             raise ValueError("; ".join(f"{field_and_where(info, field)} {why}" for field, why in problems))
         return self

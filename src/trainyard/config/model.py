@@ -73,7 +73,7 @@ class ModelConfig(Section):
         return dtype
 
 
-def quantize_problems(model: ModelConfig, lora: "LoraConfig") -> list[tuple[str, str]]:
+def quantize_problems(model: ModelConfig, lora: "LoraConfig", save_frozen: bool) -> list[tuple[str, str]]:
     """Where model.quantize cannot apply, as (field, why and the fix): 4-bit weights take no optimizer step."""
     if model.quantize == "none":
         return []
@@ -81,6 +81,10 @@ def quantize_problems(model: ModelConfig, lora: "LoraConfig") -> list[tuple[str,
         return [("model.quantize", f"{model.quantize} stores the frozen base of a LoRA job in 4 bits, but lora.enabled "
                  "is false (full fine-tuning would train the 4-bit weights): set lora.enabled: true, or "
                  "model.quantize: none")]
+    if save_frozen:
+        return [("checkpoint.save_frozen", f"stores the frozen base in full checkpoints, which model.quantize "
+                 f"{model.quantize} holds in 4 bits and rebuilds from model.path: set checkpoint.save_frozen: false, "
+                 "or model.quantize: none")]
     if lora.moe_adapter == "peft":
         return [("lora.moe_adapter", "peft folds W + B·A over each whole expert stack, which model.quantize "
                  f"{model.quantize} stores in 4 bits: set lora.moe_adapter: grouped, or model.quantize: none")]

@@ -8,15 +8,12 @@ then reads one whole tensor at a time, quantizes it, and keeps this rank's rows:
 the whole tensor, so a rank cannot quantize its rows alone and gather the same weight as the others.
 
 NF4 takes blocks of 64 values, whose scales are quantized in blocks of 256: a weight whose size 16384 does not
-divide stays in model.dtype (said in the log); under FSDP2 each rank's rows must hold whole blocks too.
+divide stays in model.dtype (said in the log); under FSDP2 each rank's rows must hold whole blocks too. MoE experts
+fused in 3-D stay in model.dtype for now (NF4Tensor is 2-D only; said in the log).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import warnings
-from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -31,29 +28,13 @@ UNIT = BLOCK * SCALER_BLOCK
 
 
 def nf4_module() -> ModuleType:
-    """torchao's NF4, imported on first use only (seconds): its import logs that torchao's CUDA kernels do not load
-    on this machine (NF4 needs none of them) and a torch deprecation; neither is the user's to act on."""
-    with _quiet("torchao", "torch.utils._pytree"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
-        except ImportError:
-            raise ModelError("model.quantize nf4 needs torchao, which is not installed",
-                             fix="pip install 'trainyard[quant]' (torchao), or set model.quantize: none") from None
-    return nf4_tensor
-
-
-@contextlib.contextmanager
-def _quiet(*names: str) -> Iterator[None]:
-    loggers = [logging.getLogger(name) for name in names]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR + 1)
+    """torchao's NF4, imported here only (trainyard's package quiets its import chatter)."""
     try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
+        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+    except ImportError:
+        raise ModelError("model.quantize nf4 needs torchao, which is not installed",
+                         fix="pip install 'trainyard[quant]' (torchao), or set model.quantize: none") from None
+    return nf4_tensor
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:
@@ -62,9 +43,9 @@ def is_nf4(tensor: torch.Tensor) -> bool:
 
 
 def nf4_targets(model: torch.nn.Module, dtype: torch.dtype) -> tuple[list[str], list[str]]:
-    """The weights NF4 stores, and the linear ones it leaves in `dtype` (size not a multiple of UNIT), by checkpoint
-    name, on the plain model (before LoRA): linear layers' weights but the head's, fp32-kept ones, and those a
-    parent reads past the layer's forward."""
+    """The weights NF4 stores, and those it leaves in `dtype` (a linear one whose size is not a multiple of UNIT;
+    fused 3-D expert stacks, not quantized yet), by checkpoint name, on the plain model (before LoRA): linear layers'
+    weights but the head's, fp32-kept ones, and those a parent reads past the layer's forward."""
     from trainyard.model.lora import not_plain_linear
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -78,6 +59,7 @@ def nf4_targets(model: torch.nn.Module, dtype: torch.dtype) -> tuple[list[str], 
         if kept(key) or module.weight.dim() != 2:
             continue
         (quantized if module.weight.numel() % UNIT == 0 else left).append(key)
+    left += [name for name, param in model.named_parameters() if param.dim() == 3 and "experts" in name]
     return quantized, left
 
 
@@ -109,8 +91,8 @@ def _meta_nf4(nf4: ModuleType, shape: torch.Size, dtype: torch.dtype, device: to
     parts = {name: torch.empty(getattr(probe, name).numel() * grow, dtype=getattr(probe, name).dtype, device="meta")
              for name in nf4._INNER_TENSOR_NAMES_FOR_SHARDING}
     return nf4.NF4Tensor(*nf4.construct_nf4_args(probe, {
-        **parts, "size": shape, "stride": (shape[1], 1), "device": torch.device("meta"), "n_blocks": grow * SCALER_BLOCK,
-        "scaler_mean": probe.scaler_mean.to(device), "nf4": probe.nf4.to(device)}))
+        **parts, "size": shape, "stride": (shape[1], 1), "device": torch.device("meta"),
+        "n_blocks": shape.numel() // BLOCK, "scaler_mean": probe.scaler_mean.to(device), "nf4": probe.nf4.to(device)}))
 
 
 def _check_shards(name: str, shape: torch.Size, shards: int) -> None:
@@ -152,5 +134,5 @@ def describe(quantized: list[str], left: list[str]) -> str:
     words = f"{len(quantized)} linear weights in NF4"
     if left:
         shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
-        words += f"; left in the model's dtype (size not a multiple of {UNIT}): {shown}"
+        words += f"; left in the model's dtype (size not a multiple of {UNIT}, or fused experts): {shown}"
     return words

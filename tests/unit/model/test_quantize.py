@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from accelerate import init_empty_weights
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from tests.conftest import TINY, run_cli
 from trainyard.errors import ModelError
@@ -23,6 +23,12 @@ def test_nf4_with_peft_s_expert_fold_is_refused() -> None:
     done = run_cli("train", TINY, "model.quantize=nf4", "lora.enabled=true", "lora.moe_adapter=peft")
     assert done.returncode == 2, done.stderr
     assert "lora.moe_adapter" in done.stderr and "set lora.moe_adapter: grouped" in done.stderr
+
+
+def test_nf4_with_frozen_weights_in_checkpoints_is_refused() -> None:
+    done = run_cli("train", TINY, "model.quantize=nf4", "lora.enabled=true", "checkpoint.save_frozen=true")
+    assert done.returncode == 2, done.stderr
+    assert "checkpoint.save_frozen" in done.stderr and "set checkpoint.save_frozen: false" in done.stderr
 
 
 def _meta_llama(hidden: int) -> torch.nn.Module:
@@ -60,3 +66,17 @@ def test_a_weight_that_shards_do_not_split_into_whole_blocks_is_refused_naming_i
         quantize.quantize_meta(model, set(quantized), 8, torch.device("cpu"))
     assert quantize.quantize_meta(model, set(quantized), 2, torch.device("cpu")) == len(quantized)
     assert quantize.is_nf4(model.model.layers[0].mlp.down_proj.weight)
+
+
+def test_fused_expert_stacks_stay_in_the_model_s_dtype_and_the_log_says_so() -> None:
+    config = AutoConfig.for_model("glm4_moe", hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                                  num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4,
+                                  num_experts_per_tok=2, n_group=1, topk_group=1, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=300)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    quantized, left = quantize.nf4_targets(model, torch.float32)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in left and "model.layers.1.mlp.experts.down_proj" in left
+    assert "model.layers.1.mlp.shared_experts.down_proj.weight" in quantized
+    assert not any(".gate." in name or name.endswith("gate.weight") for name in quantized)  # the router
+    assert "or fused experts" in quantize.describe(quantized, left)
