@@ -58,10 +58,11 @@ auto's choice on CUDA for soft-capping or sinks where flash-attention cannot kee
 FLASH = ("flash_attention_2", "flash_attention_3")
 IMPLEMENTATIONS = ("varlen", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
-WINDOW, SOFTCAP, SINKS, MASK_WITHOUT_POSITIONS, CHUNKED, POSITIONS_NOT_PASSED = (
+WINDOW, SOFTCAP, SINKS, MASK_WITHOUT_POSITIONS, CHUNKED, POSITIONS_NOT_PASSED, WINDOW_IN_MASK = (
     "sliding windows", "attention-logit soft-capping", "attention sinks",
     "document isolation (its mask ignores position_ids)", "chunked attention",
     "document isolation (its layers do not give their attention position_ids)",
+    "sliding windows (its layers do not give their attention the window)",
 )
 SUPPORTED_BY = {
     WINDOW: ("varlen", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"),
@@ -70,6 +71,7 @@ SUPPORTED_BY = {
     MASK_WITHOUT_POSITIONS: ("varlen", "flex_attention", "flash_attention_2", "flash_attention_3"),
     CHUNKED: ("sdpa", "eager"),
     POSITIONS_NOT_PASSED: ("sdpa", "eager"),
+    WINDOW_IN_MASK: ("sdpa", "eager"),
 }
 """Which implementations compute each feature exactly on padding-free rows (tests/unit/model/test_families.py).
 sdpa has no soft-capping (transformers refuses it); the flash_attn package's kernels have no sinks; a family
@@ -78,7 +80,7 @@ flex reads the documents from position_ids). Chunks: trainyard's varlen and flex
 transformers refuses flash-attention on rows longer than a chunk. A family whose decoder layers keep position_ids from
 their attention (Llama 4) leaves varlen, flex and flash-attention no way to see the documents; transformers' own mask
 (sdpa, eager) is built from them."""
-MASK_ONLY = (CHUNKED, POSITIONS_NOT_PASSED)
+MASK_ONLY = (CHUNKED, POSITIONS_NOT_PASSED, WINDOW_IN_MASK)
 """What only the mask transformers builds from position_ids keeps: auto chooses sdpa for it."""
 TORCH_VARLEN_DROPS = (SOFTCAP, SINKS, *MASK_ONLY)
 """What torch's varlen kernel has no way to keep: soft-capping, sinks, and what only transformers' mask keeps."""
@@ -161,6 +163,8 @@ def features(model: torch.nn.Module, packed: bool = True) -> list[str]:
         found.append(CHUNKED)
     if packed and config.model_type in _POSITIONS_NOT_PASSED:
         found.append(POSITIONS_NOT_PASSED)
+    if layers.window_only_in_mask(model):
+        found.append(WINDOW_IN_MASK)
     return found
 
 
@@ -176,6 +180,8 @@ def choose(
     flex_attention for soft-capping or sinks (the family's eager attention would hold [heads, L, L] scores per
     layer); else sdpa where only transformers' mask keeps the family (MASK_ONLY); else `varlen`."""
     refuse_dropped(requested, model, where, packed)
+    if requested == "auto" and layers.own_attention(model):  # its own mask kinds: sdpa's or eager's, not varlen's
+        return "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"
     if requested == "auto":
         return auto_choice(features(model, packed), device.type, device.type == "cuda" and _has_flash_attn(),
                            getattr(model.config, "attention_dropout", 0.0) or 0.0, checkpointing)

@@ -1,8 +1,10 @@
 """Which layers of a decoder block make a token's output depend on earlier tokens, by kind: attention, which trainyard's
 paths keep to each document of a padding-free row (attention.py), and the kinds that carry a state from one document
 of a row into the next: linear attention (Gated DeltaNet and its kin), state-space layers (Mamba) and short causal
-convolutions. Their kernels would need the row's boundaries (cu_seqlens, seq_idx), which trainyard does not pass
-them yet, so attention.padded_rows pads those jobs' rows instead.
+convolutions, recurrences (RG-LRU, xLSTM, RWKV and its token shift). Their kernels would need the row's boundaries
+(cu_seqlens, seq_idx), which trainyard does not pass them yet, so attention.padded_rows pads those jobs' rows instead;
+so too for attention a family computes itself rather than through transformers' attention interface (`own_attention`:
+trainyard's attention never sees its documents).
 
 A class of no kind known here might mix tokens in a way nothing checks: `unknown_layers` names it, and attention
 refuses it on rows that hold several documents. The rule is by class name, as transformers names its modules
@@ -12,23 +14,42 @@ plus torch's own layers and the wrappers PEFT, FSDP and trainyard put around the
 
 from __future__ import annotations
 
-import torch
+import inspect
 
-LINEAR_ATTENTION, STATE_SPACE, SHORT_CONVOLUTION = "linear attention", "state-space", "short causal convolution"
+import torch
+from transformers.pytorch_utils import Conv1D
+
+LINEAR_ATTENTION, STATE_SPACE, SHORT_CONVOLUTION, RECURRENT = (
+    "linear attention", "state-space", "short causal convolution", "recurrent")
 CARRIERS = {
     LINEAR_ATTENTION: ("DeltaNet", "DeltaAttention", "LinearAttention", "LightningAttention"),
     STATE_SPACE: ("Mamba", "Mixer", "SSM"),
     SHORT_CONVOLUTION: ("ShortConv", "CausalConv"),
+    RECURRENT: ("Recurrent", "LSTM", "Rwkv"),
 }
-"""Words in a class name that make it a layer carrying state along the row (checked before ATTENTION: a
-KimiDeltaAttention is linear attention)."""
+"""Words in a class name that make it a layer carrying state along the row (checked after PER_TOKEN, so that a
+MambaRMSNorm is a norm, and before ATTENTION: a KimiDeltaAttention is linear attention, RwkvSelfAttention a
+recurrence)."""
 ATTENTION = "Attention"
-PER_TOKEN = ("MLP", "Mlp", "FeedForward", "Experts", "Moe", "MoE", "MoeBlock", "Router", "Gate", "Norm", "NormGated",
-             "Embedding", "Activation")
-"""Class-name endings of the layers that compute each token on its own (MLPs, experts and their routers, norms)."""
+ATTENTION_ENDINGS = (ATTENTION, "MLA")
+"""Class-name endings of attention layers (LongCat-Flash names its MLA so)."""
+PER_TOKEN = ("MLP", "Mlp", "FeedForward", "Experts", "Moe", "MoE", "MoeBlock", "MoEBlock", "MoELayer", "Router",
+             "Gate", "Gating", "Norm", "NormGated", "Embedding", "Activation", "Gelu", "Statics", "MoA", "AltUp",
+             "LaurelBlock")
+"""Class-name endings of the layers that compute each token on its own: MLPs, experts and their routers and routing
+statistics (Ernie's), norms, JetMoE's mixture of attention heads' projections (MoA), Gemma 3n's per-token
+alternating updates (AltUp) and low-rank residuals (Laurel)."""
+CONTAINERS = ("DecoderLayer",)
+"""Class-name endings of layers that hold others (Zamba's shared attention block): what they hold decides."""
 TORCH_PER_TOKEN = (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm, torch.nn.RMSNorm, torch.nn.Dropout,
                    torch.nn.Identity, torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential,
-                   torch.nn.ParameterList, torch.nn.ParameterDict)
+                   torch.nn.ParameterList, torch.nn.ParameterDict, Conv1D)
+"""transformers' Conv1D (GPT-2's) is a linear map with its weight transposed."""
+INTERFACE = "ALL_ATTENTION_FUNCTIONS"
+"""What an attention layer's forward names when it hands its scores to transformers' attention interface, where
+trainyard's implementations run."""
+OWN_MASK = ("DogeAttention",)
+"""Attention layers that call the interface with a mask of their own making (Doge's dynamic mask, from the row's)."""
 PER_TOKEN_MODULES = ("torch.nn.modules.activation", "transformers.activations")
 WRAPPERS = ("peft.", "trainyard.", "torch.distributed.")
 """Modules of these packages wrap a family's layers (adapters, sharding, checkpointing): what they wrap decides."""
@@ -38,16 +59,16 @@ UNKNOWN = "unknown"
 def kind(module: torch.nn.Module) -> str | None:
     """A carrier kind, ATTENTION, UNKNOWN, or None for a layer that mixes no tokens itself (its children might)."""
     cls = type(module)
+    if (isinstance(module, TORCH_PER_TOKEN) or cls.__name__.endswith(PER_TOKEN + CONTAINERS)
+            or cls.__module__ in PER_TOKEN_MODULES or cls.__module__.startswith(WRAPPERS)):
+        return None
     for carried, words in CARRIERS.items():
         if any(word in cls.__name__ for word in words):
             return carried
-    if isinstance(module, torch.nn.Conv1d):  # a causal convolution outside any known layer
+    if isinstance(module, (torch.nn.Conv1d, torch.nn.ZeroPad2d)):  # a causal convolution or token shift (RWKV's)
         return SHORT_CONVOLUTION
-    if cls.__name__.endswith(ATTENTION):
+    if cls.__name__.endswith(ATTENTION_ENDINGS):
         return ATTENTION
-    if (isinstance(module, TORCH_PER_TOKEN) or cls.__name__.endswith(PER_TOKEN) or cls.__module__ in PER_TOKEN_MODULES
-            or cls.__module__.startswith(WRAPPERS)):
-        return None
     return UNKNOWN
 
 
@@ -66,7 +87,32 @@ def carriers(model: torch.nn.Module) -> list[str]:
     found = [name for name, found in block_layers(model).items() if found in CARRIERS]
     row_indexed = {type(m).__name__ for m in model.modules()
                    if getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True)}
-    return found + [f"{name} (NoPE: queries scaled by their index in the row)" for name in sorted(row_indexed)]
+    own = [f"{name} (its own attention, not transformers' attention interface)" for name in own_attention(model)]
+    return found + [f"{name} (NoPE: queries scaled by their index in the row)" for name in sorted(row_indexed)] + own
+
+
+def own_attention(model: torch.nn.Module) -> list[str]:
+    """Attention classes that compute their scores themselves, or mask them with a mask of their own making:
+    trainyard's attention never sees their documents, so they would read a row of documents as one."""
+    classes = dict.fromkeys(type(m) for block in _blocks(model) for m in block.modules() if kind(m) == ATTENTION)
+    return [cls.__name__ for cls in classes if cls.__name__ in OWN_MASK or INTERFACE not in _source(cls.forward)]
+
+
+def window_only_in_mask(model: torch.nn.Module) -> list[str]:
+    """Attention classes of a family with sliding windows that do not give their window to the attention interface
+    (PhiMoE): only the mask transformers builds keeps it."""
+    if not getattr(model.config, "sliding_window", None):
+        return []
+    classes = dict.fromkeys(type(m) for block in _blocks(model) for m in block.modules() if kind(m) == ATTENTION)
+    return [cls.__name__ for cls in classes
+            if INTERFACE in (source := _source(cls.forward)) and "sliding_window" not in source]
+
+
+def _source(function: object) -> str:
+    try:
+        return inspect.getsource(function)  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return ""
 
 
 def unknown_layers(model: torch.nn.Module) -> list[str]:
