@@ -72,3 +72,13 @@ def test_the_merged_export_computes_what_the_nf4_model_with_its_adapter_computes
     adapter = load_file(unmerged / "adapter" / "adapter_model.safetensors")
     assert adapter and all("lora_" in key for key in adapter)
     assert json.loads((unmerged / "adapter" / "adapter_config.json").read_text())["r"] == 16
+
+
+def test_fsdp2_gathers_the_nf4_weights_one_process_holds_whole(world: World, solo: World, tmp_path: Path) -> None:
+    """The first step's loss depends on the weights alone: gathered NF4 shards give the NF4 model's own loss."""
+    first = [*NF4, "train.max_steps=1", "train.global_batch_size=16", "train.micro_batch_size=8",
+             "checkpoint.at_end=false"]
+    train_in(solo, TINY, f"output_dir={tmp_path / 'one'}", "dist.strategy=none", *first)
+    train_in(world, TINY, f"output_dir={tmp_path / 'two'}", "dist.strategy=fsdp", *first)
+    one, two = _losses(tmp_path / "one" / "tiny"), _losses(tmp_path / "two" / "tiny")
+    assert one[0] == pytest.approx(two[0], rel=1e-5), (one, two)
