@@ -47,6 +47,14 @@ LLAMA = {
 CASES: dict[str, dict[str, Any]] = {
     "fsdp-fp32": {"strategy": "fsdp", "overrides": ["lora.enabled=false", "train.precision=fp32"]},
     "fsdp-lora-bf16mixed": {"strategy": "fsdp", "overrides": ["lora.enabled=true", "train.precision=bf16-mixed"]},
+    "fsdp-lora-bf16mixed-nf4": {
+        "strategy": "fsdp",
+        "overrides": ["lora.enabled=true", "train.precision=bf16-mixed", "model.quantize=nf4"],
+    },
+    "ddp-lora-fp32-nf4": {
+        "strategy": "ddp",
+        "overrides": ["lora.enabled=true", "train.precision=fp32", "model.dtype=float32", "model.quantize=nf4"],
+    },
     "ddp-lora-fp32": {
         "strategy": "ddp",
         "overrides": ["lora.enabled=true", "train.precision=fp32", "model.dtype=float32"],
