@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from trainyard import hardware as machines  # `hardware` names the Hardware a function plans for
 from trainyard.batch import accumulation_steps, data_ranks
@@ -198,7 +199,8 @@ def _with(cfg: JobConfig, **changes: Any) -> JobConfig:
 
 def _candidates(cfg: JobConfig, hardware: Hardware) -> list[tuple[str, JobConfig, Hardware]]:
     """Changes in the order they cost least: activation checkpointing (kept for the rest), then a smaller
-    micro-batch, then fsdp instead of ddp, then more nodes under fsdp. LoRA is never proposed: it changes the job."""
+    micro-batch, then fsdp instead of ddp, then (a LoRA job) its frozen base in 4 bits, then more nodes under fsdp.
+    LoRA is never proposed: it changes the job."""
     steps: list[tuple[str, JobConfig, Hardware]] = []
     words: list[str] = []
     if not cfg.model.gradient_checkpointing:
@@ -210,15 +212,31 @@ def _candidates(cfg: JobConfig, hardware: Hardware) -> list[tuple[str, JobConfig
         micro //= 2
         smaller = _with(cfg, **{"train.micro_batch_size": micro})
         steps.append((" ".join([*words, f"train.micro_batch_size={micro}"]), smaller, hardware))
+    alone = hardware.gpus_per_node * hardware.nodes == 1
+    one_gpu = (list(words), cfg)  # what a lone GPU runs: fsdp changes nothing there
     if cfg.dist.strategy not in ("fsdp", "hsdp"):
         cfg = _with(cfg, **{"dist.shard_size": None, "dist.strategy": "fsdp"})
         words.append("dist.strategy=fsdp")
-        if hardware.gpus_per_node * hardware.nodes > 1:
+        if not alone:
             steps.append((" ".join(words), cfg, hardware))
+    steps += _nf4_step(*(one_gpu if alone else (words, cfg)), hardware)
     for nodes in range(hardware.nodes + 1, MAX_NODES + 1):
         more = Hardware(hardware.gpu, hardware.gpus_per_node, nodes, hardware.network_gbps)
         steps.append((" ".join([*words, f"--nodes {nodes}"]), cfg, more))
     return steps
+
+
+def _nf4_step(words: list[str], cfg: JobConfig, hardware: Hardware) -> list[tuple[str, JobConfig, Hardware]]:
+    """A LoRA job's frozen base in 4 bits (model.quantize nf4), where the job's config allows it: its one step, or
+    none."""
+    if cfg.model.quantize != "none":
+        return []
+    quantized = _with(cfg, **{"model.quantize": "nf4"})
+    try:  # the job's own rules for nf4 (config/job.py), as loading the changed file would apply them
+        type(cfg).model_validate(quantized.model_dump(by_alias=True))
+    except (ValidationError, ConfigError):
+        return []
+    return [(" ".join([*words, "model.quantize=nf4"]), quantized, hardware)]
 
 
 def cheapest_fix(cfg: JobConfig, model: mem.Model, hardware: Hardware,
@@ -275,6 +293,7 @@ def render(result: Estimate) -> str:
              ("optimizer (AdamW)", memory.optimizer), ("ddp buckets", memory.ddp_buckets),
              ("diloco outer state", memory.diloco_outer), ("diloco sync chunks", memory.diloco_sync),
              ("autocast copies", memory.mixed_precision_copies), ("fsdp buffers", memory.fsdp_buffers),
+             ("nf4/fp8 weight copy", memory.low_bit_copies),
              ("ep all-to-all", memory.expert_exchange), ("cp all-to-all", memory.context_exchange),
              ("activations", memory.activations), ("logits (loss)", memory.logits),
              ("allocator slack", memory.allocator_slack), ("cuda context", memory.cuda_context),

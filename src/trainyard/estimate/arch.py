@@ -12,6 +12,8 @@ from transformers.utils import logging as hf_logging
 
 from trainyard.config import JobConfig
 from trainyard.errors import ModelError
+from trainyard.estimate import quantized
+from trainyard.estimate.quantized import LowBit
 from trainyard.hardware import FlopShape, flop_shape
 from trainyard.model import attention
 from trainyard.model import build as model_room
@@ -115,6 +117,8 @@ class Counts:
     """Per token, the elements the largest block's norms normalise: two hidden-wide RMSNorms in most families; four
     in Gemma and OLMo 2's post-norms, plus q/k norms over every head (Qwen 3, Gemma 3, OLMo 2) and MLA's
     low-rank norms. Each saves its input in fp32."""
+    low_bit: LowBit = LowBit()
+    """The weights model.quantize nf4 stores in 4 bits and train.precision fp8 computes with (quantized.py)."""
 
 
 def hf_config(cfg: JobConfig):  # -> PretrainedConfig
@@ -211,6 +215,7 @@ def count(model: torch.nn.Module, shape: Shape) -> Counts:
         head_trainable=sum(p.numel() for p in output.parameters() if p.requires_grad) if output is not None else 0,
         experts=_expert_counts(model, blocks),
         norm_inputs_per_block=_norm_inputs(blocks[-1], shape) if blocks else 0,
+        low_bit=quantized.count(model, blocks),
     )
 
 

@@ -25,6 +25,7 @@ from trainyard.config.preference import REFERENCE_FREE
 from trainyard.estimate import arch as estimate_arch
 from trainyard.estimate import context as context_room
 from trainyard.estimate import experts as experts_room
+from trainyard.estimate import quantized as quantized_room
 from trainyard.estimate.arch import Counts, Shape
 from trainyard.hardware import GIB, Gpu, device_bytes
 from trainyard.model import attention as attention_room
@@ -112,6 +113,8 @@ class Memory:
     """EP's all-to-all buffers of one MoE layer: the routed (token, expert) rows sent and those received."""
     context_exchange: float = 0.0
     """CP's all-to-all buffers of one layer's attention: q, k and v sent and received."""
+    low_bit_copies: float = 0.0
+    """nf4: the one weight a product dequantizes at a time; fp8: the one weight cast to FP8, and its transpose."""
     head_gradient: float = 0.0
     """A trainable head's gradient, whole (FSDP2 reduces the root's only after the backward): the chunked loss makes
     it in its forward (loss.py), the plain head in the first op of backward; either way beside every activation."""
@@ -254,6 +257,7 @@ def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_ro
         parts.notes.append(_experts_note(model, layout, size))
     if layout.context_parallel > 1:
         parts.notes.append(context_room.note(layout.context_parallel, batch))
+    quantized_room.adjust(parts, cfg, counts.low_bit, size, layout, sharded)
     _add_peak(parts, cfg, layout)
     if cfg.train.objective == "dpo":
         parts.notes.append(_dpo_words(cfg))
@@ -353,7 +357,7 @@ def _add_peak(parts: Memory, cfg: JobConfig, layout: Layout) -> None:
     activations build up."""
     static = (parts.weights + parts.lora_adapters + parts.optimizer + parts.ddp_buckets + parts.diloco_outer
               + parts.diloco_sync + parts.mixed_precision_copies + parts.fsdp_buffers + parts.expert_exchange
-              + parts.context_exchange)
+              + parts.context_exchange + parts.low_bit_copies)
     # With checkpointing the logits and their gradients are gone before the last layer is recomputed.
     forward = (parts.activations - parts.recomputed_layer + max(parts.recomputed_layer, parts.logits)
                + parts.head_gradient)

@@ -19,6 +19,7 @@ from trainyard.config import JobConfig
 from trainyard.config.preference import REFERENCE_FREE
 from trainyard.estimate import context as context_room
 from trainyard.estimate import experts as experts_room
+from trainyard.estimate import quantized
 from trainyard.estimate.memory import Dtypes, Layout, MicroBatch, Model, micro_batch_bound
 from trainyard.hardware import kind_peak_flops
 
@@ -221,6 +222,7 @@ def traffic(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: i
     held_apart = layout.shard // ep
     expert_part = experts_room.gathered_bytes(counts.experts.total, counts.experts.trainable, *element) if ep > 1 else 0
     gathered = experts_room.gathered_bytes(counts.total, counts.trainable, *element) - expert_part
+    gathered -= quantized.gather_saving(cfg, counts.low_bit, size.compute if size.mixed else size.master, size.frozen)
     moved.ring(gathered, layout.shard, accum * 2, ring_spans, intra, inter)  # forward, and again for backward
     moved.ring(expert_part / ep, held_apart, accum * 2, ring_spans, intra, inter)
     expert_gradients = counts.experts.trainable * (4 if size.mixed else size.master) if ep > 1 else 0
