@@ -323,7 +323,7 @@ def render(result: Estimate) -> str:
         f" {timed.tokens_per_step:,} tokens ({result.lengths}); network: {result.network}",
         f"traffic          {_traffic_words(result)}",
         f"job              {timed.steps} steps: {timed.train_s / 3600:.3g} h training, "
-        f"{timed.total_s / 3600:.3g} h with checkpoints and expected failures",
+        f"{timed.total_s / 3600:.3g} h with checkpoints and expected failures{_compile_words(timed)}",
         f"checkpoints      {timed.checkpoint_bytes / 1e9:.3g} GB, {timed.save_s:.3g} s each; Young/Daly interval "
         f"{timed.interval_s / 60:.3g} min (MTBF {timed.mtbf_s / 3600:.3g} h); "
         f"expected lost work {timed.lost_work_s / 60:.3g} min",
@@ -332,6 +332,11 @@ def render(result: Estimate) -> str:
     if timed.reference:
         lines.insert(-3, f"reference        {reference_words(timed)}")
     return "\n".join(lines)
+
+
+def _compile_words(timed: estimate_time.Timing) -> str:
+    """train.compile's first step, where the job compiles (stated, not measured: estimate/timing.py COMPILE_S)."""
+    return f", the first step {timed.step_s + timed.compile_s:.3g} s with compile (stated)" if timed.compile_s else ""
 
 
 def reference_words(timed: estimate_time.Timing) -> str:
@@ -389,7 +394,8 @@ def describe(cfg: JobConfig, hardware: Hardware,
             f" on {where}"
             f" ({verdict}), planned for a micro-batch of {_micro_batch_words(result.micro_batch)}"
             f"; step {result.timing.step_s:.3g} s at an assumed MFU of {result.mfu:g} (not measured), "
-            f"{result.timing.tokens_per_step:,} tokens ({result.lengths}); network {result.network}"
+            f"{result.timing.tokens_per_step:,} tokens ({result.lengths}){_compile_words(result.timing)}; "
+            f"network {result.network}"
             f"\ntraffic          {_traffic_words(result, why=False)}")
     if result.timing.reference:
         line += f"\nreference        {reference_words(result.timing)}"

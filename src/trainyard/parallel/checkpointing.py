@@ -1,5 +1,5 @@
-"""Activation checkpointing (full or torchtitan's selective policy) and torch.compile of the decoder blocks:
-the first steps of the parallelize order, before sharding.
+"""Activation checkpointing (full or torchtitan's selective policy): the first step of the parallelize order, before
+compile (compile.py) and sharding.
 """
 
 from __future__ import annotations
@@ -72,16 +72,3 @@ def selective_policy(low_rank: int) -> Callable[..., CheckpointPolicy]:
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
-
-
-def compile_blocks(model: torch.nn.Module) -> int:
-    """torch.compile each decoder block's MLP, where much of its elementwise work sits (SiLU gating,
-    LoRA's scale-and-add). Whole blocks are not compiled: with the varlen attention's per-document loop the
-    graph breaks in every block, and inductor failed on the rest (torch 2.13, CPU). Returns how many."""
-    compiled = 0
-    for block in decoder_blocks(model):
-        mlp = getattr(block, "mlp", None)
-        if isinstance(mlp, torch.nn.Module):
-            mlp.compile(dynamic=True)
-            compiled += 1
-    return compiled

@@ -22,6 +22,7 @@ from trainyard.dist import DistInfo, is_fsdp
 from trainyard.model import weights
 from trainyard.model.build import decoder_blocks
 from trainyard.parallel import checkpointing, context_parallel, expert_parallel, float8
+from trainyard.parallel import compile as compile_room
 from trainyard.precision import Precision
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ def apply(
     mesh: DeviceMesh | None,
     site_inner: str = "ddp",
     activation_checkpointing: bool | str = False,
-    compile_mlps: bool = False,
+    compile_blocks: bool | str = False,
     expert_parallel_size: int = 1,
     context_parallel_size: int = 1,
 ) -> torch.nn.Module:
@@ -74,8 +75,11 @@ def apply(
         selective = activation_checkpointing == "selective"
         checkpointing.enable_activation_checkpointing(model, selective=selective)
         logging.getLogger("trainyard").info("activation checkpointing: %s", "selective" if selective else "full")
-    if compile_mlps:
-        logging.getLogger("trainyard").info("torch.compile on %d blocks' MLPs", checkpointing.compile_blocks(model))
+    if compile_room.resolve(compile_blocks, info.device):
+        compiled = compile_room.compile_blocks(model)
+        logging.getLogger("trainyard").info("torch.compile: %d decoder blocks, %s", compiled.blocks,
+                                            "one graph each" if compiled.fullgraph else "the attention between graphs")
+        compile_room.first_step_timer(model)
     if shards_within(strategy, site_inner):
         assert mesh is not None, f"{strategy} shards over dist.build_mesh's mesh"
         shard_fsdp2(model, within_site(mesh) if strategy == "diloco" else mesh, precision, experts)

@@ -423,7 +423,7 @@ def _step_on_fake_tensors(
     """Parallelize and fill the model, hold AdamW's moments, open the peak's window, take the traced step."""
     adapters_in_memory(model)
     wrapped = hooked(parallel.apply(model, layout.strategy, info, precision, FakeWeights.of(model), mesh,
-                                    cfg.diloco.inner, cfg.model.gradient_checkpointing, compile_mlps=False,
+                                    cfg.diloco.inner, cfg.model.gradient_checkpointing, compile_blocks=False,
                                     expert_parallel_size=layout.expert_parallel))
     balanced_exchanges(wrapped)
     optimizer, _ = build_optimizer(wrapped, cfg)
@@ -440,7 +440,7 @@ def _notes(cfg: JobConfig, model: torch.nn.Module, layout: Layout) -> list[str]:
     fused = " (sdpa's fused kernel: what flash-attention and flex_attention save)" if traced == FUSED else ""
     notes = [f"attention: the job's {cfg.model.attn_implementation}, traced as {traced}{fused}"]
     if cfg.train.compile:
-        notes.append("train.compile: the blocks' MLPs run eagerly here (compiled kernels may save less)")
+        notes.append("train.compile: the blocks run eagerly here (compiled kernels may save less)")
     if layout.expert_parallel > 1:
         notes.append(f"expert parallel {layout.expert_parallel}: rank 0 holds its experts only; routing is taken "
                      "as balanced (each rank sends every other rank 1 / N of its routed rows), as the formula does")
