@@ -12,8 +12,6 @@ from transformers.utils import logging as hf_logging
 
 from trainyard.config import JobConfig
 from trainyard.errors import ModelError
-from trainyard.estimate import quantized
-from trainyard.estimate.quantized import LowBit
 from trainyard.hardware import FlopShape, flop_shape
 from trainyard.model import attention
 from trainyard.model import build as model_room
@@ -59,6 +57,8 @@ class Shape:
     """The HF model_type: expert parallelism runs only the families proven exact."""
     logit_softcap: bool = False
     """final_logit_softcapping (Gemma 2): the loss holds a chunk's capped logits and their tanh beside them."""
+    value_head_dim: int = 0
+    """Values narrower than queries and keys (MLA's v_head_dim); 0: as wide. sdpa's fused CPU kernel refuses them."""
 
 
 @dataclass(frozen=True)
@@ -117,8 +117,9 @@ class Counts:
     """Per token, the elements the largest block's norms normalise: two hidden-wide RMSNorms in most families; four
     in Gemma and OLMo 2's post-norms, plus q/k norms over every head (Qwen 3, Gemma 3, OLMo 2) and MLA's
     low-rank norms. Each saves its input in fp32."""
-    low_bit: LowBit = LowBit()
-    """The weights model.quantize nf4 stores in 4 bits and train.precision fp8 computes with (quantized.py)."""
+    attention_windows: tuple[int | None, ...] = ()
+    """Each decoder layer's sliding window (None: full causal): on a CPU a window shorter than a document makes sdpa
+    take a [L, L] mask, which it keeps for backward."""
 
 
 def hf_config(cfg: JobConfig):  # -> PretrainedConfig
@@ -160,6 +161,7 @@ def shape_of(config) -> Shape:  # type: ignore[no-untyped-def]
         dense_layers=getattr(config, "first_k_dense_replace", 0) if experts else 0,
         family=getattr(config, "model_type", ""),
         logit_softcap=bool(getattr(config, "final_logit_softcapping", None)),
+        value_head_dim=getattr(config, "v_head_dim", None) or 0,
     )
 
 
@@ -215,8 +217,19 @@ def count(model: torch.nn.Module, shape: Shape) -> Counts:
         head_trainable=sum(p.numel() for p in output.parameters() if p.requires_grad) if output is not None else 0,
         experts=_expert_counts(model, blocks),
         norm_inputs_per_block=_norm_inputs(blocks[-1], shape) if blocks else 0,
-        low_bit=quantized.count(model, blocks),
+        attention_windows=tuple(_window(block, model.config) for block in blocks),
     )
+
+
+def _window(block: torch.nn.Module, config: Any) -> int | None:
+    """The window a block's attention passes its kernel: its attention module's own (per layer, where the family
+    sets one on it), else the config's (Mistral, Phi-3 pass it to every layer)."""
+    for module in block.modules():
+        if hasattr(module, "sliding_window"):
+            return module.sliding_window or None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return getattr(config, "sliding_window", None) or None
 
 
 def _norm_inputs(block: torch.nn.Module, shape: Shape) -> int:

@@ -23,12 +23,11 @@ from trainyard.batch import MicroBatch, accumulation_steps, data_ranks
 from trainyard.config import JobConfig
 from trainyard.config.preference import REFERENCE_FREE
 from trainyard.estimate import arch as estimate_arch
+from trainyard.estimate import attention_memory
 from trainyard.estimate import context as context_room
 from trainyard.estimate import experts as experts_room
-from trainyard.estimate import quantized as quantized_room
 from trainyard.estimate.arch import Counts, Shape
 from trainyard.hardware import GIB, Gpu, device_bytes
-from trainyard.model import attention as attention_room
 
 # The CUDA caching allocator's fragmentation and rounding, as a share of live tensor bytes (stated, not measured).
 ALLOCATOR_SLACK = 0.10
@@ -86,6 +85,9 @@ class Dtypes:
     residual: int
     mixed: bool
     compute_dtype: torch.dtype
+    expert: int = 0
+    """The routed experts' products (grouped_mm, which autocast does not cast): their weights' dtype, the compute
+    dtype only where FSDP2 gathers them in it. Full fine-tuning under bf16-mixed on one process runs them in fp32."""
 
 
 @dataclass
@@ -113,8 +115,8 @@ class Memory:
     """EP's all-to-all buffers of one MoE layer: the routed (token, expert) rows sent and those received."""
     context_exchange: float = 0.0
     """CP's all-to-all buffers of one layer's attention: q, k and v sent and received."""
-    low_bit_copies: float = 0.0
-    """nf4: the one weight a product dequantizes at a time; fp8: the one weight cast to FP8, and its transpose."""
+    attention_workspace: float = 0.0
+    """One layer's attention at its worst moment, beside every layer's saved tensors (attention_memory.workspace)."""
     head_gradient: float = 0.0
     """A trainable head's gradient, whole (FSDP2 reduces the root's only after the backward): the chunked loss makes
     it in its forward (loss.py), the plain head in the first op of backward; either way beside every activation."""
@@ -167,7 +169,7 @@ def dtypes(cfg: JobConfig, precision: precision_room.Precision, strategy: str) -
     base = frozen if cfg.lora.enabled else master
     sharded = _sharded(cfg, strategy)
     residual = compute if (precision.mixed and sharded) else base
-    return Dtypes(master, frozen, compute, residual, precision.mixed, precision.compute_dtype)
+    return Dtypes(master, frozen, compute, residual, precision.mixed, precision.compute_dtype, residual)
 
 
 def resolve_strategy(cfg: JobConfig, model: Model, kind: Gpu, gpus_per_node: int, nodes: int) -> Layout:
@@ -250,6 +252,8 @@ def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_ro
         activations=activation_bytes(cfg, model.shape, counts, size, layout.gpu, batch),
         recomputed_layer=recomputed_layer_bytes(cfg, model.shape, counts, size, layout.gpu, batch),
         logits=_logit_bytes(cfg, model.shape, batch),
+        attention_workspace=attention_memory.workspace(cfg.model.attn_implementation, model.shape, counts,
+                                                       layout.gpu, batch.longest, size.compute, size.residual),
         tied_gradient=_tied_gradient(counts, size, shard),
         head_gradient=counts.head_trainable * (size.compute if sharded and size.mixed else size.master),
     )
@@ -257,7 +261,6 @@ def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_ro
         parts.notes.append(_experts_note(model, layout, size))
     if layout.context_parallel > 1:
         parts.notes.append(context_room.note(layout.context_parallel, batch))
-    quantized_room.adjust(parts, cfg, counts.low_bit, size, layout, sharded)
     _add_peak(parts, cfg, layout)
     if cfg.train.objective == "dpo":
         parts.notes.append(_dpo_words(cfg))
@@ -357,10 +360,11 @@ def _add_peak(parts: Memory, cfg: JobConfig, layout: Layout) -> None:
     activations build up."""
     static = (parts.weights + parts.lora_adapters + parts.optimizer + parts.ddp_buckets + parts.diloco_outer
               + parts.diloco_sync + parts.mixed_precision_copies + parts.fsdp_buffers + parts.expert_exchange
-              + parts.context_exchange + parts.low_bit_copies)
-    # With checkpointing the logits and their gradients are gone before the last layer is recomputed.
-    forward = (parts.activations - parts.recomputed_layer + max(parts.recomputed_layer, parts.logits)
-               + parts.head_gradient)
+              + parts.context_exchange)
+    # With checkpointing the logits and their gradients are gone before the last layer is recomputed; attention's
+    # workspace comes in one layer's forward or backward, never beside the loss's logits.
+    recomputed = parts.recomputed_layer + parts.attention_workspace
+    forward = parts.activations - parts.recomputed_layer + max(recomputed, parts.logits) + parts.head_gradient
     accumulates = accumulation_steps(cfg, data_ranks(cfg, layout.world)) > 1
     held = parts.gradients if accumulates else 0.0
     parts.peak_tensor_bytes = static + max(forward + held, parts.gradients + parts.tied_gradient)
@@ -419,8 +423,9 @@ def layer_bytes_per_token(cfg: JobConfig, shape: Shape, counts: Counts, size: Dt
     full = not cfg.lora.enabled
     norms = _norm_bytes(counts.norm_inputs_per_block or 2 * h, size, trainable=full)
     inputs = (3 + 2) * h * a if casts else 2 * h * size.residual
-    eager = holds_scores(cfg.model.attn_implementation, counts, kind)
-    attention = _attention_bytes(shape, size, kind, document, eager) + q * a  # + o_proj's input
+    attention = attention_memory.saved_per_token(cfg.model.attn_implementation, shape, counts, kind, document, a,
+                                                 size.residual)
+    attention += q * a  # o_proj's input
     total = norms + inputs + attention + (q + 2 * kv) * a + _mlp_bytes(shape, size)
     if cfg.lora.enabled:
         total += counts.lora_ranks_per_block * a + _grouped_expert_lora_bytes(shape, counts, a)
@@ -444,32 +449,6 @@ def _norm_bytes(hidden: int, size: Dtypes, trainable: bool) -> float:
     return hidden * (4 + (size.residual if trainable else 0))
 
 
-def holds_scores(requested: str, counts: Counts, kind: Gpu) -> bool:
-    """Whether the attention the job chooses on `kind` keeps each document's [heads, L, L] softmax for backward in
-    every layer: eager itself, and trainyard's varlen where it runs the family's eager attention (soft-capping,
-    sinks); not flash-attention or flex_attention, auto's GPU choices for those (attention.auto_choice, flash_attn
-    assumed installed). On a CPU always: varlen's short-document matmuls keep it too, and flex cannot train there."""
-    if kind.device_name is None:
-        return True
-    found = list(counts.attention_features)
-    if requested == "auto":
-        requested = attention_room.auto_choice(found, "cuda", True, counts.attention_dropout)
-    eager_documents = attention_room.SOFTCAP in found or attention_room.SINKS in found
-    return requested == "eager" or (requested in ("varlen", attention_room.VARLEN) and eager_documents)
-
-
-def _attention_bytes(shape: Shape, size: Dtypes, kind: Gpu, document: int, eager: bool = False) -> float:
-    """Per token. On a GPU flash/sdpa/flex saves its output and log-sum-exp, no scores; eager attention (`eager`:
-    see holds_scores) its softmax in the compute dtype (heads x document length per token) and k/v repeated to all
-    heads. On CPU trainyard's short-document path saves the fp32 softmax, its cast, and the repeated k/v."""
-    a, q = size.compute, shape.heads * shape.head_dim
-    if kind.device_name is not None and not eager:
-        return q * a + shape.heads * 4
-    scores = shape.heads * document * (a if kind.device_name is not None else 4 + (a if a != 4 else 0))
-    repeated = 2 * q * a if shape.heads != shape.kv_heads else 0
-    return scores + repeated
-
-
 def _mlp_bytes(shape: Shape, size: Dtypes) -> float:
     """Gated MLP (gate, up, SiLU(gate), product): four intermediates. MoE layers: top-k experts each with their
     gathered input and weighted output, shared experts, and the fp32 router logits; averaged over the layers."""
@@ -478,6 +457,6 @@ def _mlp_bytes(shape: Shape, size: Dtypes) -> float:
     if not shape.experts:
         return dense
     expert = EXPERT_INTERMEDIATES.get(shape.family, 4) * shape.moe_intermediate
-    routed = shape.experts_per_token * (expert + 2 * shape.hidden) * a
+    routed = shape.experts_per_token * (expert + 2 * shape.hidden) * (size.expert or a)
     moe = routed + 4 * shape.moe_intermediate * shape.shared_experts * a + shape.experts * 4
     return (shape.dense_layers * dense + (shape.layers - shape.dense_layers) * moe) / shape.layers

@@ -139,16 +139,17 @@ def test_on_a_gpu_only_eager_documents_keep_their_scores(tmp_path, family: str) 
     assert eager.activations - auto.activations == layers * tokens * (heads * length * 4 + 2 * q * 4 - fused)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
-def test_on_a_cpu_every_document_keeps_its_scores(tmp_path, family: str) -> None:
+@pytest.mark.parametrize(("family", "per_score"), [("gemma2", 8), ("gpt_oss", 4)])
+def test_on_a_cpu_every_document_keeps_its_scores(tmp_path, family: str, per_score: int) -> None:
     """On a CPU flex cannot train: auto runs varlen, whose documents keep their fp32 scores (H·L² per document per
-    layer) where the same job on a GPU keeps none."""
+    layer; Gemma 2's eager attention its tanh beside its softmax) where the same job on a GPU keeps none."""
     job = _family_job(tmp_path, family)
     cpu = estimate.estimate(load_config(job), estimate.Hardware("cpu", 1, 1)).memory
     gpu = estimate.estimate(load_config(job), estimate.Hardware("h100-80gb", 1, 1)).memory
     cfg = load_config(job)
     tokens, length, layers, heads, q = cfg.train.micro_batch_size * 512, 512, 2, 4, 4 * 16
-    assert cpu.activations - gpu.activations == layers * tokens * (heads * length * 4 + 2 * q * 4 - q * 4 - heads * 4)
+    assert cpu.activations - gpu.activations == layers * tokens * (heads * length * per_score + 2 * q * 4 - q * 4
+                                                                   - heads * 4)
 
 
 def test_ring_collectives_and_young_daly() -> None:
@@ -266,10 +267,8 @@ def test_dpo_counts_a_pair_per_row_and_what_its_reference_costs() -> None:
     assert full.timing.reference == "precomputed"
     assert full.timing.reference_s == pytest.approx(forward * rows * 2 * length / peak)
     assert full.timing.reference_bytes == rows * estimate_time.REFERENCE_BYTES_PER_PAIR
-    assert full.timing.compile_s == estimate_time.COMPILE_S  # train.compile auto: the GPU compiles its blocks
     assert full.timing.total_s == pytest.approx(full.timing.train_s + full.timing.lost_work_s
-                                                + full.timing.checkpoint_overhead_s + full.timing.reference_s
-                                                + full.timing.compile_s)
+                                                + full.timing.checkpoint_overhead_s + full.timing.reference_s)
     assert "initial model's log-probabilities, one forward over the data" in estimate.render(full)
     assert any("adapters off" in note for note in lora.memory.notes)
 
