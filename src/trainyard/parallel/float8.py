@@ -75,6 +75,10 @@ def apply(model: torch.nn.Module, precision: Precision, device: torch.device, sh
     """parallelize.apply's step for fp8: refuse a device without FP8 units, convert, and log what stays bf16."""
     if precision.fp8_scaling is None:
         return
+    if any(type(param).__name__ == "NF4Tensor" for param in model.parameters()):
+        raise ConfigError("fp8 with model.quantize nf4: the 4-bit base is dequantized to bf16 for each product, which "
+                          "FP8 cannot take", where=where,
+                          fix="set train.precision: bf16-mixed, or model.quantize: none")
     require_device(device, where)
     gathers = sharded and precision.fp8_scaling == "tensorwise"
     converted, kept = convert(model, precision.fp8_scaling, all_gather=gathers)

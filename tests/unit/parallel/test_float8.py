@@ -109,3 +109,16 @@ def test_training_fp8_on_a_cpu_exits_2_naming_the_device(tmp_path: Path) -> None
     assert done.returncode == 2, done.stderr[-2000:]
     assert "fp8: this process runs on CPU" in done.stderr + done.stdout
     assert "Traceback" not in done.stderr
+
+
+def test_fp8_with_an_nf4_base_is_refused() -> None:
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    from trainyard.precision import Precision
+
+    model = tiny("lora.enabled=true", "model.config.hidden_size=128", "model.config.intermediate_size=256")
+    layer = model.get_submodule(next(n for n in float8.fp8_linears(model)[0] if "gate_proj" in n))  # 256 x 128
+    layer.weight = torch.nn.Parameter(to_nf4(layer.weight.detach()), requires_grad=False)
+    fp8 = Precision("fp8", torch.float32, torch.bfloat16, torch.bfloat16, "train.precision", "tensorwise")
+    with pytest.raises(ConfigError, match="fp8 with model.quantize nf4"):
+        float8.apply(model, fp8, torch.device("cpu"), sharded=False, where="train.precision")
