@@ -257,6 +257,11 @@ def checkpoint_bytes(cfg: JobConfig, model: Model, size: Dtypes) -> float:
     return counts.trainable * size.master * 3 + frozen
 
 
+def compiles(cfg: JobConfig, layout: Layout) -> bool:
+    """train.compile as parallel/compile.py resolves it: auto compiles on GPUs, not on CPU."""
+    return cfg.train.compile is True or (cfg.train.compile == "auto" and layout.gpu.name != "cpu")
+
+
 def young_daly_interval_s(save_s: float, mtbf_s: float) -> float:
     """The checkpoint interval that minimises save time plus expected rework: sqrt(2 C M)."""
     return math.sqrt(2 * save_s * mtbf_s)
@@ -311,7 +316,7 @@ def timing(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: in
         expert_exchanged_bytes=experts.exchanged,
         expert_exchange_link=experts.link,
         context_exchanged_bytes=context_bytes(cfg, model, layout, size, accum, cfg.train.micro_batch_size * per_row),
-        compile_s=COMPILE_S if cfg.train.compile is not False else 0.0,
+        compile_s=COMPILE_S if compiles(cfg, layout) else 0.0,
     )
 
 
