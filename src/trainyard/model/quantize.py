@@ -14,12 +14,12 @@ fused in 3-D stay in model.dtype for now (NF4Tensor is 2-D only; said in the log
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
 
 from trainyard.errors import ModelError
-from trainyard.model.build import kept_in_fp32
 
 BLOCK = 64
 SCALER_BLOCK = 256
@@ -46,6 +46,7 @@ def nf4_targets(model: torch.nn.Module, dtype: torch.dtype) -> tuple[list[str], 
     """The weights NF4 stores, and those it leaves in `dtype` (a linear one whose size is not a multiple of UNIT;
     fused 3-D expert stacks, not quantized yet), by checkpoint name, on the plain model (before LoRA): linear layers'
     weights but the head's, fp32-kept ones, and those a parent reads past the layer's forward."""
+    from trainyard.model.build import kept_in_fp32  # both only where a job quantizes: weights.py imports this
     from trainyard.model.lora import not_plain_linear
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -63,11 +64,11 @@ def nf4_targets(model: torch.nn.Module, dtype: torch.dtype) -> tuple[list[str], 
     return quantized, left
 
 
-def quantize_meta(model: torch.nn.Module, targets: set[str], shards: int, device: torch.device) -> int:
-    """Each target weight (still on meta) as a meta NF4Tensor, before the model is sharded over `shards` ranks;
-    returns how many. A weight whose rows or blocks `shards` does not divide is refused, naming it."""
-    from trainyard.model.weights import checkpoint_key
-
+def quantize_meta(model: torch.nn.Module, targets: set[str], shards: int, device: torch.device,
+                  checkpoint_key: Callable[[str], str]) -> int:
+    """Each target weight (still on meta; found by `checkpoint_key` of its name in the model) as a meta NF4Tensor,
+    before the model is sharded over `shards` ranks; returns how many. A weight whose rows or blocks `shards` does
+    not divide is refused, naming it."""
     nf4 = nf4_module()
     done = 0
     for name, module in model.named_modules():

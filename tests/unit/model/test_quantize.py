@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from tests.conftest import TINY, run_cli
 from trainyard.errors import ModelError
-from trainyard.model import quantize
+from trainyard.model import quantize, weights
 
 
 def test_nf4_without_lora_is_refused_naming_the_field_and_the_fix() -> None:
@@ -63,8 +63,9 @@ def test_a_weight_that_shards_do_not_split_into_whole_blocks_is_refused_naming_i
     model = _meta_llama(256)
     quantized, _ = quantize.nf4_targets(model, torch.float32)
     with pytest.raises(ModelError, match=r"q_proj.weight \(256, 256\) cannot be split into 8 shards"):
-        quantize.quantize_meta(model, set(quantized), 8, torch.device("cpu"))
-    assert quantize.quantize_meta(model, set(quantized), 2, torch.device("cpu")) == len(quantized)
+        quantize.quantize_meta(model, set(quantized), 8, torch.device("cpu"), weights.checkpoint_key)
+    done = quantize.quantize_meta(model, set(quantized), 2, torch.device("cpu"), weights.checkpoint_key)
+    assert done == len(quantized)
     assert quantize.is_nf4(model.model.layers[0].mlp.down_proj.weight)
 
 
