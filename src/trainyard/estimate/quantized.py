@@ -10,15 +10,12 @@ and those a fused kernel reads, whose size NF4's blocks divide; routed experts p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from trainyard.config import JobConfig
 from trainyard.precision import fp8_linears
-
-if TYPE_CHECKING:
-    from trainyard.estimate.memory import Dtypes, Layout, Memory
 
 NF4_BLOCK = 64
 """Values per NF4 block: each has an int8 scale."""
@@ -118,8 +115,9 @@ def _nf4_weights(model: torch.nn.Module) -> tuple[dict[int, int], dict[int, tupl
     return linears, stacks
 
 
-def adjust(parts: Memory, cfg: JobConfig, low: LowBit, size: Dtypes, layout: Layout, sharded: bool) -> None:
-    """memory.py's parts, each weight counted at its dtype, corrected for nf4's and fp8's weights."""
+def adjust(parts: Any, cfg: JobConfig, low: LowBit, size: Any, layout: Any, sharded: bool) -> None:
+    """memory.py's parts (its Memory), each weight counted at its dtype (Dtypes) in its Layout, corrected for nf4's
+    and fp8's weights. Its types are not imported here: memory.py imports this module."""
     gather = size.compute if size.mixed else size.master  # what FSDP2 gathers a weight in (_fsdp_buffers)
     if cfg.model.quantize == "nf4" and low.nf4:
         parts.weights += (nf4_bytes(low.nf4, low.nf4_tensors, size.frozen) - low.nf4 * size.frozen) / layout.shard
@@ -157,7 +155,7 @@ def gather_saving(cfg: JobConfig, low: LowBit, gather: int, frozen: int) -> floa
     return saved
 
 
-def _experts_gathered(layout: Layout) -> float:
+def _experts_gathered(layout: Any) -> float:
     """The share of a block's routed experts FSDP2 gathers on a rank: all without EP; under EP its experts / N,
     only where they are sharded again (the shard group is larger than EP)."""
     ep = layout.expert_parallel
