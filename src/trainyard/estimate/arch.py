@@ -12,6 +12,8 @@ from transformers.utils import logging as hf_logging
 
 from trainyard.config import JobConfig
 from trainyard.errors import ModelError
+from trainyard.estimate import quantized
+from trainyard.estimate.quantized import LowBit
 from trainyard.hardware import FlopShape, flop_shape
 from trainyard.model import attention
 from trainyard.model import build as model_room
@@ -120,6 +122,8 @@ class Counts:
     attention_windows: tuple[int | None, ...] = ()
     """Each decoder layer's sliding window (None: full causal): on a CPU a window shorter than a document makes sdpa
     take a [L, L] mask, which it keeps for backward."""
+    low_bit: LowBit = LowBit()
+    """The weights model.quantize nf4 stores in 4 bits and train.precision fp8 computes with (quantized.py)."""
 
 
 def hf_config(cfg: JobConfig):  # -> PretrainedConfig
@@ -217,6 +221,7 @@ def count(model: torch.nn.Module, shape: Shape) -> Counts:
         head_trainable=sum(p.numel() for p in output.parameters() if p.requires_grad) if output is not None else 0,
         experts=_expert_counts(model, blocks),
         norm_inputs_per_block=_norm_inputs(blocks[-1], shape) if blocks else 0,
+        low_bit=quantized.count(model, blocks),
         attention_windows=tuple(_window(block, model.config) for block in blocks),
     )
 

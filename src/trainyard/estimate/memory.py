@@ -26,6 +26,7 @@ from trainyard.estimate import arch as estimate_arch
 from trainyard.estimate import attention_memory
 from trainyard.estimate import context as context_room
 from trainyard.estimate import experts as experts_room
+from trainyard.estimate import quantized as quantized_room
 from trainyard.estimate.arch import Counts, Shape
 from trainyard.hardware import GIB, Gpu, device_bytes
 
@@ -115,6 +116,8 @@ class Memory:
     """EP's all-to-all buffers of one MoE layer: the routed (token, expert) rows sent and those received."""
     context_exchange: float = 0.0
     """CP's all-to-all buffers of one layer's attention: q, k and v sent and received."""
+    low_bit_copies: float = 0.0
+    """nf4: the one weight a product dequantizes at a time; fp8: the one weight cast to FP8, and its transpose."""
     attention_workspace: float = 0.0
     """One layer's attention at its worst moment, beside every layer's saved tensors (attention_memory.workspace)."""
     head_gradient: float = 0.0
@@ -261,6 +264,7 @@ def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_ro
         parts.notes.append(_experts_note(model, layout, size))
     if layout.context_parallel > 1:
         parts.notes.append(context_room.note(layout.context_parallel, batch))
+    quantized_room.adjust(parts, cfg, counts.low_bit, size, layout, sharded)
     _add_peak(parts, cfg, layout)
     if cfg.train.objective == "dpo":
         parts.notes.append(_dpo_words(cfg))
@@ -360,7 +364,7 @@ def _add_peak(parts: Memory, cfg: JobConfig, layout: Layout) -> None:
     activations build up."""
     static = (parts.weights + parts.lora_adapters + parts.optimizer + parts.ddp_buckets + parts.diloco_outer
               + parts.diloco_sync + parts.mixed_precision_copies + parts.fsdp_buffers + parts.expert_exchange
-              + parts.context_exchange)
+              + parts.context_exchange + parts.low_bit_copies)
     # With checkpointing the logits and their gradients are gone before the last layer is recomputed; attention's
     # workspace comes in one layer's forward or backward, never beside the loss's logits.
     recomputed = parts.recomputed_layer + parts.attention_workspace
