@@ -90,11 +90,11 @@ def count(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> LowBit:
 
 
 def _nf4_weights(model: torch.nn.Module) -> tuple[dict[int, int], dict[int, tuple[int, int, int]]]:
-    """By module id: the frozen linear weights NF4 takes (their size), and the frozen routed-expert stacks whose
-    one expert's size NF4's blocks divide (size, experts, the largest stack's size). A linear's size must be a
-    multiple of NF4_UNIT."""
+    """By module id: the frozen linear weights NF4 takes (their size), and the frozen routed-expert stacks it takes
+    (size, experts, the largest stack's size): none yet, as model.quantize.nf4_targets leaves fused 3-D experts in
+    model.dtype (NF4Tensor is 2-D only). A linear's size must be a multiple of NF4_UNIT."""
     from trainyard.model.build import kept_in_fp32
-    from trainyard.model.lora import not_plain_linear
+    from trainyard.model.layers import not_plain_linear
 
     fp32, skipped = kept_in_fp32(model, torch.bfloat16), set(not_plain_linear(model))
     head = model.get_output_embeddings()
@@ -106,12 +106,6 @@ def _nf4_weights(model: torch.nn.Module) -> tuple[dict[int, int], dict[int, tupl
             if not (module is head or weight.requires_grad or fp32(f"{name}.weight") or name in skipped
                     or weight.numel() % NF4_UNIT):
                 linears[id(module)] = weight.numel()
-        elif hasattr(module, "num_experts"):
-            frozen = [p for p in module.parameters(recurse=False) if p.dim() == 3 and not p.requires_grad]
-            divided = [p for p in frozen if (p.numel() // p.shape[0]) % NF4_UNIT == 0]
-            if divided:
-                stacks[id(module)] = (sum(p.numel() for p in divided), sum(p.shape[0] for p in divided),
-                                      max(p.numel() for p in divided))
     return linears, stacks
 
 

@@ -14,7 +14,9 @@ plus torch's own layers and the wrappers PEFT, FSDP and trainyard put around the
 
 from __future__ import annotations
 
+import functools
 import inspect
+import re
 
 import torch
 from transformers.pytorch_utils import Conv1D
@@ -137,3 +139,30 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
         return blocks
     lists = [module for module in model.modules() if isinstance(module, torch.nn.ModuleList)][:1]
     return list(lists[0]) if lists else []
+
+
+def not_plain_linear(model: torch.nn.Module) -> dict[str, str]:
+    """The Linear layers whose output is not x·Wᵀ + b through their own forward, by full name, with why."""
+    found = {}
+    for parent_name, parent in model.named_modules():
+        read = weights_read_directly(type(parent))
+        for name, child in parent.named_children():
+            if not isinstance(child, torch.nn.Linear):
+                continue
+            full = f"{parent_name}.{name}" if parent_name else name
+            if type(child).forward is not torch.nn.Linear.forward:
+                found[full] = f"{type(child).__name__}'s forward is not a plain linear map"
+            elif name in read:
+                found[full] = f"{type(parent).__name__} hands its weight to a fused kernel, past any adapter"
+    return found
+
+
+@functools.cache
+def weights_read_directly(cls: type) -> frozenset[str]:
+    """Children whose weight the class's own code reads as a tensor (`self.out_proj.weight` given to a kernel), not
+    only its dtype or device. A class without source (built at run time) reads none that can be seen."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return frozenset()
+    return frozenset(re.findall(r"self\.(\w+)\.weight\b(?!\s*\.\s*(?:dtype|device|shape|size|ndim|is_meta))", source))

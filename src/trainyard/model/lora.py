@@ -10,9 +10,6 @@ adapter silently skipped, so the defaults leave them out and a target naming one
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
-import re
 import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -27,6 +24,7 @@ from safetensors.torch import load_file
 
 from trainyard.config import LoraConfig
 from trainyard.errors import ModelError
+from trainyard.model.layers import not_plain_linear
 from trainyard.model.lora_linear import use_fused_linear_adapters
 from trainyard.model.moe_lora import use_grouped_expert_adapters
 
@@ -182,33 +180,6 @@ def resolve_target_parameters(model: torch.nn.Module, cfg: LoraConfig) -> list[s
         for name, param in module.named_parameters(recurse=False)
         if param.ndim == 3
     )
-
-
-def not_plain_linear(model: torch.nn.Module) -> dict[str, str]:
-    """The Linear layers whose output is not x·Wᵀ + b through their own forward, by full name, with why."""
-    found = {}
-    for parent_name, parent in model.named_modules():
-        read = weights_read_directly(type(parent))
-        for name, child in parent.named_children():
-            if not isinstance(child, torch.nn.Linear):
-                continue
-            full = f"{parent_name}.{name}" if parent_name else name
-            if type(child).forward is not torch.nn.Linear.forward:
-                found[full] = f"{type(child).__name__}'s forward is not a plain linear map"
-            elif name in read:
-                found[full] = f"{type(parent).__name__} hands its weight to a fused kernel, past any adapter"
-    return found
-
-
-@functools.cache
-def weights_read_directly(cls: type) -> frozenset[str]:
-    """Children whose weight the class's own code reads as a tensor (`self.out_proj.weight` given to a kernel), not
-    only its dtype or device. A class without source (built at run time) reads none that can be seen."""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return frozenset()
-    return frozenset(re.findall(r"self\.(\w+)\.weight\b(?!\s*\.\s*(?:dtype|device|shape|size|ndim|is_meta))", source))
 
 
 def refuse_not_plain(target_modules: list[str] | str, not_plain: dict[str, str]) -> None:

@@ -47,7 +47,7 @@ def nf4_targets(model: torch.nn.Module, dtype: torch.dtype) -> tuple[list[str], 
     fused 3-D expert stacks, not quantized yet), by checkpoint name, on the plain model (before LoRA): linear layers'
     weights but the head's, fp32-kept ones, and those a parent reads past the layer's forward."""
     from trainyard.model.build import kept_in_fp32  # both only where a job quantizes: weights.py imports this
-    from trainyard.model.lora import not_plain_linear
+    from trainyard.model.layers import not_plain_linear
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     kept = kept_in_fp32(model, dtype)

@@ -267,8 +267,10 @@ def test_dpo_counts_a_pair_per_row_and_what_its_reference_costs() -> None:
     assert full.timing.reference == "precomputed"
     assert full.timing.reference_s == pytest.approx(forward * rows * 2 * length / peak)
     assert full.timing.reference_bytes == rows * estimate_time.REFERENCE_BYTES_PER_PAIR
+    assert full.timing.compile_s == estimate_time.COMPILE_S  # train.compile auto: the GPU compiles its blocks
     assert full.timing.total_s == pytest.approx(full.timing.train_s + full.timing.lost_work_s
-                                                + full.timing.checkpoint_overhead_s + full.timing.reference_s)
+                                                + full.timing.checkpoint_overhead_s + full.timing.reference_s
+                                                + full.timing.compile_s)
     assert "initial model's log-probabilities, one forward over the data" in estimate.render(full)
     assert any("adapters off" in note for note in lora.memory.notes)
 

@@ -102,12 +102,13 @@ def test_the_dry_run_says_nf4_is_what_makes_it_fit(tmp_path: Path) -> None:
 
 def test_the_seed_jobs_fit_with_nf4() -> None:
     """Seed 000 (GLM-4.5-Air, 108B) LoRA on one node of 8 H200 instead of two, and seed 002's Mistral-7B LoRA on one
-    24 GB GPU, as `trainyard estimate` prints them."""
+    24 GB GPU, as `trainyard estimate` prints them. GLM's routed experts (most of its weights) stay in bf16 until
+    nf4 quantizes fused 3-D experts: it fits one node by expert parallelism, nf4 taking its dense layers only."""
     glm = run_cli("estimate", GLM, "model.quantize=nf4", "--gpu", "h200", "--gpus-per-node", "8", "--json")
     assert glm.returncode == 0, glm.stderr
     mistral = run_cli("estimate", MISTRAL, "model.quantize=nf4", "--gpu", "l4", "--json")
     assert mistral.returncode == 0, mistral.stderr
-    for result, most in ((json.loads(glm.stdout), 25 * 2**30), (json.loads(mistral.stdout), 12 * 2**30)):
+    for result, most in ((json.loads(glm.stdout), 40 * 2**30), (json.loads(mistral.stdout), 12 * 2**30)):
         assert result["fits"] and result["peak_bytes_per_device"] < most
         assert any(note.startswith("nf4: ") for note in result["notes"])
 
