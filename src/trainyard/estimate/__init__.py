@@ -197,10 +197,11 @@ def _with(cfg: JobConfig, **changes: Any) -> JobConfig:
     return changed
 
 
-def _candidates(cfg: JobConfig, hardware: Hardware) -> list[tuple[str, JobConfig, Hardware]]:
+def _candidates(cfg: JobConfig, hardware: Hardware, shape: mem.Shape) -> list[tuple[str, JobConfig, Hardware]]:
     """Changes in the order they cost least: activation checkpointing (kept for the rest), then a smaller
-    micro-batch, then fsdp instead of ddp, then (a LoRA job) its frozen base in 4 bits, then more nodes under fsdp.
-    LoRA is never proposed: it changes the job."""
+    micro-batch, then fsdp instead of ddp, then each document split over N of a node's GPUs (context parallelism),
+    then (a LoRA job) its frozen base in 4 bits, then more nodes under fsdp. LoRA is never proposed: it changes the
+    job."""
     steps: list[tuple[str, JobConfig, Hardware]] = []
     words: list[str] = []
     if not cfg.model.gradient_checkpointing:
@@ -219,10 +220,33 @@ def _candidates(cfg: JobConfig, hardware: Hardware) -> list[tuple[str, JobConfig
         words.append("dist.strategy=fsdp")
         if not alone:
             steps.append((" ".join(words), cfg, hardware))
+    if not alone:
+        steps += _context_steps(words, cfg, hardware, shape)
     steps += _nf4_step(*(one_gpu if alone else (words, cfg)), hardware)
     for nodes in range(hardware.nodes + 1, MAX_NODES + 1):
         more = Hardware(hardware.gpu, hardware.gpus_per_node, nodes, hardware.network_gbps)
         steps.append((" ".join([*words, f"--nodes {nodes}"]), cfg, more))
+    return steps
+
+
+def _context_steps(words: list[str], cfg: JobConfig, hardware: Hardware,
+                   shape: mem.Shape) -> list[tuple[str, JobConfig, Hardware]]:
+    """A document too long for one device's activations: its tokens split over N GPUs of a node (the all-to-alls
+    stay inside it), the least N first, where the job's rules and the family allow context parallelism."""
+    from trainyard.parallel.context_parallel import FAMILIES  # its modeling imports only where a job may use CP
+
+    if cfg.dist.context_parallel != 1 or shape.family not in FAMILIES:
+        return []
+    steps = []
+    for size in range(2, hardware.gpus_per_node + 1):
+        if hardware.gpus_per_node % size or shape.heads % size:
+            continue
+        split = _with(cfg, **{"dist.context_parallel": size})
+        try:  # the job's own rules (sft, padding-free rows, no expert parallelism), as loading the file would apply
+            type(cfg).model_validate(split.model_dump(by_alias=True))
+        except (ValidationError, ConfigError):
+            return []
+        steps.append((" ".join([*words, f"dist.context_parallel={size}"]), split, hardware))
     return steps
 
 
@@ -242,7 +266,7 @@ def _nf4_step(words: list[str], cfg: JobConfig, hardware: Hardware) -> list[tupl
 def cheapest_fix(cfg: JobConfig, model: mem.Model, hardware: Hardware,
                  lengths: estimate_time.Lengths = estimate_time.Lengths()) -> str:
     """The first change (with those before it) whose estimate fits, in words and as overrides."""
-    for words, changed, where in _candidates(cfg, hardware):
+    for words, changed, where in _candidates(cfg, hardware, model.shape):
         try:
             attempt = estimate(changed, where, model=model, suggest=False, lengths=lengths)
         except ConfigError:  # e.g. a global batch that a smaller micro-batch no longer divides

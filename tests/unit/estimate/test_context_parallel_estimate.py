@@ -86,3 +86,21 @@ def test_trace_refuses_context_parallelism_naming_the_field() -> None:
     with pytest.raises(ConfigError, match="does not model dist.context_parallel 8") as err:
         trace.trace(job(8), H100_8, layers=2)
     assert err.value.where is not None and "without --trace" in (err.value.fix or "")
+
+
+def test_a_document_too_long_for_one_device_is_split_by_the_cheapest_fix(model) -> None:
+    """Checkpointed FSDP2 on 8 H100s cannot hold one 524,288-token document's activations on a device: the cheapest
+    fix splits it over the fewest of the node's GPUs that fit it, before proposing more nodes."""
+    long = ["data.max_length=524288", "model.gradient_checkpointing=true", "dist.strategy=fsdp"]
+    result = estimate.estimate(job(1, *long), H100_8, model=model)
+    assert not result.fits
+    size = int(result.fix.split("dist.context_parallel=")[1].split()[0])
+    assert estimate.estimate(job(size, *long), H100_8, model=model, suggest=False).fits
+    assert not estimate.estimate(job(size // 2, *long), H100_8, model=model, suggest=False).fits, result.fix
+    assert "--nodes" not in result.fix
+
+
+def test_no_split_is_proposed_where_the_job_cannot_run_context_parallelism(model) -> None:
+    long = ["data.max_length=524288", "model.gradient_checkpointing=true", "dist.strategy=fsdp"]
+    unpadded = estimate.estimate(job(1, *long, "data.padding_free=false"), H100_8, model=model)
+    assert not unpadded.fits and "dist.context_parallel" not in unpadded.fix
