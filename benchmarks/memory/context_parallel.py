@@ -1,15 +1,15 @@
-"""Context parallelism against one process on one long document (issue 50, item 6): a ~0.1B Llama (random init from
-its config, the byte tokenizer), LoRA, fp32, activation checkpointing, one 16,384-token document of real text a step.
+"""Context parallelism against one process on one long document (issue 50, item 6): a ~0.1B Llama (random init from its
+config, the byte tokenizer), LoRA, fp32, activation checkpointing, one 16,384-token document of real text a step.
 
     python benchmarks/memory/context_parallel.py                   # 1 process, then CP 2 on 2 processes
     python benchmarks/memory/context_parallel.py --tokens 2048     # a quick check of the mechanics
 
-Each process has one core (OMP_NUM_THREADS=1, as torchrun sets for each CP rank). Each run trains `--steps` steps of the same document with `trainyard.train.recipe.run`, as `trainyard train` runs a
-rank. Per rank: the peak RSS (VmHWM), the seconds spent in CP's all-to-alls (`dist.all_to_all_rows`, timed on the
-host: gloo's all-to-all returns when the data has arrived; every step exchanges the same bytes, so a step's share
-is the run's over its steps), and from metrics.jsonl the steps after the first (which carries one-time costs):
-tokens/s per process and seconds a step. Prints one JSON line per run and the ratios; no assertions.
-"""
+Each process has one core (OMP_NUM_THREADS=1, as torchrun sets for each CP rank). Each run trains `--steps` steps of
+the same document with `trainyard.train.recipe.run`, as `trainyard train` runs a rank. Per rank: the peak RSS
+(VmHWM), the seconds spent in CP's all-to-alls (`dist.all_to_all_rows`, timed on the host: gloo's all-to-all returns
+when the data has arrived; every step exchanges the same bytes, so a step's share is the run's over its steps), and
+from metrics.jsonl the steps after the first (which carries one-time costs): tokens/s per process and seconds a
+step. Prints one JSON line per run and the ratios; no assertions."""
 
 from __future__ import annotations
 

@@ -1,14 +1,15 @@
 """Context parallelism (dist.context_parallel 2 on 2 ranks, fsdp; and 2 CP groups x FSDP 2 on 4 ranks) computes the
 single process's loss and every gradient, for llama, qwen3, mistral (sliding windows of 8), gemma2 (soft-capping,
-alternating windows) and gpt_oss (sinks, each rank its heads' share), with LoRA and with full fine-tuning: both ranks take
-the same padding-free row of three documents from the training collator, each its half (the second document
-crosses the halves' boundary; the row's odd length is padded), and attention trades the halves for heads around
-the whole row's documents. Also with one KV head (repeated for the 2 ranks) and under activation checkpointing (the
-backward recomputes the exchange). One script runs every job (tests/dist/scripts/context_parallel.py).
+alternating windows) and gpt_oss (sinks, each rank its heads' share), with LoRA and with full fine-tuning: both
+ranks take the same padding-free row of three documents from the training collator, each its half (the second
+document crosses the halves' boundary; the row's odd length is padded), and attention trades the halves for heads
+around the whole row's documents. Also with one KV head (repeated for the 2 ranks) and under activation
+checkpointing (the backward recomputes the exchange). One script runs every job
+(tests/dist/scripts/context_parallel.py).
 
 Tolerance: fp32; the worst loss differs by < 1e-7 of its value and the worst gradient by < 5e-7 of its largest
-(measured on every job): the ranks' gradients are summed in another order. Each rank attending only its own half
-(no exchange) is off by 3e-4 in the loss and 0.4-0.6 in the gradients."""
+(measured on every job): the ranks' gradients are summed in another order. Each rank attending only its own half (no
+exchange) is off by 3e-4 in the loss and 0.4-0.6 in the gradients."""
 
 from __future__ import annotations
 

@@ -1,15 +1,14 @@
-"""Run under torchrun (2 or 4 ranks): for each job, with LoRA and with full fine-tuning, build the model the way training
-does (`build.build_and_wrap`, dist.strategy fsdp, dist.context_parallel 2, fp32), collate one padding-free row of
-several documents through the training collator (each rank its slice; one document crosses the slice boundary and
-the row's odd length is padded), run the training loss with the loop's scale (world / global targets), and compare
-the ranks' summed loss and every trainable parameter's gradient with a 1-process build on rank 0 that takes the
-whole row. On 4 ranks there are two CP groups (CP 2 x FSDP 2: the weights sharded over all four); both take the same
-row, so the ranks' loss is twice the row's and FSDP's average over the world gives the row's gradient.
+"""Run under torchrun (2 or 4 ranks): for each job, with LoRA and with full fine-tuning, build the model the way
+training does (`build.build_and_wrap`, dist.strategy fsdp, dist.context_parallel 2, fp32), collate one padding-free
+row of several documents through the training collator (each rank its slice; one document crosses the slice boundary
+and the row's odd length is padded), run the training loss with the loop's scale (world / global targets), and
+compare the ranks' summed loss and every trainable parameter's gradient with a 1-process build on rank 0 that takes
+the whole row. On 4 ranks there are two CP groups (CP 2 x FSDP 2: the weights sharded over all four); both take the
+same row, so the ranks' loss is twice the row's and FSDP's average over the world gives the row's gradient.
 
 argv: result file, a JSON object {job: {"settings": HF config settings (model_type included), "parallel": extra
-overrides}}. Rank 0 writes one JSON line per (job, lora): job, lora, loss_rel, grad_rel, worst, trainable,
-slices (each rank's [tokens, targets, real tokens, first position]), ok_error. A failure is caught per job.
-"""
+overrides}}. Rank 0 writes one JSON line per (job, lora): job, lora, loss_rel, grad_rel, worst, trainable, slices
+(each rank's [tokens, targets, real tokens, first position]), ok_error. A failure is caught per job."""
 
 from __future__ import annotations
 
