@@ -22,6 +22,7 @@ from trainyard.errors import ConfigError, ModelError, OptionError
 from trainyard.estimate import host as host_room
 from trainyard.estimate import memory as mem
 from trainyard.estimate import timing as estimate_time
+from trainyard.model.documents import CONTEXT_PARALLEL_FAMILIES
 
 # How far "more GPUs" looks for a layout that fits, in nodes.
 MAX_NODES = 64
@@ -233,9 +234,7 @@ def _context_steps(words: list[str], cfg: JobConfig, hardware: Hardware,
                    shape: mem.Shape) -> list[tuple[str, JobConfig, Hardware]]:
     """A document too long for one device's activations: its tokens split over N GPUs of a node (the all-to-alls
     stay inside it), the least N first, where the job's rules and the family allow context parallelism."""
-    from trainyard.parallel.context_parallel import FAMILIES  # its modeling imports only where a job may use CP
-
-    if cfg.dist.context_parallel != 1 or shape.family not in FAMILIES:
+    if cfg.dist.context_parallel != 1 or shape.family not in CONTEXT_PARALLEL_FAMILIES:
         return []
     steps = []
     for size in range(2, hardware.gpus_per_node + 1):

@@ -14,6 +14,10 @@ HOST_BOUNDS: set[str] = set()
 adds its name where it registers with transformers (attention.py: trainyard's and torch's varlen; the
 context-parallel exchange, which wraps them)."""
 DOCUMENT_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+CONTEXT_PARALLEL_FAMILIES = ("llama", "qwen3", "mistral", "gemma2", "gpt_oss")
+"""Families whose documents, split over a context-parallel group, give one process's loss and every gradient
+(tests/dist/test_context_parallel.py): sliding windows (mistral, gemma2, gpt_oss), soft-capping (gemma2) and sinks
+(gpt_oss) included. parallel.context_parallel runs them; the estimate proposes CP for them only."""
 
 
 def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, config: Any) -> dict[str, Any]:

@@ -42,9 +42,7 @@ checked under the exchange on a GPU). Without those bounds varlen reads the whol
 varlen kernels are not yet checked on a GPU; sdpa and eager build their mask from the rank's slice, which would be
 wrong."""
 STRATEGIES = ("fsdp", "hsdp")
-FAMILIES = ("llama", "qwen3", "mistral", "gemma2", "gpt_oss")
-"""Families whose CP loss and gradients are proven equal to one process's (tests/dist/test_context_parallel.py):
-sliding windows (mistral, gemma2, gpt_oss), soft-capping (gemma2) and sinks (gpt_oss) included."""
+FAMILIES = documents.CONTEXT_PARALLEL_FAMILIES
 
 
 @dataclass(frozen=True)

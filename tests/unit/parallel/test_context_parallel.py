@@ -48,7 +48,7 @@ def test_a_refusal_exits_2_without_a_traceback() -> None:
 def test_the_model_check_refuses_what_is_not_proven_exact() -> None:
     llama = build("llama", VARLEN)
     context_parallel.check(llama, 2, 4, DataConfig(path="x.jsonl"), WHERE)  # 4 heads, 4 ranks: runs
-    assert "not proven exact for gemma2" in refusal(build("gemma2", VARLEN))
+    assert "not proven exact for olmo2" in refusal(build("olmo2", VARLEN))
     assert "must divide the attention heads (4)" in refusal(llama, size=3, shard=3)
     assert "must divide the shard dimension (3 ranks)" in refusal(llama, size=2, shard=3)
     assert "runs trainyard's varlen attention inside its exchange; llama runs sdpa" in refusal(build("llama", "sdpa"))
