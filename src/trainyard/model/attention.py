@@ -230,6 +230,7 @@ def refuse_dropped(requested: str, model: torch.nn.Module, where: str | None = N
             where=where,
             fix="set data.padding_free: false (and data.packing: false): rows of one document each are exact",
         )
+    layers.refuse_other_masks(requested, model, where)
     found = features(model, packed)
     dropped = [feature for feature in found if requested != "auto" and requested not in SUPPORTED_BY[feature]]
     if dropped:

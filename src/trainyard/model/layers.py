@@ -21,6 +21,8 @@ import re
 import torch
 from transformers.pytorch_utils import Conv1D
 
+from trainyard.errors import ModelError
+
 LINEAR_ATTENTION, STATE_SPACE, SHORT_CONVOLUTION, RECURRENT = (
     "linear attention", "state-space", "short causal convolution", "recurrent")
 CARRIERS = {
@@ -98,6 +100,16 @@ def own_attention(model: torch.nn.Module) -> list[str]:
     trainyard's attention never sees their documents, so they would read a row of documents as one."""
     classes = dict.fromkeys(type(m) for block in _blocks(model) for m in block.modules() if kind(m) == ATTENTION)
     return [cls.__name__ for cls in classes if cls.__name__ in OWN_MASK or INTERFACE not in _source(cls.forward)]
+
+
+def refuse_other_masks(requested: str, model: torch.nn.Module, where: str | None) -> None:
+    """A family whose attention is its own code reads the mask transformers makes for sdpa or eager (auto picks one
+    of them): another implementation's mask kind would have it train another function, with no error of its own."""
+    own = own_attention(model)
+    if own and requested not in ("auto", "sdpa", "eager"):
+        raise ModelError(f"model.attn_implementation: {requested}: {', '.join(own)} computes attention in its own "
+                         "code, which reads only the masks sdpa and eager make", where=where,
+                         fix="use auto, sdpa or eager")
 
 
 def window_only_in_mask(model: torch.nn.Module) -> list[str]:

@@ -53,6 +53,9 @@ def test_a_family_with_attention_of_its_own_gets_its_own_mask_and_padded_rows() 
     model = matrix.build("falcon")
     assert layers.own_attention(model) == ["FalconAttention"]
     assert attention.choose("auto", model, torch.device("cpu")) == "sdpa"
+    with pytest.raises(ModelError, match=r"varlen: FalconAttention computes attention in its own code"):
+        attention.choose("varlen", model, torch.device("cpu"))  # asked for by name: refused, not trained wrong
+    assert attention.choose("eager", model, torch.device("cpu")) == "eager"
     assert "FalconAttention (its own attention" in attention.padded_rows(model, DataConfig())
     want = matrix.losses(matrix.build("falcon"), collate(matrix.rows(), pad_id=0, padding_free=False))[0]
     model.config._attn_implementation = attention.VARLEN  # set after the build, as trainyard sets it
