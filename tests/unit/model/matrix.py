@@ -61,13 +61,18 @@ def losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> list[float
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
                                                  ignore_index=-100)
         loss.backward()
-        with torch.no_grad():
-            for param in model.parameters():
-                if param.grad is not None:
-                    param -= LR * param.grad
-                    param.grad = None
+        sgd_step(model, LR)
         seen.append(loss.item())
     return seen
+
+
+def sgd_step(model: torch.nn.Module, lr: float) -> None:
+    """Plain gradient descent: both sides of a comparison take the same update, with no optimizer state."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.grad is not None:
+                param -= lr * param.grad
+                param.grad = None
 
 
 def outcome(model_type: str) -> dict[str, Any]:

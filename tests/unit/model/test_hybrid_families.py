@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from tests.conftest import run_cli
 from tests.unit.model.families import BASE, documents
+from tests.unit.model.matrix import sgd_step
 from tests.unit.model.test_families import CPU, TOLERANCE, packed_loss
 from trainyard.config import DataConfig, LoraConfig
 from trainyard.data.collate import collate
@@ -70,11 +71,7 @@ def losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> list[float
     for _ in range(STEPS):
         loss = model(**inputs, use_cache=False).loss
         loss.backward()
-        with torch.no_grad():
-            for param in model.parameters():
-                if param.grad is not None:
-                    param -= LR * param.grad
-                    param.grad = None
+        sgd_step(model, LR)
         seen.append(loss.item())
     return seen
 
