@@ -27,8 +27,11 @@ class MicroBatch:
 
 
 def data_ranks(cfg: JobConfig, world_size: int) -> int:
-    """The data-parallel ranks of `world_size` processes: each context-parallel group reads one rank's rows."""
-    return max(world_size // cfg.dist.context_parallel, 1)
+    """The data-parallel ranks of `world_size` processes: each context-parallel group reads one rank's rows.
+    dist.context_parallel auto, before the plan resolves it (a launcher's check of a node range): every rank, the
+    strictest global-batch rule, since a batch that W ranks divide W / N divide too."""
+    size = cfg.dist.context_parallel
+    return max(world_size // (1 if size == "auto" else size), 1)
 
 
 def steps_for_epochs(cfg: JobConfig, rows: int, world_size: int, saved_samples: int | None = None) -> int:
@@ -65,7 +68,7 @@ def accumulation_steps(cfg: JobConfig, world_size: int, saved_samples: int | Non
     """
     train = cfg.train
     per_pass_samples = train.micro_batch_size * world_size
-    ranks = "world_size" if cfg.dist.context_parallel == 1 else "data ranks (world / dist.context_parallel)"
+    ranks = "world_size" if cfg.dist.context_parallel in (1, "auto") else "data ranks (world / dist.context_parallel)"
     if train.global_batch_size is not None:
         total, unit, field = train.global_batch_size, per_pass_samples, "train.global_batch_size"
         head = f"{field}={total}"

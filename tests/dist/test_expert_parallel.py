@@ -2,7 +2,9 @@
 full fine-tuning, the single process's loss and gradients: each rank holds half of every expert stack and its
 adapters (not sharded further), tokens travel to their experts and back, and each rank trains on its own
 micro-batch, so the experts receive both ranks' tokens. One script runs every job (tests/dist/scripts/
-expert_parallel.py).
+expert_parallel.py). The hybrids (HYBRIDS) carry a state along each row in their Gated DeltaNet, Mamba or
+short-convolution layers beside attention, on the rows trainyard collates for them: EP moves only the experts'
+tokens, so those layers see each rank's rows whole, as one process does.
 
 Tolerance: fp32; the losses come out bitwise equal and the worst gradient differs by < 4e-7 of its largest value
 (measured on every job): the grouped products run on fewer rows per call and the ranks' gradients are summed in
@@ -16,12 +18,16 @@ import json
 import pytest
 
 from tests.conftest import run_script
+from tests.unit.model import registry
 from tests.unit.model.families import settings
 from tests.world import World
 
 pytestmark = [pytest.mark.dist, pytest.mark.worlds]
 
 FAMILIES = ["qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss"]
+HYBRIDS = ["qwen3_next", "granitemoehybrid", "lfm2_moe"]
+"""One of each kind of layer that carries a state: linear attention, state-space (with a shared expert), a short
+causal convolution; their tiny configs are the family matrix's (tests/unit/model/registry.py)."""
 TOKENIZER_KEYS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")
 IDLE = "glm4_moe_idle_expert"
 """glm4_moe with its last expert's score correction bias at -1e4: no token on any rank chooses it."""
@@ -44,7 +50,8 @@ experts' rows: [experts of an EP rank, ranks FSDP2 shards them over (replicas in
 
 
 def job(family: str, idle: int | None = None, parallel: list[str] | None = None) -> dict:
-    settings_ = {k: v for k, v in settings(family).items() if k not in TOKENIZER_KEYS}
+    found = registry.settings(family) if family in HYBRIDS else settings(family)
+    settings_ = {k: v for k, v in found.items() if k not in TOKENIZER_KEYS}
     return {"settings": settings_, "idle": idle, **({"parallel": parallel} if parallel else {})}
 
 
@@ -52,7 +59,7 @@ def job(family: str, idle: int | None = None, parallel: list[str] | None = None)
 def results(world: World, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], dict]:
     out = tmp_path_factory.mktemp("expert-parallel") / "results.jsonl"
     checkpointed = ["dist.strategy=fsdp", "dist.expert_parallel=2", "model.gradient_checkpointing=true"]
-    jobs = {family: job(family) for family in FAMILIES} | {
+    jobs = {family: job(family) for family in FAMILIES + HYBRIDS} | {
         IDLE: job("glm4_moe", idle=3), CHECKPOINTED: job("glm4_moe", parallel=checkpointed),
         FOLDED: job("gpt_oss", parallel=["dist.strategy=fsdp", "dist.expert_parallel=2", "lora.moe_adapter=peft"]),
     }
@@ -62,7 +69,7 @@ def results(world: World, tmp_path_factory: pytest.TempPathFactory) -> dict[tupl
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + HYBRIDS)
 def test_expert_parallel_loss_and_gradients_match_one_process(
     results: dict[tuple[str, bool], dict], family: str, lora: bool
 ) -> None:

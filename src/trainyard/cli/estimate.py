@@ -52,9 +52,10 @@ def estimate_command(
     estimate.check_options(hardware, assumptions)  # before the model is built: bad options fail at once
     cfg = config_room.load_config(config_path, overrides)
     if trace:
+        from trainyard.plan import context_parallel
         from trainyard.train import trace as step_trace
 
-        traced = step_trace.trace(cfg, hardware)
+        traced = step_trace.trace(context_parallel(cfg, hardware)[0], hardware)  # auto: the size the plan takes
         print(json.dumps(step_trace.to_json(traced), indent=2) if as_json else step_trace.render(traced))
         return
     from trainyard.plan.reading import data_lengths

@@ -96,14 +96,17 @@ class DistConfig(Section):
     attention, shared experts and dense layers stay sharded as before. 1: no expert parallelism. auto: the plan
     picks the largest size within a node that divides the experts and the shard group where the estimate shows
     the all-to-all sends fewer bytes than FSDP2's gathers of the experts, else 1 (dense models: 1)."""
-    context_parallel: int = Field(1, ge=1)
+    context_parallel: Annotated[int, Field(ge=1)] | Literal["auto"] = 1
     """fsdp/hsdp, padding-free rows: each group of this many ranks trains the same rows, each rank holding a
     contiguous 1/N of every row's tokens through the whole block (Ulysses: an all-to-all around attention trades the
     sequence shard for a head shard, so each rank attends whole documents for heads / N). Carved out of the shard
     dimension: must divide it (and the heads). Activations per rank fall by about N; the data-parallel size, the
     sampler's and the global batch's, is the world / N. Full checkpoints resume at another CP size. 1: none. Not yet
-    with dist.expert_parallel, diloco, DPO, or families whose rows are padded (hybrid layers); proven for llama,
-    qwen3, mistral, gemma2 and gpt_oss."""
+    with dist.expert_parallel, diloco, DPO, or families whose layers carry a state along the row (linear attention,
+    state-space, short convolutions: refused naming them); proven for llama, qwen3, mistral, gemma2 and gpt_oss.
+    auto: where the estimate shows the job does not fit a device as it is (a document's activations), the plan takes
+    the fewest of a node's GPUs that fit it (the cheapest fix's split), under fsdp/hsdp; else 1 (it fits, no split
+    fits, the family or the job cannot run CP, one process). The dry run says which and why."""
     defer_grad_sync: bool = False
     """fsdp/hsdp with accumulation: reduce gradients only on a window's last micro-batch. Trades memory
     for speed: unsharded gradients of the whole model live until then (off: each micro-batch
@@ -141,6 +144,8 @@ class DistConfig(Section):
     @model_validator(mode="after")
     def _context_parallel_only_when_sharded(self) -> "DistConfig":
         size = self.context_parallel
+        if size == "auto":  # the plan resolves it to a size these rules allow, or 1
+            return self
         if size > 1 and self.strategy not in ("fsdp", "hsdp"):
             raise ValueError(
                 f"dist.context_parallel {size} needs dist.strategy fsdp or hsdp (CP is carved out of the shard "

@@ -61,7 +61,7 @@ class JobConfig(Section):
     @model_validator(mode="after")
     def _context_parallel_fits_the_job(self) -> "JobConfig":
         size = self.dist.context_parallel
-        if size == 1:
+        if size in (1, "auto"):  # auto: 1 where these rules refuse CP (plan.context_parallel)
             return self
         if self.train.objective != "sft":
             raise ValueError(f"dist.context_parallel {size} runs train.objective sft only yet, not "

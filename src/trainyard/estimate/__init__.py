@@ -16,12 +16,13 @@ import torch
 from pydantic import ValidationError
 
 from trainyard import hardware as machines  # `hardware` names the Hardware a function plans for
-from trainyard.batch import accumulation_steps, data_ranks
+from trainyard.batch import accumulation_steps, data_ranks, steps_for_epochs
 from trainyard.config import JobConfig
 from trainyard.errors import ConfigError, ModelError, OptionError
 from trainyard.estimate import host as host_room
 from trainyard.estimate import memory as mem
 from trainyard.estimate import timing as estimate_time
+from trainyard.estimate.context import CONTEXT_STRATEGIES
 from trainyard.model.documents import CONTEXT_PARALLEL_FAMILIES
 
 # How far "more GPUs" looks for a layout that fits, in nodes.
@@ -71,6 +72,8 @@ class Estimate:
     mfu: float = estimate_time.DEFAULT_MFU
     """The MFU step time is priced at: assumed (--mfu), never measured for the path and GPU."""
     """The micro-batch memory was planned for."""
+    context_parallel_why: str = ""
+    """dist.context_parallel auto: why this size (context_parallel_auto)."""
 
     @property
     def device_bytes(self) -> int:
@@ -119,6 +122,7 @@ def estimate(cfg: JobConfig, hardware: Hardware, assumptions: Assumptions = Assu
     else:
         network_gbps, network = hardware.network_gbps, "--network-gbps"
     model = model or mem.model_of(cfg)
+    cfg, context_why = context_parallel_auto(cfg, hardware, model, lengths)
     batch = lengths.largest_micro_batch(cfg)
     if cfg.dist.strategy == "auto" and hardware.gpus_per_node * hardware.nodes > 1:
         device = mem.device_bytes(kind, hardware.gpus_per_node)
@@ -145,6 +149,7 @@ def estimate(cfg: JobConfig, hardware: Hardware, assumptions: Assumptions = Assu
         lengths=lengths.source,
         micro_batch=batch,
         mfu=assumptions.mfu,
+        context_parallel_why=context_why,
     )
     if suggest and not result.fits:
         result.fix = cheapest_fix(cfg, model, hardware, lengths)
@@ -162,8 +167,10 @@ def planned_peak(cfg: JobConfig, strategy: str, world: int, per_node: int, devic
                  batch: mem.MicroBatch | None = None) -> int:
     """The job's predicted peak bytes per rank under `strategy` on `world` ranks, `per_node` of them per node,
     on devices of `device_bytes`, for the micro-batch `batch` (default: mem.micro_batch_bound): what
-    `dist.strategy: auto` (plan.choose_strategy) decides from."""
-    planned = _with(cfg, **{"dist.shard_size": None, "dist.strategy": strategy})
+    `dist.strategy: auto` (plan.choose_strategy) decides from; without CP where dist.context_parallel is auto (it is
+    resolved on the strategy chosen: context_parallel_auto)."""
+    whole = {"dist.context_parallel": 1} if cfg.dist.context_parallel == "auto" else {}
+    planned = _with(cfg, **whole, **{"dist.shard_size": None, "dist.strategy": strategy})
     model = mem.model_of(cfg)
     kind = machines.Gpu("planned", device_bytes, "planned", 0.0)
     layout = mem.resolve_strategy(planned, model, kind, per_node, math.ceil(world / per_node))
@@ -234,19 +241,74 @@ def _context_steps(words: list[str], cfg: JobConfig, hardware: Hardware,
                    shape: mem.Shape) -> list[tuple[str, JobConfig, Hardware]]:
     """A document too long for one device's activations: its tokens split over N GPUs of a node (the all-to-alls
     stay inside it), the least N first, where the job's rules and the family allow context parallelism."""
-    if cfg.dist.context_parallel != 1 or shape.family not in CONTEXT_PARALLEL_FAMILIES:
+    if cfg.dist.context_parallel != 1:
         return []
-    steps = []
-    for size in range(2, hardware.gpus_per_node + 1):
-        if hardware.gpus_per_node % size or shape.heads % size:
+    splits, _ = context_splits(cfg, hardware, shape)
+    return [(" ".join([*words, f"dist.context_parallel={size}"]), split, hardware) for size, split in splits]
+
+
+def context_splits(cfg: JobConfig, hardware: Hardware, shape: mem.Shape) -> tuple[list[tuple[int, JobConfig]], str]:
+    """The CP sizes a job of dist.strategy fsdp/hsdp can take on `hardware`, least first, each with the job at that
+    size: those dividing a node's GPUs, the shard group and the heads, where the family and the job's rules allow
+    CP; else why none."""
+    if shape.family not in CONTEXT_PARALLEL_FAMILIES:
+        return [], f"context parallelism is not proven exact for {shape.family}"
+    gpus = hardware.gpus_per_node
+    shard = mem.shard_size(cfg, cfg.dist.strategy, gpus * hardware.nodes, gpus)
+    splits = []
+    for size in range(2, gpus + 1):
+        if gpus % size or shard % size or shape.heads % size:
             continue
-        split = _with(cfg, **{"dist.context_parallel": size})
         try:  # the job's own rules (sft, padding-free rows, no expert parallelism), as loading the file would apply
+            split = _with(cfg, **{"dist.context_parallel": size})
             type(cfg).model_validate(split.model_dump(by_alias=True))
-        except (ValidationError, ConfigError):
-            return []
-        steps.append((" ".join([*words, f"dist.context_parallel={size}"]), split, hardware))
-    return steps
+        except ValidationError as err:
+            return [], err.errors()[0]["msg"].removeprefix("Value error, ")
+        except ConfigError as err:
+            return [], err.what
+        splits.append((size, split))
+    if not splits:
+        return [], f"no size divides a node's {gpus} GPUs, the shard group ({shard}) and the {shape.heads} heads"
+    return splits, ""
+
+
+def context_parallel_auto(cfg: JobConfig, hardware: Hardware, model: mem.Model | None = None,
+                          lengths: estimate_time.Lengths = estimate_time.Lengths()) -> tuple[JobConfig, str]:
+    """dist.context_parallel auto, the one rule of the dry run, the estimate and `train` (plan.context_parallel): 1
+    where the job fits a device as it is; else the fewest of a node's GPUs whose split of every row makes it fit (the
+    cheapest fix's CP step, the rest of the job unchanged); 1 where none does or the job cannot run CP. The job with
+    that size, and why; a size above 1 comes with the strategy (and EP size) it was planned under, which CP needs
+    set. A job that names a size comes back as it is."""
+    if cfg.dist.context_parallel != "auto":
+        return cfg, ""
+    alone = _with(cfg, **{"dist.context_parallel": 1})
+    if hardware.gpus_per_node * hardware.nodes == 1:
+        return alone, "one process"
+    model = model or mem.model_of(cfg)
+    whole = estimate(alone, hardware, model=model, suggest=False, lengths=lengths)
+    as_it_is = (f"peak {whole.memory.peak / machines.GIB:.1f} GiB per device as it is, of "
+                f"{whole.device_bytes / machines.GIB:.1f}")
+    if whole.fits:
+        return alone, f"the job fits without it ({as_it_is})"
+    layout = whole.layout
+    if layout.strategy not in CONTEXT_STRATEGIES:
+        return alone, f"the job does not fit ({as_it_is}), but CP is carved out of fsdp/hsdp, not {layout.strategy}"
+    planned = _with(alone, **{"dist.shard_size": cfg.dist.shard_size if layout.strategy == "hsdp" else None,
+                              "dist.strategy": layout.strategy, "dist.expert_parallel": layout.expert_parallel})
+    splits, why = context_splits(planned, hardware, model.shape)
+    if not splits:
+        return alone, f"the job does not fit ({as_it_is}), but {why}"
+    for size, split in splits:
+        attempt = estimate(split, hardware, model=model, suggest=False, lengths=lengths)
+        peak = f"peak {attempt.memory.peak / machines.GIB:.1f} GiB"
+        if attempt.fits:
+            train = split.train
+            if train.epochs is not None and train.epoch_rows:  # the steps over the rows of world / N data ranks
+                train.max_steps = steps_for_epochs(split, train.epoch_rows, data_ranks(split, layout.world))
+            return split, (f"the job does not fit ({as_it_is}); {size} of a node's {hardware.gpus_per_node} GPUs "
+                           f"are the fewest whose split fits it ({peak})")
+    return alone, (f"the job does not fit ({as_it_is}), nor split over a node's {hardware.gpus_per_node} GPUs "
+                   f"({peak} at context parallel {size})")
 
 
 def _nf4_step(words: list[str], cfg: JobConfig, hardware: Hardware) -> list[tuple[str, JobConfig, Hardware]]:
@@ -292,6 +354,7 @@ def to_json(result: Estimate) -> dict[str, Any]:
         "shard_group": layout.shard,
         "expert_parallel": layout.expert_parallel,
         "context_parallel": layout.context_parallel,
+        "context_parallel_why": result.context_parallel_why,
         "precision": result.precision,
         "accumulation": result.accumulation,
         "params": {"total": result.total_params, "trainable": result.trainable_params},
@@ -388,6 +451,8 @@ def _traffic_words(result: Estimate, why: bool = True) -> str:
         words += f"; context: all-to-all {timed.context_exchanged_bytes / 1e9:.3g} GB per GPU around attention"
     if why and layout.expert_parallel_why:
         words += f"; dist.expert_parallel auto -> {layout.expert_parallel}: {layout.expert_parallel_why}"
+    if why and result.context_parallel_why:
+        words += f"; dist.context_parallel auto -> {layout.context_parallel}: {result.context_parallel_why}"
     return words
 
 

@@ -24,7 +24,9 @@ CONTEXT_STRATEGIES = ("fsdp", "hsdp")
 
 def context_size(cfg: JobConfig, strategy: str) -> int:
     """dist.context_parallel where the strategy carries it, else 1 (one process runs no CP)."""
-    return cfg.dist.context_parallel if strategy in CONTEXT_STRATEGIES else 1
+    size = cfg.dist.context_parallel
+    assert size != "auto", "dist.context_parallel auto is resolved first (estimate.context_parallel_auto)"
+    return size if strategy in CONTEXT_STRATEGIES else 1
 
 
 def rank_batch(batch: MicroBatch, size: int) -> MicroBatch:

@@ -16,9 +16,12 @@ import torch
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 ROUTER_NAMES = ("gate", "router")
-EXPERT_PARALLEL_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss")
+EXPERT_PARALLEL_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss",
+                            "qwen3_next", "granitemoehybrid", "lfm2_moe")
 """The families whose expert parallelism is proven exact (tests/dist/test_expert_parallel.py): parallel's EP runs
-them, the plan's `auto` considers them, any other is refused."""
+them, the plan's `auto` considers them, any other is refused. The last three are hybrids (Gated DeltaNet, Mamba and
+short-convolution layers beside attention): EP moves only the routed experts' tokens, and those layers run whole on
+each rank's own rows, as on one process."""
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from trainyard import dist
 from trainyard.config.data import DataConfig
 from trainyard.errors import ConfigError
-from trainyard.model import attention, documents
+from trainyard.model import attention, documents, layers
 
 CONTEXT = "trainyard_context"
 """The name transformers' AttentionInterface knows `context_attention` by."""
@@ -73,12 +73,8 @@ def check(model: torch.nn.Module, size: int, shard: int, data: DataConfig, where
             fix="set dist.context_parallel to one of "
             + ", ".join(str(d) for d in range(1, shard + 1) if shard % d == 0),
         )
+    refuse_family(model, size, where)
     family, inner = attention.config_name(model), model.config._attn_implementation
-    if family not in FAMILIES:
-        raise ConfigError(
-            f"dist.context_parallel {size}: context parallelism is not proven exact for {family} yet",
-            where=where, fix=f"set dist.context_parallel: 1 (it runs {', '.join(FAMILIES)})",
-        )
     if not attention.model_one_row(model, data):
         why = attention.padded_rows(model, data) or "data.padding_free is off"
         raise ConfigError(
@@ -97,6 +93,27 @@ def check(model: torch.nn.Module, size: int, shard: int, data: DataConfig, where
             f"dist.context_parallel {size} must divide the attention heads ({heads}): each rank attends heads / N",
             where=where, fix="set dist.context_parallel to one of "
             + ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0),
+        )
+
+
+def refuse_family(model: torch.nn.Module, size: int, where: str | None) -> None:
+    """Refuse a family CP is not proven exact for (the dry run asks too: it needs the model alone). A layer that
+    carries a state along the row (layers.CARRIERS) would run on the rank's 1/N slice of each document only: the
+    exchange reaches attention, not it, so it is named with its kind."""
+    family = attention.config_name(model)
+    carried = {name: kind for name, kind in layers.block_layers(model).items() if kind in layers.CARRIERS}
+    fix = f"set dist.context_parallel: 1 (it runs {', '.join(FAMILIES)})"
+    if carried:
+        named = ", ".join(f"{name} layers ({kind})" for name, kind in carried.items())
+        raise ConfigError(
+            f"dist.context_parallel {size}: {family}'s {named} need the whole document on one rank; Ulysses "
+            f"exchanges only attention's tokens, so each rank would run them on its 1/{size} of every row alone",
+            where=where, fix=fix,
+        )
+    if family not in FAMILIES:
+        raise ConfigError(
+            f"dist.context_parallel {size}: context parallelism is not proven exact for {family} yet",
+            where=where, fix=fix,
         )
 
 

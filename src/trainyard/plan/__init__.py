@@ -22,6 +22,7 @@ from trainyard.estimate import memory as estimate_memory
 from trainyard.estimate.timing import Lengths, dpo_reference
 from trainyard.model import attention
 from trainyard.model import build as model_room
+from trainyard.parallel import context_parallel as context_parallel_room
 from trainyard.parallel import expert_parallel
 from trainyard.plan import reading
 
@@ -140,7 +141,7 @@ def check_fits(
     _check_state_fits(strategy, requested, shards, model, info, where)
     if cfg is None:
         return
-    hardware = _this_hardware(info)
+    hardware = this_hardware(info)
     if hardware is None:
         logging.getLogger("trainyard").info("no estimate to check the fit by: %s is not a known GPU kind",
                                             torch.cuda.get_device_name(info.device))
@@ -157,13 +158,32 @@ def check_fits(
         raise ConfigError(problem, where=where, fix="see `trainyard train CONFIG --dry-run` for the whole plan")
 
 
-def _this_hardware(info: DistInfo) -> estimate.Hardware | None:
+def this_hardware(info: DistInfo) -> estimate.Hardware | None:
     """This machine as the estimate knows it; None for a GPU not in its table."""
     kind = estimate.this_gpu() if info.device.type == "cuda" else "cpu"
     if info.device.type == "cuda" and kind == "cpu":
         return None
     nodes = math.ceil(info.world_size / max(info.local_world_size, 1))
     return estimate.Hardware(kind, max(info.local_world_size, 1), nodes)
+
+
+def context_parallel(cfg: JobConfig, hardware: estimate.Hardware | None,
+                     lengths: Lengths = Lengths()) -> tuple[JobConfig, str]:
+    """The job with dist.context_parallel as it runs, and for auto why: the estimate's rule
+    (estimate.context_parallel_auto) on the hardware the job runs on, decided here for the dry run and `train` before
+    anything counts the data ranks, the accumulation or the mesh from it (the estimate applies the same rule to
+    itself); 1 where no estimate can tell (hardware None: a GPU the estimate does not know)."""
+    if cfg.dist.context_parallel != "auto":
+        return cfg, ""
+    try:
+        if hardware is not None:
+            return estimate.context_parallel_auto(cfg, hardware, lengths=lengths)
+        why = "no estimate: this GPU is not a kind the estimate knows"
+    except (ModelError, ConfigError, OptionError, OSError, ValueError) as err:
+        why = f"no estimate ({str(err).splitlines()[0]})"
+    alone = cfg.model_copy(deep=True)
+    alone.dist.context_parallel = 1
+    return alone, why
 
 
 def does_not_fit(result: estimate.Estimate) -> str | None:
@@ -228,7 +248,10 @@ def dry_run(cfg: JobConfig, target: Target, read_data: bool = True) -> tuple[str
     problems: list[str] = []
     if read_data:
         cfg = cfg.model_copy(deep=True)  # train.epochs sets max_steps from the rows the survey counts
-        data_lines, lengths = reading.data_lines(cfg, target.world, problems)
+        found, data_lines, lengths = reading.survey_data(cfg, problems)
+        if found is not None:  # over the data ranks of the CP size those lengths decide
+            context = context_parallel(cfg, _hardware(target), lengths)[0]
+            data_lines = reading.data_lines(cfg, found, data_ranks(context, target.world))
     else:
         data_lines = ["data             not read here (--skip-data-check)"]
         lengths = Lengths(batch_why="--skip-data-check, the data was not read")
@@ -290,15 +313,18 @@ def describe_plan(
     target = target or Target.here(world_size)
     info = DistInfo(0, world_size, 0, target.gpus_per_node, torch.device("cpu"), None)
     device_bytes = hardware.device_bytes(hardware.gpu(target.gpu), target.gpus_per_node)
-    ranks = data_ranks(cfg, world_size)
-    accum = accumulation_steps(cfg, ranks)
+    context, context_why = context_parallel(cfg, _hardware(target), lengths)
+    context_size = context.dist.context_parallel
+    ranks = data_ranks(context, world_size)
+    accum = accumulation_steps(context, ranks)
     model = meta_model(cfg)
     samples = cfg.train.micro_batch_size * accum * ranks
     train, data = cfg.train, cfg.data
     lines = [
         f"run dir          {cfg.run_dir}",
         f"world size       {world_size}",
-        f"micro batch      {cfg.train.micro_batch_size} samples x {accum} accumulation x {_ranks_words(cfg, ranks)}",
+        f"micro batch      {cfg.train.micro_batch_size} samples x {accum} accumulation x "
+        f"{_ranks_words(context_size, ranks)}",
         f"global batch     {_global_batch_words(cfg, samples)}",
         f"objective        {_objective_words(cfg)}",
         f"steps            {_steps_words(train)} (lr {train.lr:g}, {train.schedule}, warmup {train.warmup_steps})",
@@ -335,10 +361,7 @@ def describe_plan(
                 f"sync every {outer.sync_every} steps "
                 f"(outer lr {outer.outer_lr:g}, Nesterov {outer.outer_momentum:g}, {outer.pseudo_grad_dtype})"
             )
-    if cfg.dist.context_parallel > 1:
-        size = cfg.dist.context_parallel
-        lines.append(f"context          context parallel {size}: each rank holds 1/{size} of every row's tokens and "
-                     f"attends whole documents for heads / {size} (an all-to-all around each attention)")
+    lines += _context_lines(context_size, context_why, model, cfg)
     if data.mixture:
         total = sum(source.weight for source in data.mixture)
         shares = ", ".join(f"{source.path} {source.weight / total:.0%}" for source in data.mixture)
@@ -399,10 +422,21 @@ def _experts_words(cfg: JobConfig, model: torch.nn.Module, info: DistInfo, strat
             f"of each MoE layer (tokens sent to them by all-to-all), {further}{requested}")
 
 
-def _ranks_words(cfg: JobConfig, ranks: int) -> str:
+def _ranks_words(size: int, ranks: int) -> str:
     """The ranks that read rows: under context parallelism, each group of dist.context_parallel ranks is one."""
-    size = cfg.dist.context_parallel
     return f"{ranks} ranks" if size == 1 else f"{ranks} data ranks (context-parallel groups of {size} ranks)"
+
+
+def _context_lines(size: int, why: str, model: torch.nn.Module | None, cfg: JobConfig) -> list[str]:
+    """dist.context_parallel as resolved, checked against the model's family and layers (`train` refuses the same
+    before any weight is read), and for auto why."""
+    requested = f" (requested auto: {why})" if why else ""
+    if size == 1:
+        return [f"context          no context parallelism{requested}"] if why else []
+    if model is not None:
+        context_parallel_room.refuse_family(model, size, cfg.where("dist.context_parallel"))
+    return [f"context          context parallel {size}: each rank holds 1/{size} of every row's tokens and attends "
+            f"whole documents for heads / {size} (an all-to-all around each attention){requested}"]
 
 
 def check_world(cfg: JobConfig, nodes: int, per_node: int) -> None:

@@ -20,27 +20,34 @@ from trainyard.runs import layout as run_layout
 MIXTURE_ROWS = "a mixture's rows are packed to data.max_length"
 
 
-def data_lines(cfg: JobConfig, world: int, problems: list[str]) -> tuple[list[str], Lengths]:
-    """The data survey's lines and the documents' lengths for the estimate; a problem when the data is unusable."""
+def survey_data(cfg: JobConfig, problems: list[str]) -> tuple[data_survey.Survey | None, list[str], Lengths]:
+    """The data's survey (None where the rows were not encoded: the lines say why) and the documents' lengths for
+    the estimate; a problem when the data is unusable. The survey's own lines (`data_lines`) count the data ranks,
+    which dist.context_parallel auto decides from these lengths."""
     if cfg.data.mixture:
-        return [], Lengths(batch_why=MIXTURE_ROWS)
+        return None, [], Lengths(batch_why=MIXTURE_ROWS)
     tokenizer, why = source_room.offline_tokenizer(cfg.model)
     try:
         if tokenizer is None:
             _check_files(cfg)
             lengths = Lengths(batch_why=f"the rows were not encoded: {why}")
-            return [f"data             {cfg.data.path}: readable; rows not encoded: {why}"], lengths
+            return None, [f"data             {cfg.data.path}: readable; rows not encoded: {why}"], lengths
         found = data_survey.survey(cfg, tokenizer)
     except TrainyardError as err:
         problems.append(f"the data is unusable: {problem_words(err)}")
-        return [f"data             unusable: {err.what}"], Lengths()
-    ranks = data_ranks(cfg, world)
+        return None, [f"data             unusable: {err.what}"], Lengths()
+    return found, [], _lengths_found(cfg, found)
+
+
+def data_lines(cfg: JobConfig, found: data_survey.Survey, ranks: int) -> list[str]:
+    """The survey's lines for a job whose rows `ranks` data ranks read; with train.epochs, `cfg`'s max_steps from
+    the rows counted."""
     accum = accumulation_steps(cfg, ranks)
     samples = cfg.train.micro_batch_size * accum * ranks
     if cfg.train.epochs is not None:
         rows = max(round(found.usable_rows_estimate()), 1)
         cfg.train.epoch_rows, cfg.train.max_steps = rows, steps_for_epochs(cfg, rows, ranks)
-    return data_survey.describe(found, cfg, samples), _lengths_found(cfg, found)
+    return data_survey.describe(found, cfg, samples)
 
 
 def _lengths_found(cfg: JobConfig, found: data_survey.Survey) -> Lengths:

@@ -26,6 +26,15 @@ from trainyard.parallel import parallelize as parallel
 from trainyard.precision import Precision
 
 
+def planned_context(cfg: JobConfig, info: dist.DistInfo, train_rows: Any) -> JobConfig:
+    """The job with dist.context_parallel auto resolved as the dry run resolves it (plan.context_parallel, for the
+    prepared rows on this machine), before the sampler, the accumulation or the mesh count its data ranks."""
+    resolved, why = plan.context_parallel(cfg, plan.this_hardware(info), plan.reading.prepared_lengths(cfg, train_rows))
+    if why:
+        logging.getLogger("trainyard").info("dist.context_parallel auto -> %d: %s", resolved.dist.context_parallel, why)
+    return resolved
+
+
 def build_and_wrap(
     cfg: JobConfig,
     info: dist.DistInfo,
@@ -72,6 +81,7 @@ def build_and_wrap(
     if ep > 1:
         expert_parallel.check(model, ep, strategy, shard, cfg.where("dist.expert_parallel"))
     cp = 1 if forward_only else cfg.dist.context_parallel  # `trainyard eval` runs whole rows on each rank
+    assert cp != "auto", "dist.context_parallel auto is resolved first (planned_context)"
     context_parallel.check(model, cp, shard, cfg.data, cfg.where("dist.context_parallel"))
     mesh = dist.build_mesh(info, strategy, cfg.dist.shard_size, sites, cfg.diloco.inner, ep, cp)
     shards = mesh.size(-1) if mesh is not None and parallel.shards_within(strategy, cfg.diloco.inner) else 1

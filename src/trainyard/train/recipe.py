@@ -314,12 +314,15 @@ def run(cfg: JobConfig) -> dict[str, Any]:
             model_path = source_room.resolve_model_path(model_source)
         tokenizer = source_room.load_tokenizer(model_source, model_path)
     cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output_dir) / ".cache" / "data"
-    data_rank, data_world = diloco_ft.data_slice(cfg, info)  # a fault-tolerant site reads its own slice
     if cfg.data.mixture:
         data, shards = prepare_pretraining(cfg, tokenizer, cache_root, logger.info, show_progress=info.is_main)
-        sampler: ResumableSampler | MixtureStream = mixture_stream(cfg, shards, data_rank, data_world)
     else:
         data = prepare_datasets(cfg.data, tokenizer, cache_root, log=logger.info, objective=cfg.train.objective)
+    cfg = build.planned_context(cfg, info, None if cfg.data.mixture else data.train)  # auto: planned from the rows
+    data_rank, data_world = diloco_ft.data_slice(cfg, info)  # a fault-tolerant site reads its own slice
+    if cfg.data.mixture:
+        sampler: ResumableSampler | MixtureStream = mixture_stream(cfg, shards, data_rank, data_world)
+    else:
         sampler = ResumableSampler(len(data.train), seed=cfg.train.seed, rank=data_rank, world_size=data_world,
                                    first=_worst_batch(cfg, data.train, data_world))
 

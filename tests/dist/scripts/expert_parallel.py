@@ -1,6 +1,7 @@
 """Run under torchrun (2 ranks, or more): for each MoE family, with LoRA and with full fine-tuning, build the job the
 way training does (`build.build_and_wrap`, dist.strategy fsdp, dist.expert_parallel 2 by default, fp32), run one
-forward and backward with a different padding-free micro-batch on each rank, and compare the mean of the ranks'
+forward and backward with a different micro-batch on each rank (collated as the trainer collates it for the family:
+one padding-free row, or padded rows: attention.model_one_row), and compare the mean of the ranks'
 losses and every trainable parameter's gradient (the EP ranks' experts put back together) with a 1-process build on
 rank 0 that takes every rank's micro-batch's mean loss.
 
@@ -26,11 +27,13 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainyard import dist, precision
+from trainyard.config.data import DataConfig
 from trainyard.config_file import load_config
-from trainyard.data.collate import padding_free_batch
+from trainyard.data.collate import collate
 from trainyard.data.formats import IGNORE_INDEX
+from trainyard.model import attention, documents
 from trainyard.model import source as source_room
-from trainyard.parallel import expert_parallel
+from trainyard.parallel import expert_parallel, parallelize
 from trainyard.train import build
 
 TINY = str(Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml")
@@ -39,14 +42,21 @@ WRAPPERS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_or
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
-def batch(seed: int) -> dict[str, torch.Tensor]:
+def batch(seed: int, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The documents collated as the trainer collates them for `model`: one padding-free row, or padded rows where
+    its layers would carry a state from one document into the next (attention.padded_rows)."""
     generator = torch.Generator().manual_seed(seed)
     docs = [torch.randint(3, 200, (n,), generator=generator).tolist() for n in DOCUMENTS]
-    return padding_free_batch([{"input_ids": d, "labels": [IGNORE_INDEX, *d[1:]]} for d in docs])
+    inner = parallelize.unwrap(model)
+    rows = [{"input_ids": d, "labels": [IGNORE_INDEX, *d[1:]]} for d in docs]
+    one_row = attention.model_one_row(inner, DataConfig(path="x.jsonl"))
+    return collate(rows, inner.config.pad_token_id, padding_free=one_row)
 
 
 def loss_of(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> torch.Tensor:
-    logits = model(input_ids=rows["input_ids"], position_ids=rows["position_ids"], use_cache=False).logits
+    """The mean loss of the micro-batch, given to the model as the trainer gives it (documents.model_inputs)."""
+    inputs = documents.model_inputs(rows, torch.device("cpu"), parallelize.unwrap(model).config)
+    logits = model(**inputs, use_cache=False).logits
     targets = rows["labels"][:, 1:]
     return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), targets.reshape(-1),
                            ignore_index=IGNORE_INDEX)
@@ -166,7 +176,7 @@ def compare(settings: dict, idle: int | None, lora: bool, info: dist.DistInfo, p
               f"lora.enabled={str(lora).lower()}", "model.attn_implementation=auto"]
     sharded = build_model([*common, *parallel], info, settings, idle)
     rows_held = expert_rows(sharded)
-    loss = loss_of(sharded, batch(1 + info.rank))
+    loss = loss_of(sharded, batch(1 + info.rank, sharded))
     loss.backward()
     losses = [torch.zeros(()) for _ in range(info.world_size)]
     torch_dist.all_gather(losses, loss.detach())
@@ -176,7 +186,8 @@ def compare(settings: dict, idle: int | None, lora: bool, info: dist.DistInfo, p
         return {}
     alone = dist.DistInfo(0, 1, 0, 1, info.device, None)
     reference = build_model([*common, "dist.strategy=none"], alone, settings, idle)
-    want_loss = sum(loss_of(reference, batch(1 + r)) for r in range(info.world_size)) / info.world_size
+    world = range(info.world_size)
+    want_loss = sum(loss_of(reference, batch(1 + r, reference)) for r in world) / info.world_size
     want_loss.backward()
     want = full_grads(reference, experts)
     assert sorted(want) == sorted(grads), f"trainable parameters differ: {sorted(set(want) ^ set(grads))}"

@@ -2,27 +2,35 @@
 activations and logits those of a micro-batch N times shorter, attention's scores still spanning whole documents),
 one layer's q/k/v exchange buffers, and per step the all-to-all bytes around every layer's attention; the global
 batch counts data ranks (world / N). The dry run names the CP size; --trace refuses it (its step runs whole rows).
-A ~1B Llama (32 heads, 8 KV heads) with one 32,768-token document on 8 H100s."""
+dist.context_parallel auto takes the cheapest fix's split where the job does not fit as it is, the same size in the
+dry run, `trainyard estimate` and `train`, else 1 and why. A ~1B Llama (32 heads, 8 KV heads) with one 32,768-token
+document on 8 H100s."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
+import torch
 
-from tests.conftest import REPO
+from tests.conftest import REPO, TINY, run_cli
+from tests.unit.model import registry
 from trainyard import estimate, plan
 from trainyard.config_file import load_config
+from trainyard.dist import DistInfo
 from trainyard.errors import ConfigError
 from trainyard.estimate import context
 from trainyard.hardware import gpu
 from trainyard.parallel.context_parallel import kv_repeats
-from trainyard.train import trace
+from trainyard.train import build, trace
 
 LLAMA_1B = str(REPO / "configs" / "llama-1b.yaml")
 H100_8 = estimate.Hardware("h100-80gb", 8, 1)
 TOKENS, LAYERS, HEADS, KV_HEADS, HEAD_DIM, BF16 = 32768, 16, 32, 8, 64, 2
 LONG = ["data.max_length=32768", "data.packing=false", "train.micro_batch_size=1", "train.global_batch_size=8"]
+TOO_LONG = ["data.max_length=524288", "model.gradient_checkpointing=true"]
+"""One document whose activations no H100 holds, even checkpointed under fsdp (the seed config's strategy)."""
 
 
 def job(size: int, *more: str):
@@ -104,3 +112,74 @@ def test_no_split_is_proposed_where_the_job_cannot_run_context_parallelism(model
     long = ["data.max_length=524288", "model.gradient_checkpointing=true", "dist.strategy=fsdp"]
     unpadded = estimate.estimate(job(1, *long, "data.padding_free=false"), H100_8, model=model)
     assert not unpadded.fits and "dist.context_parallel" not in unpadded.fix
+
+
+def test_auto_takes_the_fewest_of_a_nodes_gpus_that_fit_a_document_too_long_for_one(model) -> None:
+    result = estimate.estimate(job("auto", *TOO_LONG), H100_8, model=model)
+    size = result.layout.context_parallel
+    assert size > 1 and result.fits and result.fix is None, result.context_parallel_why
+    assert not estimate.estimate(job(size // 2, *TOO_LONG), H100_8, model=model, suggest=False).fits
+    assert f"{size} of a node's 8 GPUs are the fewest whose split fits it" in result.context_parallel_why
+    assert f"dist.context_parallel={size} " in estimate.estimate(job(1, *TOO_LONG), H100_8, model=model).fix
+    assert f"dist.context_parallel auto -> {size}: the job does not fit" in estimate.render(result)
+
+
+def test_the_dry_run_estimate_and_train_take_the_same_size_and_the_dry_run_says_why(tmp_path, monkeypatch) -> None:
+    """One document of 600,000 bytes (the byte tokenizer's tokens), cut at 524,288: the dry run and `trainyard
+    estimate` read it, `train` plans from its prepared rows (here unread: every row fills data.max_length, the same
+    micro-batch)."""
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"text": "long document " * 42_858}) + "\n")
+    args = [*LONG, *TOO_LONG, f"data.path={data}", f"output_dir={tmp_path}", "dist.context_parallel=auto",
+            "train.max_steps=4", "--gpu", "h100-80gb", "--gpus-per-node", "8"]
+    planned = run_cli("train", LLAMA_1B, *args, "--dry-run")
+    assert planned.returncode == 0, planned.stdout[-3000:] + planned.stderr[-2000:]
+    context = next(line for line in planned.stdout.splitlines() if line.startswith("context "))
+    size = int(context.split("context parallel ")[1].split(":")[0])
+    assert size > 1 and "(requested auto: the job does not fit (peak" in context, context
+    assert f"{size} of a node's 8 GPUs are the fewest whose split fits it" in context
+    assert f"x {8 // size} data ranks (context-parallel groups of {size} ranks)" in planned.stdout
+    assert "the data's 1 documents" in planned.stdout  # planned from the data's own lengths
+    estimated = run_cli("estimate", LLAMA_1B, *args, "--json")
+    assert estimated.returncode == 0, estimated.stderr[-2000:]
+    assert json.loads(estimated.stdout)["context_parallel"] == size
+    monkeypatch.setattr(plan, "this_hardware", lambda info: H100_8)  # `train` on a node of 8 H100s
+    trained = build.planned_context(job("auto", *TOO_LONG), DistInfo(0, 8, 0, 8, torch.device("cpu"), None), None)
+    assert trained.dist.context_parallel == size and trained.dist.strategy in ("fsdp", "hsdp")
+
+
+def test_the_trace_runs_the_size_auto_takes() -> None:
+    result = run_cli("estimate", LLAMA_1B, *LONG, *TOO_LONG, "dist.context_parallel=auto", "--gpu", "h100-80gb",
+                     "--gpus-per-node", "8", "--trace")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "does not model dist.context_parallel" in result.stderr
+
+
+@pytest.mark.parametrize(("more", "hardware", "why"), [
+    ([], H100_8, "the job fits without it (peak"),
+    ([*TOO_LONG, "data.padding_free=false"], H100_8, "dist.context_parallel 2 slices padding-free rows"),
+    ([*TOO_LONG, "dist.strategy=ddp"], H100_8, "CP is carved out of fsdp/hsdp, not ddp"),
+    (TOO_LONG, estimate.Hardware("h100-80gb", 1, 1), "one process"),
+])
+def test_auto_stays_1_where_the_job_fits_or_cannot_be_split(model, more: list[str], hardware, why: str) -> None:
+    resolved, said = plan.context_parallel(job("auto", *more), hardware)
+    assert resolved.dist.context_parallel == 1 and why in said, said
+    result = estimate.estimate(job("auto", *more), hardware, model=model, suggest=False)
+    assert result.layout.context_parallel == 1 and result.context_parallel_why == said
+
+
+def test_a_family_whose_layers_carry_a_state_is_never_split() -> None:
+    """qwen3_next's Gated DeltaNet runs each row on one rank: neither auto nor the cheapest fix splits it, though a
+    Llama of the same size is split (a tiny model with an 8M-token document on 8 L4s)."""
+    tokenizer = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")
+    hybrid = {k: v for k, v in registry.settings("qwen3_next").items() if k not in tokenizer}
+    long = ["dist.strategy=fsdp", "data.max_length=8388608", "data.packing=false", "train.micro_batch_size=1",
+            "model.gradient_checkpointing=true"]
+    l4 = estimate.Hardware("l4", 8, 1)
+    llama = estimate.estimate(load_config(TINY, [*long, "dist.context_parallel=auto"]), l4)
+    assert llama.layout.context_parallel > 1 and llama.fits
+    auto = estimate.estimate(load_config(TINY, [*long, f"model.config={json.dumps(hybrid)}",
+                                                "dist.context_parallel=auto"]), l4)
+    assert not auto.fits and auto.layout.context_parallel == 1
+    assert "context parallelism is not proven exact for qwen3_next" in auto.context_parallel_why
+    assert "dist.context_parallel" not in (auto.fix or "")

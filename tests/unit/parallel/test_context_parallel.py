@@ -1,13 +1,18 @@
 """dist.context_parallel is refused, exit 2 naming the field, where it cannot run exactly this round: without
-fsdp/hsdp, with expert parallelism, DPO or padded rows; on a family not proven, attention that builds
-its mask from the rank's slice, or a size that does not divide the heads or the shard dimension. KV heads are
-repeated just enough for the group to split them."""
+fsdp/hsdp, with expert parallelism, DPO or padded rows; on a family not proven (one whose layers carry a state along
+the row named with their kind), attention that builds its mask from the rank's slice, or a size that does not divide
+the heads or the shard dimension. KV heads are repeated just enough for the group to split them."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.conftest import TINY, run_cli
+from tests.unit.model import registry
 from tests.unit.model.families import build
 from trainyard.config.data import DataConfig
 from trainyard.config_file import load_config
@@ -54,6 +59,30 @@ def test_the_model_check_refuses_what_is_not_proven_exact() -> None:
     assert "runs trainyard's varlen attention inside its exchange; llama runs sdpa" in refusal(build("llama", "sdpa"))
     padded = DataConfig(path="x.jsonl", padding_free=False)
     assert "collates padded rows (data.padding_free is off)" in refusal(llama, data=padded)
+
+
+@pytest.mark.parametrize(("family", "named"), [
+    ("qwen3_next", "qwen3_next's Qwen3NextGatedDeltaNet layers (linear attention)"),
+    ("falcon_h1", "falcon_h1's FalconH1Mixer layers (state-space)"),
+    ("lfm2_moe", "lfm2_moe's Lfm2MoeShortConv layers (short causal convolution)"),
+])
+def test_layers_that_carry_a_state_along_the_row_are_refused_by_name_and_kind(family: str, named: str) -> None:
+    """A CP rank holds 1/N of each row: such a layer would run on its slice alone (the exchange is attention's)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**registry.settings(family)))
+    said = refusal(model)
+    assert f"dist.context_parallel 2: {named} need the whole document on one rank" in said, said
+    assert "exchanges only attention's tokens" in said and "set dist.context_parallel: 1" in said
+
+
+def test_the_dry_run_refuses_them_with_exit_2_naming_the_field() -> None:
+    tokenizer = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")
+    settings = {k: v for k, v in registry.settings("qwen3_next").items() if k not in tokenizer}
+    result = run_cli("train", TINY, f"model.config={json.dumps(settings)}", "dist.strategy=fsdp",
+                     "dist.context_parallel=2", "--world-size", "2", "--dry-run", "--skip-data-check")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "dist.context_parallel" in result.stderr and "Qwen3NextGatedDeltaNet layers (linear attention)" in (
+        result.stderr), result.stderr[-2000:]
 
 
 @pytest.mark.parametrize(("heads", "kv", "size", "repeats"), [(4, 2, 2, 1), (4, 1, 2, 2), (8, 2, 4, 2), (8, 1, 8, 8),
