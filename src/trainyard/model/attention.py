@@ -25,8 +25,9 @@ to transformers' sdpa, or the family's eager attention where sdpa cannot honour 
 
 Chunked attention (Llama 4's attention_chunk_size on its "chunked_attention" layers) sees the keys of its own chunk,
 chunks counted from each document's start: transformers' sdpa and eager count them from the restarting position_ids
-in the mask they build, and auto chooses sdpa for it. A family with layers that carry state across documents (linear
-attention, state-space, short causal convolutions: layers.py) gets padded rows instead of one row (padded_rows).
+in the mask they build, and auto chooses sdpa for it. Layers that carry state across documents (linear attention,
+state-space, short causal convolutions: layers.py) run each document on its own (state_layers.py) where the blocks get
+the collator's bounds; elsewhere, and for recurrences, the family gets padded rows instead of one row (padded_rows).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from trainyard.config.data import DataConfig
 from trainyard.errors import ModelError
-from trainyard.model import documents, layers
+from trainyard.model import documents, layers, state_layers
 from trainyard.model.documents import DOCUMENT_KWARGS, document_bounds, documents_in_kwargs
 
 VARLEN = "trainyard_varlen"
@@ -117,19 +118,25 @@ def model_one_row(model: torch.nn.Module, data: DataConfig) -> bool:
 
 def padded_rows(model: torch.nn.Module, data: DataConfig) -> str | None:
     """Why the job collates padded rows (one document each, right-padded: exact for every causal layer) though
-    data.padding_free asks for one row of documents; None when it does not. Rows that hold several documents however
-    they are collated (packing, a mixture) are refused for such a model."""
-    carried = layers.carriers(model) if packed_rows(data) else []
+    data.padding_free asks for one row of documents; None when it does not (no layer carries state, or each that does
+    is split per document: state_layers.py). Packed rows or a mixture's are refused for layers left unsplit, and for
+    all of them where data.padding_free is off (rows of several documents with no bounds)."""
+    carried, why = (layers.carriers(model), "") if packed_rows(data) else ([], "")
+    if carried and data.padding_free:  # one row, whose host bounds reach the split state layers
+        carried, why = state_layers.unsplit_carriers(model)
     if not carried:
         return None
+    why = f" ({why})" if why else ""
     if data.packing or data.mixture is not None:
         field = "data.packing" if data.packing else "data.mixture"
         raise ModelError(
             f"{field}: rows of several documents, but {config_name(model)} has {', '.join(carried)} layers that carry "
-            "state across documents (trainyard cannot give them the boundaries yet)",
-            fix="set data.packing: false and train on a data.path dataset (its rows are padded for this family)",
+            f"state across documents{why or ' (a row of several documents comes without their bounds)'}",
+            fix="keep data.padding_free: true with model.attn_implementation: auto (the row's bounds then reach these "
+            "layers, where the family has attention), or set data.packing: false and train on a data.path dataset "
+            "(its rows are padded for this family)",
         )
-    return f"{config_name(model)} has {', '.join(carried)} layers that carry state across documents"
+    return f"{config_name(model)} has {', '.join(carried)} layers that carry state across documents{why}"
 
 
 def check_pair_rows(model: torch.nn.Module) -> None:

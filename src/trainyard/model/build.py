@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 from trainyard.atomic import exclusive_lock
 from trainyard.config import ModelConfig
 from trainyard.errors import ModelError
-from trainyard.model import attention
+from trainyard.model import attention, state_layers
 from trainyard.model import flex  # noqa: F401  registers attention.FLEX with transformers
 from trainyard.model import torch_varlen  # noqa: F401  registers attention.TORCH_VARLEN with transformers
 from trainyard.model.source import architecture, first_sentence
@@ -54,7 +54,7 @@ def build_meta_model(  # type: ignore[no-untyped-def]
 ) -> torch.nn.Module:
     """The model with every parameter on the meta device (no memory), buffers real, and the attention
     implementation chosen for it (one that computes every feature of its family on the job's rows, `packed` or
-    not: attention.packed_rows; or a refusal).
+    not: attention.packed_rows; or a refusal), and its state layers kept to each document (state_layers.py).
 
     Parameters take `dtype`, except those the family keeps in fp32 (`_keep_in_fp32_modules_strict`, e.g. MoE
     routers; `_keep_in_fp32_modules` under fp16), as transformers' from_pretrained keeps them."""
@@ -67,6 +67,7 @@ def build_meta_model(  # type: ignore[no-untyped-def]
     model.config._attn_implementation = attention.choose(
         cfg.attn_implementation, model, device, training, where, packed, cfg.gradient_checkpointing
     )
+    state_layers.install(model)
     return model
 
 

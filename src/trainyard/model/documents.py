@@ -13,6 +13,9 @@ HOST_BOUNDS: set[str] = set()
 """Implementations that read a padding-free row's documents from the collator's host bounds (model_inputs): each
 adds its name where it registers with transformers (attention.py: trainyard's and torch's varlen; the
 context-parallel exchange, which wraps them)."""
+HOST_LOOP = "trainyard: the attention loops over the micro-batch's documents on the host"
+"""The reason the host-bounds attentions and state layers (state_layers.py) are left out of compiled graphs: how
+parallel.compile tells the expected graph break apart."""
 DOCUMENT_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 CONTEXT_PARALLEL_FAMILIES = ("llama", "qwen3", "mistral", "gemma2", "gpt_oss")
 """Families whose documents, split over a context-parallel group, give one process's loss and every gradient

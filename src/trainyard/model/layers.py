@@ -1,10 +1,10 @@
 """Which layers of a decoder block make a token's output depend on earlier tokens, by kind: attention, which trainyard's
 paths keep to each document of a padding-free row (attention.py), and the kinds that carry a state from one document
 of a row into the next: linear attention (Gated DeltaNet and its kin), state-space layers (Mamba) and short causal
-convolutions, recurrences (RG-LRU, xLSTM, RWKV and its token shift). Their kernels would need the row's boundaries
-(cu_seqlens, seq_idx), which trainyard does not pass them yet, so attention.padded_rows pads those jobs' rows instead;
-so too for attention a family computes itself rather than through transformers' attention interface (`own_attention`:
-trainyard's attention never sees its documents).
+convolutions, recurrences (RG-LRU, xLSTM, RWKV and its token shift). state_layers.py runs the first three per
+document of a padding-free row; attention.padded_rows pads the rows of the others, and of attention a family computes
+itself rather than through transformers' attention interface (`own_attention`: trainyard's attention never sees its
+documents).
 
 A class of no kind known here might mix tokens in a way nothing checks: `unknown_layers` names it, and attention
 refuses it on rows that hold several documents. The rule is by class name, as transformers names its modules
@@ -66,6 +66,8 @@ def kind(module: torch.nn.Module) -> str | None:
     if (isinstance(module, TORCH_PER_TOKEN) or cls.__name__.endswith(PER_TOKEN + CONTAINERS)
             or cls.__module__ in PER_TOKEN_MODULES or cls.__module__.startswith(WRAPPERS)):
         return None
+    if cls.__name__.endswith(ATTENTION_ENDINGS) and _hands_scores_to_interface(cls):
+        return ATTENTION  # Kimi Linear's MLA is named KimiLinearAttention
     for carried, words in CARRIERS.items():
         if any(word in cls.__name__ for word in words):
             return carried
@@ -80,7 +82,7 @@ def block_layers(model: torch.nn.Module) -> dict[str, str]:
     """Each class inside the decoder blocks that carries state, or is of no known kind, with its kind: the outermost
     such class (a Mamba mixer, not its Conv1d)."""
     found: dict[str, str] = {}
-    for block in _blocks(model):
+    for block in blocks(model):
         _walk(block, found)
     return found
 
@@ -98,7 +100,7 @@ def carriers(model: torch.nn.Module) -> list[str]:
 def own_attention(model: torch.nn.Module) -> list[str]:
     """Attention classes that compute their scores themselves, or mask them with a mask of their own making:
     trainyard's attention never sees their documents, so they would read a row of documents as one."""
-    classes = dict.fromkeys(type(m) for block in _blocks(model) for m in block.modules() if kind(m) == ATTENTION)
+    classes = dict.fromkeys(type(m) for block in blocks(model) for m in block.modules() if kind(m) == ATTENTION)
     return [cls.__name__ for cls in classes if cls.__name__ in OWN_MASK or INTERFACE not in _source(cls.forward)]
 
 
@@ -117,9 +119,14 @@ def window_only_in_mask(model: torch.nn.Module) -> list[str]:
     (PhiMoE): only the mask transformers builds keeps it."""
     if not getattr(model.config, "sliding_window", None):
         return []
-    classes = dict.fromkeys(type(m) for block in _blocks(model) for m in block.modules() if kind(m) == ATTENTION)
+    classes = dict.fromkeys(type(m) for block in blocks(model) for m in block.modules() if kind(m) == ATTENTION)
     return [cls.__name__ for cls in classes
             if INTERFACE in (source := _source(cls.forward)) and "sliding_window" not in source]
+
+
+@functools.cache
+def _hands_scores_to_interface(cls: type) -> bool:
+    return INTERFACE in _source(cls.forward)
 
 
 def _source(function: object) -> str:
@@ -142,7 +149,7 @@ def _walk(module: torch.nn.Module, found: dict[str, str]) -> None:
             _walk(child, found)
 
 
-def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated decoder blocks (the family's _no_split_modules; else the first ModuleList's entries). A PEFT
     model hands attribute reads to the model it wraps."""
     names = set(getattr(model, "_no_split_modules", None) or [])

@@ -25,16 +25,15 @@ from torch.utils import _pytree as pytree
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from trainyard.model import state_layers
 from trainyard.model.build import decoder_blocks
-from trainyard.model.documents import HOST_BOUNDS
+from trainyard.model.documents import HOST_BOUNDS, HOST_LOOP
 
 CPU_AUTO = False
 """auto on CPU: no. Measured on a 2-core AMD EPYC (avx2, fp32 as auto's precision gives it there, one thread, load
 1.1-1.3), SmolLM2-135M LoRA r=8, a row of 4 documents (780 tokens), 5 interleaved rounds: 8.06 s a step eager, 7.60 s
 compiled (-6%), after a first step of 58.9 s (49.3 s compiling; eager's first: 11.3 s). The compile is repaid after
 ~110 steps: at the default 100 a run is no faster. `true` compiles for longer runs."""
-HOST_LOOP = "trainyard: the attention loops over the micro-batch's documents on the host"
-"""The reason the host-bounds attentions are left out of the graph: how the expected graph break is told apart."""
 
 log = logging.getLogger("trainyard")
 
@@ -60,7 +59,7 @@ def compile_blocks(model: torch.nn.Module) -> Compiled:
     Under transformers' activation checkpointing (which wraps the class's forward) the checkpointed function is
     what is compiled: the checkpoint stays eager around it, and the backward's recompute runs the compiled code."""
     implementation = model.config._attn_implementation
-    fullgraph = implementation not in HOST_BOUNDS
+    fullgraph = implementation not in HOST_BOUNDS and not state_layers.installed(model)
     if not fullgraph:
         _keep_out_of_graph(implementation)
     result = Compiled(0, fullgraph, set())

@@ -23,7 +23,7 @@ from tests.unit.model import registry
 from trainyard.config import DataConfig
 from trainyard.data.collate import collate
 from trainyard.errors import ModelError
-from trainyard.model import attention
+from trainyard.model import attention, state_layers
 from trainyard.model import build as _registers_implementations  # noqa: F401
 from trainyard.model.documents import model_inputs
 
@@ -83,6 +83,7 @@ def outcome(model_type: str) -> dict[str, Any]:
         model.config._attn_implementation = attention.choose("auto", model, CPU)
     except ModelError as err:
         return {"result": REFUSED, "why": err.what}
+    state_layers.install(model)  # as build_meta_model does
     want = losses(build(model_type), collate(rows(), pad_id=0, padding_free=False))
     data = DataConfig()
     why = attention.padded_rows(model, data)

@@ -85,6 +85,7 @@ TINY_CHANGES: dict[str, dict[str, Any]] = {
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=8, shared_intermediate_size=64),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
+    "nemotron_h": dict(num_hidden_layers=4, layers_block_type=["linear_attention", "moe", "full_attention", "mlp"]),
     "recurrent_gemma": dict(block_types=["recurrent", "attention"], lru_width=64),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
     "zaya": dict(num_experts_per_tok=1),

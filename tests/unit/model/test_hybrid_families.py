@@ -1,7 +1,8 @@
 """The families with layers other than attention that mix tokens (linear attention, state-space, short causal
 convolutions) and Llama 4's chunked attention: trainyard's default job computes what the family's own eager model
-computes on padded rows (one document a row), or refuses with exit 2 saying why; LoRA at its defaults adapts only
-plain linear maps and trains; a target naming anything else is refused.
+computes on padded rows (one document a row), on padding-free rows whose state layers run each document on its own
+(state_layers.py), or refuses with exit 2 saying why; LoRA at its defaults adapts only plain linear maps and trains; a
+target naming anything else is refused.
 
 Tolerance: 1e-5 relative, fp32, as in test_families.py (the differences seen are below 1e-6)."""
 
@@ -20,7 +21,8 @@ from tests.unit.model.test_families import CPU, TOLERANCE, packed_loss
 from trainyard.config import DataConfig, LoraConfig
 from trainyard.data.collate import collate
 from trainyard.errors import ModelError
-from trainyard.model import attention, layers, lora
+from trainyard.model import attention, layers, lora, state_layers
+from trainyard.model.documents import model_inputs
 
 HYBRID: dict[str, dict] = {
     "qwen3_next": dict(head_dim=16, num_hidden_layers=4, linear_num_value_heads=4, linear_num_key_heads=2,
@@ -66,7 +68,7 @@ def rows() -> list[dict[str, list[int]]]:
 
 def losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> list[float]:
     """STEPS plain SGD steps on the batch (the family's own loss: mean over every target): the loss before each."""
-    inputs = {key: batch[key] for key in ("input_ids", "labels", "position_ids", "attention_mask") if key in batch}
+    inputs = {**model_inputs(batch, CPU, model.config), "labels": batch["labels"]}  # as the loop feeds it
     seen = []
     for _ in range(STEPS):
         loss = model(**inputs, use_cache=False).loss
@@ -77,17 +79,29 @@ def losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> list[float
 
 
 @pytest.mark.parametrize("family", HYBRID)
-def test_the_default_job_computes_the_family_s_eager_model_on_padded_rows(family: str) -> None:
+def test_the_default_job_computes_the_family_s_eager_model_on_padding_free_rows(family: str) -> None:
     want = losses(build(family), collate(rows(), pad_id=0, padding_free=False))
     model = build(family)
     model.config._attn_implementation = attention.choose("auto", model, CPU)
-    one_row = attention.model_one_row(model, DataConfig())  # trainyard's defaults: padding-free rows
-    assert one_row == (family not in CARRIERS)
-    got = losses(model, collate(rows(), pad_id=0, padding_free=one_row))
+    assert state_layers.install(model) == (family in CARRIERS) * sum(
+        type(m).__name__ == CARRIERS.get(family) for m in model.modules())
+    assert attention.padded_rows(model, DataConfig()) is None
+    assert attention.model_one_row(model, DataConfig())  # trainyard's defaults: padding-free rows
+    got = losses(model, collate(rows(), pad_id=0, padding_free=True))
     assert max(abs(a - b) / b for a, b in zip(got, want)) < TOLERANCE, (got, want)
-    if family in CARRIERS:
-        assert attention.padded_rows(model, DataConfig()) == (
-            f"{family} has {CARRIERS[family]} layers that carry state across documents")
+
+
+def test_rows_are_padded_where_the_state_layers_get_no_bounds_saying_why() -> None:
+    """sdpa reads the documents from position_ids: the collator's bounds never reach the blocks."""
+    model = build("qwen3_next", "sdpa")
+    assert state_layers.install(model) == 0
+    assert attention.padded_rows(model, DataConfig()) == (
+        "qwen3_next has Qwen3NextGatedDeltaNet layers that carry state across documents (under sdpa, whose rows "
+        "come without the documents' bounds)")
+    assert not attention.model_one_row(model, DataConfig())
+    want = losses(build("qwen3_next"), collate(rows(), pad_id=0, padding_free=False))
+    got = losses(model, collate(rows(), pad_id=0, padding_free=False))
+    assert max(abs(a - b) / b for a, b in zip(got, want)) < TOLERANCE, (got, want)
 
 
 @pytest.mark.parametrize(("family", "implementation"), [("qwen3_next", "eager"), ("llama4_text", attention.VARLEN)])
@@ -139,13 +153,18 @@ def _job(tmp_path: Path, family: str) -> str:
     return str(job)
 
 
-def test_the_dry_run_says_why_rows_are_padded_and_refuses_packed_rows(tmp_path: Path) -> None:
+def test_the_dry_run_says_which_rows_and_refuses_packed_rows_without_bounds(tmp_path: Path) -> None:
     job = _job(tmp_path, "qwen3_next")
     planned = run_cli("train", job, "--dry-run", "lora.enabled=true")
     assert planned.returncode == 0, planned.stderr[-2000:]
-    assert ("attention        padded rows: qwen3_next has Qwen3NextGatedDeltaNet layers that carry state across "
-            "documents") in planned.stdout
+    assert ("state layers     Qwen3NextGatedDeltaNet run each document of the padding-free row on its own"
+            in planned.stdout)
+    assert "padded rows" not in planned.stdout
     assert "conv1d" not in planned.stdout  # the convolution's kernel is no expert stack
+    padded = run_cli("train", job, "--dry-run", "model.attn_implementation=sdpa")
+    assert padded.returncode == 0, padded.stderr[-2000:]
+    assert ("attention        padded rows: qwen3_next has Qwen3NextGatedDeltaNet layers that carry state across "
+            "documents (under sdpa") in padded.stdout
     packed = run_cli("train", job, "--dry-run", "data.packing=true", "data.padding_free=false")
     assert packed.returncode == 2, packed.stderr[-2000:]
     assert "data.packing: rows of several documents, but qwen3_next has Qwen3NextGatedDeltaNet" in packed.stderr

@@ -42,7 +42,8 @@ def test_the_check_can_fail_one_row_of_documents_joins_them(family: str, why: st
     document."""
     want = matrix.losses(matrix.build(family), collate(matrix.rows(), pad_id=0, padding_free=False))[0]
     model = matrix.build(family)
-    assert attention.padded_rows(model, DataConfig()) == f"{family} has {why} layers that carry state across documents"
+    assert attention.padded_rows(model, DataConfig()).startswith(
+        f"{family} has {why} layers that carry state across documents")
     joined = matrix.losses(model, collate(matrix.rows(), pad_id=0, padding_free=True))[0]
     assert abs(joined - want) / want > 20 * matrix.TOLERANCE
 
