@@ -20,15 +20,17 @@ from trainyard.errors import ConfigError, ModelError, OptionError
 from trainyard.estimate import arch as estimate_arch
 from trainyard.estimate import memory as estimate_memory
 from trainyard.estimate.timing import Lengths, dpo_reference
-from trainyard.model import attention
+from trainyard.model import attention, state_layers
 from trainyard.model import build as model_room
 from trainyard.parallel import context_parallel as context_parallel_room
 from trainyard.parallel import expert_parallel
 from trainyard.plan import reading
 
 
-def meta_model(cfg: JobConfig) -> torch.nn.Module | None:
-    """The job's model (with LoRA) on the meta device, as the estimate builds it; None when its architecture is
+def meta_model(cfg: JobConfig, device_type: str = "cpu") -> torch.nn.Module | None:
+    """The job's model (with LoRA) on the meta device, as the estimate builds it, with the attention implementation
+    the job gets on `device_type` and its state layers split as train's build splits them (a choice only the
+    machine that trains can make, such as flash-attention's package, is left to it); None when its architecture is
     neither on this machine nor in the estimator's table."""
     try:
         model = estimate_arch.meta_model(cfg, estimate_arch.hf_config(cfg))
@@ -36,8 +38,14 @@ def meta_model(cfg: JobConfig) -> torch.nn.Module | None:
         if "not available offline" in err.what:
             return None
         raise
-    attention.refuse_dropped(cfg.model.attn_implementation, model, cfg.where("model.attn_implementation"),
-                             attention.packed_rows(cfg.data))
+    packed = attention.packed_rows(cfg.data)
+    attention.refuse_dropped(cfg.model.attn_implementation, model, cfg.where("model.attn_implementation"), packed)
+    try:
+        model.config._attn_implementation = attention.choose(cfg.model.attn_implementation, model,
+                                                             torch.device(device_type), packed=packed)
+    except ModelError:
+        return model
+    state_layers.install(model)
     return model
 
 
@@ -317,7 +325,7 @@ def describe_plan(
     context_size = context.dist.context_parallel
     ranks = data_ranks(context, world_size)
     accum = accumulation_steps(context, ranks)
-    model = meta_model(cfg)
+    model = meta_model(cfg, "cpu" if target.gpu == "cpu" else "cuda")
     samples = cfg.train.micro_batch_size * accum * ranks
     train, data = cfg.train, cfg.data
     lines = [
@@ -383,6 +391,9 @@ def describe_plan(
                      "(its varlen path keeps documents apart only in a batch of one row)")
     if model is not None and (padded := attention.padded_rows(model, data)):
         lines.append(f"attention        padded rows: {padded}")
+    elif model is not None and attention.one_row(model.config._attn_implementation, data, model) and (
+            split := state_layers.split_classes(model)):
+        lines.append(f"state layers     {', '.join(split)} run each document of the padding-free row on its own")
     if model is not None and cfg.train.objective == "dpo":
         attention.check_pair_rows(model)
     lines.append(estimate.describe(cfg, _hardware(target), lengths)[0])
