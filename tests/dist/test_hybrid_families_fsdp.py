@@ -1,5 +1,5 @@
-"""FSDP2 + LoRA on 2 ranks trains the families whose layers carry state across documents (on the padded rows trainyard
-collates for them), one of each kind the registry adds to the attention-only and MoE families of
+"""FSDP2 + LoRA on 2 ranks trains the families whose layers carry state across documents (on padding-free rows, each
+such layer running each document on its own: model/state_layers.py), one of each kind the registry adds to the attention-only and MoE families of
 test_model_families.py: Gated DeltaNet linear attention with MoE (Qwen3-Next) and Mamba2 beside attention
 (Falcon-H1). Their weights round-trip through export: merged and unmerged, what plain transformers and PEFT load
 computes what the run's final checkpoint computes (to fp32 rounding: the experts' adapters run another way in PEFT).

@@ -15,7 +15,8 @@ recompute under activation checkpointing. The split runs outside compiled graphs
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import types
 from typing import Any
 
 import torch
@@ -78,50 +79,47 @@ def install(model: torch.nn.Module) -> int:
         carriers = [m for m in block.modules() if type(m).__name__ in names and not getattr(m, INSTALLED, False)]
         if not carriers:
             continue
-        block.register_forward_pre_hook(_hand_bounds(carriers), with_kwargs=True)
+        block.register_forward_pre_hook(_hand_bounds, with_kwargs=True)
         for module in carriers:
-            module.forward = _split(module.forward)
+            module.forward = types.MethodType(_per_document, module)  # a copy of the module binds its own
             setattr(module, INSTALLED, True)
             wrapped += 1
     return wrapped
 
 
-def _hand_bounds(carriers: list[torch.nn.Module]) -> Callable[..., None]:
-    def hook(_block: torch.nn.Module, _args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        bounds = kwargs.get("cu_seq_lens_q")
-        for module in carriers:
+def _hand_bounds(block: torch.nn.Module, _args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    bounds = kwargs.get("cu_seq_lens_q")
+    for module in block.modules():
+        if getattr(module, INSTALLED, False):
             setattr(module, BOUNDS, bounds)
-    return hook
 
 
-def _split(forward: Callable[..., Any]) -> Callable[..., Any]:
-    owner = forward.__self__  # type: ignore[attr-defined]
-
-    @torch.compiler.disable(reason=HOST_LOOP)
-    def per_document(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        bounds = getattr(owner, BOUNDS, None)
-        length = hidden_states.shape[1]
-        if bounds is None or hidden_states.shape[0] != 1 or len(bounds) < 3 or int(bounds[-1]) != length:
-            return forward(hidden_states, *args, **kwargs)
-        starts = bounds.tolist()
-        spans = list(zip(starts, starts[1:]))
-        kwargs = {key: value for key, value in kwargs.items() if key not in KERNEL_BOUNDS}
-        if documents_in_kwargs(kwargs.get("attention_mask")):
-            kwargs["attention_mask"] = None
-        pieces: list[torch.Tensor] = [hidden_states] * len(spans)
-        extras = 0
-        for group in groups([end - start for start, end in spans]):
-            batch = [spans[i] for i in group]
-            output = forward(_rows(hidden_states, batch, length), *(_rows(a, batch, length) for a in args),
-                             **{key: _rows(value, batch, length) for key, value in kwargs.items()})
-            if isinstance(output, tuple):  # (output, state or weights): training keeps no cache, callers drop it
-                output, extras = output[0], len(output) - 1
-            for row, i in enumerate(group):
-                pieces[i] = output[row, : spans[i][1] - spans[i][0]]
-        joined = torch.cat(pieces, dim=0).unsqueeze(0)
-        return (joined, *(None,) * extras) if extras else joined
-
-    return per_document
+@torch.compiler.disable(reason=HOST_LOOP)
+def _per_document(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """The layer's own forward on each group of the row's documents (or on its input as it is: a padded batch, a row
+    of one document, a forward given no bounds)."""
+    forward = functools.partial(type(self).forward, self)
+    kwargs = {key: value for key, value in kwargs.items() if key not in KERNEL_BOUNDS}
+    if documents_in_kwargs(kwargs.get("attention_mask")):
+        kwargs["attention_mask"] = None
+    bounds = getattr(self, BOUNDS, None)
+    length = hidden_states.shape[1]
+    if bounds is None or hidden_states.shape[0] != 1 or len(bounds) < 3 or int(bounds[-1]) != length:
+        return forward(hidden_states, *args, **kwargs)
+    starts = bounds.tolist()
+    spans = list(zip(starts, starts[1:]))
+    pieces: list[torch.Tensor] = [hidden_states] * len(spans)
+    extras = 0
+    for group in groups([end - start for start, end in spans]):
+        batch = [spans[i] for i in group]
+        output = forward(_rows(hidden_states, batch, length), *(_rows(a, batch, length) for a in args),
+                         **{key: _rows(value, batch, length) for key, value in kwargs.items()})
+        if isinstance(output, tuple):  # (output, state or weights): training keeps no cache, callers drop it
+            output, extras = output[0], len(output) - 1
+        for row, i in enumerate(group):
+            pieces[i] = output[row, : spans[i][1] - spans[i][0]]
+    joined = torch.cat(pieces, dim=0).unsqueeze(0)
+    return (joined, *(None,) * extras) if extras else joined
 
 
 def groups(lengths: list[int]) -> list[list[int]]:

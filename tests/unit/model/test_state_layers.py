@@ -4,6 +4,8 @@ activation checkpointing; without the split the same layer carries its state fro
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -69,4 +71,31 @@ def test_activation_checkpointing_recomputes_with_the_row_s_bounds() -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert attention.model_one_row(model, DataConfig())
     got = losses(model, collate(rows(), pad_id=0, padding_free=True))
+    assert max(abs(a - b) / b for a, b in zip(got, want)) < TOLERANCE, (got, want)
+
+
+def test_a_copy_of_the_model_splits_its_own_layers() -> None:
+    """A deep copy (a reference model, a test's twin) must run its own weights, not the original's."""
+    model = build("qwen3_next")
+    model.config._attn_implementation = attention.choose("auto", model, torch.device("cpu"))
+    state_layers.install(model)
+    batch = collate(rows(), pad_id=0, padding_free=True)
+    same, twin = copy.deepcopy(model), copy.deepcopy(model)
+    with torch.no_grad():  # only the state layers' weights: a copy running the original's would not see it
+        for module in twin.modules():
+            if type(module).__name__ == CARRIERS["qwen3_next"]:
+                module.out_proj.weight.normal_(0, 0.5)
+    want = losses(model, batch)[0]
+    assert losses(same, batch)[0] == pytest.approx(want, rel=1e-6)
+    assert abs(losses(twin, batch)[0] - want) > 1e-3
+
+
+def test_a_row_of_one_document_runs_whole_without_the_kernels_bounds() -> None:
+    """No split for one document, and no `cu_seq_lens_q` left for a kernel: transformers' torch fallback refuses it."""
+    one = rows()[:1]
+    want = losses(build("qwen3_next"), collate(one, pad_id=0, padding_free=False))
+    model = build("qwen3_next")
+    model.config._attn_implementation = attention.choose("auto", model, torch.device("cpu"))
+    state_layers.install(model)
+    got = losses(model, collate(one, pad_id=0, padding_free=True))
     assert max(abs(a - b) / b for a, b in zip(got, want)) < TOLERANCE, (got, want)
