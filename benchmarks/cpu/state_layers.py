@@ -12,15 +12,19 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tests.unit.model import registry
-from trainyard.data.collate import collate
-from trainyard.model import attention, state_layers
-from trainyard.model.documents import model_inputs
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the families' tiny configs, as the tests build them
+
+from tests.unit.model import registry  # noqa: E402
+from trainyard.data.collate import collate  # noqa: E402
+from trainyard.model import attention, state_layers  # noqa: E402
+from trainyard.model.documents import model_inputs  # noqa: E402
 
 WIDE = dict(hidden_size=256, intermediate_size=512, vocab_size=2048)
 CPU = torch.device("cpu")
