@@ -60,6 +60,11 @@ def estimate_command(
         return
     from trainyard.plan.reading import data_lengths
 
+    from trainyard.plan.batching import micro_batch_tokens
+
     lengths = data_lengths(cfg, gpus_per_node * nodes)
+    cfg, tokens_why = micro_batch_tokens(cfg, hardware, lengths)  # auto: the N the dry run and `train` take
     result = estimate.estimate(cfg, hardware, assumptions, lengths=lengths)
+    if tokens_why:
+        result.memory.notes.append(f"train.micro_batch_tokens auto -> {cfg.train.micro_batch_tokens:,}: {tokens_why}")
     print(json.dumps(estimate.to_json(result), indent=2) if as_json else estimate.render(result))

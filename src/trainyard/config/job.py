@@ -71,6 +71,20 @@ class JobConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _token_micro_batches_fit(self, info: ValidationInfo) -> "JobConfig":
+        """train.micro_batch_tokens concatenates rows into one padding-free row: rows of their own length each."""
+        if self.train.micro_batch_tokens is None:
+            return self
+        tokens = field_and_where(info, "train.micro_batch_tokens")
+        if not self.data.padding_free:
+            raise ValueError(f"{tokens} packs padding-free micro-batches, but data.padding_free is false: set "
+                             "data.padding_free: true, or remove train.micro_batch_tokens (micro_batch_size rows)")
+        if self.data.mixture:
+            raise ValueError(f"{tokens}: a mixture's rows all fill data.max_length {self.data.max_length}, so set "
+                             "train.micro_batch_size (N / data.max_length rows) instead")
+        return self
+
+    @model_validator(mode="after")
     def _objective_settings_fit(self, info: ValidationInfo) -> "JobConfig":
         problems = objective_problems(self.train.objective, self.dpo, self.data)
         if problems:

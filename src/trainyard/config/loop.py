@@ -15,6 +15,12 @@ class TrainConfig(Section):
     loss the `dpo` section names."""
     max_steps: int = Field(100, ge=1)
     micro_batch_size: int = Field(4, ge=1)
+    micro_batch_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
+    """Padding-free micro-batches of up to this many tokens instead of micro_batch_size rows: each step's rows (still
+    micro_batch_size x accumulation per rank, so the global batch and epochs do not change) go, in order, into as
+    few micro-batches as hold them; a row longer than N is a micro-batch of its own. auto: the largest N whose
+    estimated peak fits 90% of the device (plan/batching.py; on a CPU the data's largest micro-batch of
+    micro_batch_size rows). Needs data.padding_free; not with data.mixture."""
     global_batch_size: int | None = Field(None, ge=1)
     """Samples per optimizer step over all ranks; accumulation = this / (micro * world)."""
     global_batch_tokens: int | None = Field(None, ge=1)

@@ -90,6 +90,17 @@ class ResumableSampler:
         start = self.consumed + self.rank
         return [start + k * self.world_size for k in range(count)]
 
+    def upcoming(self, count: int) -> torch.Tensor:
+        """The dataset indices at the next `count` global positions, every rank's (rank r's are [r::world_size]),
+        nothing consumed: what lets each rank cut every rank's rows of a step alike without a collective."""
+        pieces, position, end = [], self.consumed, self.consumed + count
+        while position < end:
+            epoch, offset = divmod(position, self.num_samples)
+            take = min(end - position, self.num_samples - offset)
+            pieces.append(self._order(epoch)[offset : offset + take])
+            position += take
+        return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
+
     def __iter__(self) -> Iterator[int]:
         while True:
             position = self.consumed + self.rank

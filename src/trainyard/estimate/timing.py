@@ -68,7 +68,14 @@ class Lengths:
 
     def largest_micro_batch(self, cfg: JobConfig) -> MicroBatch:
         """The micro-batch memory is planned for: the data's largest as the job collates it (the first step's under
-        train.worst_batch_first), or where the data was not read every row filling data.max_length."""
+        train.worst_batch_first), or where the data was not read every row filling data.max_length. Under
+        train.micro_batch_tokens N: N tokens, or the longest row where it is longer (a micro-batch of its own);
+        auto, before the plan resolves it, plans as micro_batch_size rows do."""
+        budget = cfg.train.micro_batch_tokens
+        if isinstance(budget, int):
+            longest = max(self.rows_of(cfg), default=documents_per_row(cfg) * cfg.data.max_length)
+            source = f"train.micro_batch_tokens {budget:,}" + (f", {self.batch_why}" if self.documents else "")
+            return MicroBatch(max(budget, longest), max(self.documents, default=cfg.data.max_length), source)
         if not self.documents:
             bound = micro_batch_bound(cfg)
             return MicroBatch(bound.tokens, bound.longest, f"micro_batch_size x data.max_length: {self.batch_why}")
@@ -267,6 +274,17 @@ def young_daly_interval_s(save_s: float, mtbf_s: float) -> float:
     return math.sqrt(2 * save_s * mtbf_s)
 
 
+def micro_batches_per_step(cfg: JobConfig, accum: int, per_row: float) -> tuple[int, float]:
+    """(micro-batches a rank runs per step, the tokens of each): `accum` of micro_batch_size rows, or under
+    train.micro_batch_tokens N as many as hold the step's rows (each at least one row), which is what FSDP gathers
+    and the collectives per step count."""
+    rows, budget = cfg.train.micro_batch_size * accum, cfg.train.micro_batch_tokens
+    if not isinstance(budget, int):
+        return accum, cfg.train.micro_batch_size * per_row
+    passes = min(rows, max(1, math.ceil(rows * per_row / budget)))
+    return passes, rows * per_row / passes
+
+
 def timing(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: int, mfu: float,
            network_gbps: float, diloco_h: int, disk_gbytes_s: float, lengths: Lengths = Lengths()) -> Timing:
     """Step time, the job's time, and what failures cost it with checkpoints every Young/Daly interval; DPO's
@@ -284,8 +302,8 @@ def timing(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: in
     # Every row once (train and eval split alike); unread data: the rows the steps take.
     rows = lengths.rows or cfg.train.max_steps * rows_per_step
     reference_s = forward * rows * per_row / flops_per_s if reference == "precomputed" else 0.0
-    moved, experts = traffic(cfg, model, layout, size, accum, network_gbps, diloco_h,
-                             cfg.train.micro_batch_size * per_row)
+    passes, micro_tokens = micro_batches_per_step(cfg, accum, per_row)
+    moved, experts = traffic(cfg, model, layout, size, passes, network_gbps, diloco_h, micro_tokens)
     comm = moved.seconds
     ckpt = checkpoint_bytes(cfg, model, size)
     save = ckpt / (disk_gbytes_s * 1e9)
@@ -315,7 +333,7 @@ def timing(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: in
         expert_gathered_bytes=experts.gathered,
         expert_exchanged_bytes=experts.exchanged,
         expert_exchange_link=experts.link,
-        context_exchanged_bytes=context_bytes(cfg, model, layout, size, accum, cfg.train.micro_batch_size * per_row),
+        context_exchanged_bytes=context_bytes(cfg, model, layout, size, passes, micro_tokens),
         compile_s=COMPILE_S if compiles(cfg, layout) else 0.0,
     )
 

@@ -24,7 +24,7 @@ from trainyard.model import attention, state_layers
 from trainyard.model import build as model_room
 from trainyard.parallel import context_parallel as context_parallel_room
 from trainyard.parallel import expert_parallel
-from trainyard.plan import reading
+from trainyard.plan import batching, reading
 
 
 def meta_model(cfg: JobConfig, device_type: str = "cpu") -> torch.nn.Module | None:
@@ -264,7 +264,8 @@ def dry_run(cfg: JobConfig, target: Target, read_data: bool = True) -> tuple[str
         data_lines = ["data             not read here (--skip-data-check)"]
         lengths = Lengths(batch_why="--skip-data-check, the data was not read")
     text = describe_plan(cfg, target.world, target, lengths, data_lines)
-    _, result = estimate.describe(cfg, _hardware(target), lengths)
+    _, result = estimate.describe(batching.micro_batch_tokens(cfg, _hardware(target), lengths)[0], _hardware(target),
+                                  lengths)
     problem = does_not_fit(result) if result is not None else None
     if problem:
         problems.append(problem)
@@ -321,6 +322,7 @@ def describe_plan(
     target = target or Target.here(world_size)
     info = DistInfo(0, world_size, 0, target.gpus_per_node, torch.device("cpu"), None)
     device_bytes = hardware.device_bytes(hardware.gpu(target.gpu), target.gpus_per_node)
+    cfg, tokens_why = batching.micro_batch_tokens(cfg, _hardware(target), lengths)
     context, context_why = context_parallel(cfg, _hardware(target), lengths)
     context_size = context.dist.context_parallel
     ranks = data_ranks(context, world_size)
@@ -331,8 +333,7 @@ def describe_plan(
     lines = [
         f"run dir          {cfg.run_dir}",
         f"world size       {world_size}",
-        f"micro batch      {cfg.train.micro_batch_size} samples x {accum} accumulation x "
-        f"{_ranks_words(context_size, ranks)}",
+        batching.micro_batch_words(cfg, accum, _ranks_words(context_size, ranks), tokens_why),
         f"global batch     {_global_batch_words(cfg, samples)}",
         f"objective        {_objective_words(cfg)}",
         f"steps            {_steps_words(train)} (lr {train.lr:g}, {train.schedule}, warmup {train.warmup_steps})",
@@ -394,6 +395,7 @@ def describe_plan(
     elif model is not None and attention.one_row(model.config._attn_implementation, data, model) and (
             split := state_layers.split_classes(model)):
         lines.append(f"state layers     {', '.join(split)} run each document of the padding-free row on its own")
+    batching.check_rows(cfg, model)
     if model is not None and cfg.train.objective == "dpo":
         attention.check_pair_rows(model)
     lines.append(estimate.describe(cfg, _hardware(target), lengths)[0])

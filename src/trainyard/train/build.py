@@ -27,11 +27,17 @@ from trainyard.precision import Precision
 
 
 def planned_context(cfg: JobConfig, info: dist.DistInfo, train_rows: Any) -> JobConfig:
-    """The job with dist.context_parallel auto resolved as the dry run resolves it (plan.context_parallel, for the
-    prepared rows on this machine), before the sampler, the accumulation or the mesh count its data ranks."""
-    resolved, why = plan.context_parallel(cfg, plan.this_hardware(info), plan.reading.prepared_lengths(cfg, train_rows))
+    """The job with train.micro_batch_tokens and dist.context_parallel auto resolved as the dry run resolves them
+    (plan.batching.micro_batch_tokens, plan.context_parallel, for the prepared rows on this machine), before the
+    sampler, the accumulation or the mesh count its data ranks and micro-batches."""
+    hardware, lengths = plan.this_hardware(info), plan.reading.prepared_lengths(cfg, train_rows)
+    log = logging.getLogger("trainyard")
+    cfg, why = plan.batching.micro_batch_tokens(cfg, hardware, lengths)
     if why:
-        logging.getLogger("trainyard").info("dist.context_parallel auto -> %d: %s", resolved.dist.context_parallel, why)
+        log.info("train.micro_batch_tokens auto -> %d: %s", cfg.train.micro_batch_tokens, why)
+    resolved, why = plan.context_parallel(cfg, hardware, lengths)
+    if why:
+        log.info("dist.context_parallel auto -> %d: %s", resolved.dist.context_parallel, why)
     return resolved
 
 
@@ -53,6 +59,7 @@ def build_and_wrap(
     where = cfg.where("model.attn_implementation")
     model = model_room.build_meta_model(cfg.model, config, base_dtype, info.device, not forward_only, where,
                                         attention.packed_rows(cfg.data))
+    plan.batching.check_rows(cfg, model)
     nf4 = quantize.nf4_targets(model, base_dtype) if cfg.model.quantize == "nf4" else None
     if cfg.lora.enabled:
         from trainyard.model import lora as lora_room  # PEFT: a full fine-tune never loads it

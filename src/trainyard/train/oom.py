@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from trainyard.config import JobConfig
 from trainyard.errors import OutOfMemory, TrainyardError
 from trainyard.train.job import Job
 from trainyard.train.votes import document_lengths
@@ -22,10 +23,16 @@ def explain(job: Job, window: list[dict[str, torch.Tensor]], step: int, strategy
     return OutOfMemory(
         f"out of memory at step {step} on rank {info.rank} ({info.device}): this step's micro-batches hold "
         f"{', '.join(f'{t:,}' for t in tokens)} tokens (rows up to {longest:,}); {when}. {_predicted(job, strategy)}",
-        fix="lower train.micro_batch_size (train.global_batch_size keeps the step's samples through accumulation) or "
-            "data.max_length, set model.gradient_checkpointing: true, or shard more (dist.strategy: fsdp); "
-            "`trainyard estimate CONFIG` compares the options",
+        fix=f"lower {_micro_batch_field(cfg)} (train.global_batch_size keeps the step's samples through "
+            "accumulation) or data.max_length, set model.gradient_checkpointing: true, or shard more "
+            "(dist.strategy: fsdp); `trainyard estimate CONFIG` compares the options",
     )
+
+
+def _micro_batch_field(cfg: JobConfig) -> str:
+    """What bounds this job's micro-batches: rows, or tokens (an auto N was resolved to a number: set one lower)."""
+    return "train.micro_batch_size" if cfg.train.micro_batch_tokens is None else (
+        f"train.micro_batch_tokens (now {cfg.train.micro_batch_tokens:,})")
 
 
 def _predicted(job: Job, strategy: str) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from trainyard.data import ResumableSampler, micro_batches, prepare_datasets, sa
 from trainyard.data.chat import tokenizer_as_trained
 from trainyard.data.loader import largest_rows, stream_batches
 from trainyard.data.mixture import MixtureStream, mixture_stream
+from trainyard.data.token_batches import accumulation_windows, token_windows
 from trainyard.data.pretraining import prepare_pretraining
 from trainyard.diloco import ft as diloco_ft
 from trainyard.diloco import outer as diloco
@@ -61,7 +61,7 @@ from trainyard.train.optim import build_optimizer, grad_norm_and_clip
 from trainyard.train.state import LoopState
 
 
-def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
+def fit(job: Job, windows: Any, state: LoopState) -> LoopState:
     cfg, info, model = job.cfg, job.info, job.model
     routers = routing.find_routers(model)
     interval = LogWindow(info.device, job.comm_timer, device_peak_flops(info.device, job.precision.compute_dtype),
@@ -76,7 +76,7 @@ def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
     heartbeat.start()
     model.train()
     try:
-        _train_steps(job, batches, state, run_eval, heartbeat, interval)
+        _train_steps(job, windows, state, run_eval, heartbeat, interval)
     except RuntimeError as err:
         if info.distributed and health.looks_like_comm_failure(err):
             step, timeout_s = state.step + 1, cfg.dist.timeout_s
@@ -95,7 +95,7 @@ def fit(job: Job, batches: Any, state: LoopState) -> LoopState:
 
 
 def _train_steps(
-    job: Job, batches: Any, state: LoopState, run_eval: Any, heartbeat: BackgroundHeartbeat, interval: LogWindow
+    job: Job, windows: Any, state: LoopState, run_eval: Any, heartbeat: BackgroundHeartbeat, interval: LogWindow
 ) -> None:
     """Steps until max_steps. An async save may still be in flight at the end (job.saves). When the ranks act on
     their votes, at once or at a DiLoCo round's sync, is `rounds`'."""
@@ -107,7 +107,7 @@ def _train_steps(
         step += 1
         step_start = time.monotonic()
         position = job.sampler.state_dict()  # where this step's data starts: a preemption save resumes here
-        window = list(islice(batches, job.accum))
+        window = next(windows)  # the step's micro-batches
         data_wait = time.monotonic() - step_start
         health.record_progress(info, step, health.CONTROL)
         own = agreement.own_votes(job, window, last_full)
@@ -248,6 +248,23 @@ def _size_by_epochs(job: Job, state: LoopState) -> None:
                   global_batch_samples=samples, max_steps=steps)
 
 
+def _windows(job: Job) -> Any:
+    """Each step's micro-batches: `job.accum` of micro_batch_size rows, or under train.micro_batch_tokens the same
+    rows in as few token-bounded micro-batches as hold them."""
+    cfg, pad_id = job.cfg, job.tokenizer.pad_token_id
+    record = sample_record_path(cfg.run_dir, job.info.rank)
+    one_row = attention.model_one_row(parallel.unwrap(job.model), cfg.data)
+    context = context_parallel.slice_of(job.model)  # this rank's slice of each row: (0, 1) without context parallelism
+    micro = cfg.train.micro_batch_size
+    if isinstance(job.sampler, MixtureStream):
+        return accumulation_windows(stream_batches(job.sampler, micro, pad_id, record, one_row, context), job.accum)
+    if cfg.train.micro_batch_tokens is not None:
+        return token_windows(job.data.train, job.sampler, micro * job.accum, cfg.train.micro_batch_tokens, pad_id,
+                             record, context)
+    return accumulation_windows(micro_batches(job.data.train, job.sampler, micro, pad_id, record, one_row, context),
+                                job.accum)
+
+
 def _loop_facts(job: Job) -> dict[str, object]:
     """Fault-tolerant DiLoCo: what a site that heals from this one takes besides the outer and inner optimizer
     state: the data position, the schedule and this rank's random streams."""
@@ -381,17 +398,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     if info.is_main:  # after resume's checks: a rejected job never replaces the run's config
         write_atomically(run_dir / run_layout.CONFIG, dump_config(cfg))
     loop_state.install_preemption_handlers(cfg.checkpoint.preemption_signals)
-    record = sample_record_path(run_dir, info.rank)
-    one_row = attention.model_one_row(parallel.unwrap(model), cfg.data)
-    context = context_parallel.slice_of(model)  # this rank's slice of each row: (0, 1) without context parallelism
-    if isinstance(sampler, MixtureStream):
-        batches = stream_batches(sampler, cfg.train.micro_batch_size, tokenizer.pad_token_id, record, one_row,
-                                 context)
-    else:
-        batches = micro_batches(data.train, sampler, cfg.train.micro_batch_size, tokenizer.pad_token_id, record,
-                                one_row, context)
     try:
-        state = fit(job, batches, state)
+        state = fit(job, _windows(job), state)
     finally:
         job.sink.close()
         if job.across is not None:

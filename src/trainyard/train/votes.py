@@ -74,7 +74,7 @@ def own_votes(job: Job, window: list[dict[str, torch.Tensor]], last_full: float)
         save_failed=float(job.saves.failed_here()),
         preempted=float(bool(loop_state.SIGNALLED)),
         timed_save=float(job.info.is_main and loop_state.timed_save_due(job, last_full)),
-        data_ended=float(len(window) < job.accum),
+        data_ended=float(len(window) < job.accum and job.cfg.train.micro_batch_tokens is None),  # a stream's end
     )
 
 

@@ -1,0 +1,96 @@
+"""Token-bounded micro-batches (train.micro_batch_tokens): each optimizer step's rows, the very rows the row path
+takes, cut in order into padding-free micro-batches of up to N tokens. Every rank runs as many micro-batches as the
+rank that needs the most (FSDP's gathers, expert all-to-alls and DDP's one synced backward pair up across ranks);
+each rank knows that count from the sampler's deterministic stream, without a collective."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import numpy
+import torch
+
+from trainyard.data.collate import collate
+from trainyard.data.loader import COLUMNS, SampleRecord
+from trainyard.data.sampler import ResumableSampler
+
+Window = list[dict[str, torch.Tensor]]
+
+
+def token_groups(lengths: Sequence[int], budget: int, count: int = 0) -> list[list[int]]:
+    """Positions 0..n-1 of rows of `lengths` tokens, grouped in order, each group up to `budget` tokens (a longer
+    row alone); then, until there are `count` groups, the group of most tokens among those of several rows is
+    halved. Halving keeps every group within the budget, so any count up to the rows can be reached."""
+    groups: list[list[int]] = []
+    held = 0
+    for position, length in enumerate(lengths):
+        if not groups or held + length > budget:
+            groups.append([])
+            held = 0
+        groups[-1].append(position)
+        held += length
+    while len(groups) < count:
+        split = max((g for g in groups if len(g) > 1), key=lambda g: sum(lengths[i] for i in g))
+        at = groups.index(split)
+        groups[at : at + 1] = [split[: len(split) // 2], split[len(split) // 2 :]]
+    return groups
+
+
+def row_lengths(dataset: Any) -> numpy.ndarray:
+    """Every row's tokens, as the padding-free collator concatenates them."""
+    import pyarrow.compute  # only for an Arrow dataset: a mixture's stream never comes here
+
+    return pyarrow.compute.list_value_length(dataset.with_format("arrow")["input_ids"]).to_numpy()
+
+
+def step_count(lengths: numpy.ndarray, sampler: ResumableSampler, rows: int, budget: int) -> int:
+    """The micro-batches of the next step on every rank: the most any rank's `rows` rows need."""
+    every = lengths[sampler.upcoming(rows * sampler.world_size).numpy()].reshape(rows, sampler.world_size)
+    return max(len(token_groups(every[:, rank].tolist(), budget)) for rank in range(sampler.world_size))
+
+
+def accumulation_windows(batches: Iterator[dict[str, torch.Tensor]], accum: int) -> Iterator[Window]:
+    """The row path's steps: `accum` micro-batches each (fewer where a pretraining stream ended)."""
+    while True:
+        yield list(islice(batches, accum))
+
+
+def token_windows(
+    dataset: Any,
+    sampler: ResumableSampler,
+    rows: int,
+    budget: int,
+    pad_id: int,
+    record: Path | None = None,
+    context: tuple[int, int] = (0, 1),
+) -> Iterator[Window]:
+    """Each step's window: this rank's next `rows` rows in micro-batches of up to `budget` tokens, as many as
+    step_count says. Like loader.micro_batches, nothing is read ahead (the sampler's state after a yield is the next
+    step's start) and each micro-batch's rows are appended to `record` when given."""
+    columns = [name for name in COLUMNS if name in dataset.column_names]
+    rows_of, lengths = dataset.select_columns(columns), row_lengths(dataset)
+    recorder = None
+    if record is not None:
+        start = {"start": sampler.state_dict(), "world_size": sampler.world_size, "rank": sampler.rank}
+        recorder = SampleRecord(record, {**start, "samples_per_epoch": sampler.num_samples})
+    indices = iter(sampler)
+    try:
+        while True:
+            count = step_count(lengths, sampler, rows, budget)
+            positions = sampler.next_positions(rows)
+            picked = list(islice(indices, rows))
+            window = []
+            for group in token_groups(lengths[picked].tolist(), budget, count):
+                if recorder is not None:
+                    at = [[*divmod(positions[i], sampler.num_samples), picked[i]] for i in group]
+                    recorder.write({"rows": at})
+                fetched = rows_of[[picked[i] for i in group]]
+                window.append(collate([{name: fetched[name][i] for name in columns} for i in range(len(group))],
+                                      pad_id, True, context))
+            yield window
+    finally:
+        if recorder is not None:
+            recorder.handle.close()
