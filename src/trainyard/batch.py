@@ -48,9 +48,14 @@ def steps_for_epochs(cfg: JobConfig, rows: int, world_size: int, saved_samples: 
 def largest_micro_batch(rows: Iterable[int], cfg: JobConfig) -> tuple[int, int]:
     """The tokens a rank's largest micro-batch computes as the job collates it (padding included), and its longest
     row, from the rows' token lengths: packed rows each fill data.max_length (as many as the documents fill);
-    padding-free rows are summed; padded rows each take the longest one's length. The dry run, the estimate and the
+    padding-free rows are summed; padded rows each take the longest one's length. Under train.micro_batch_tokens N:
+    N tokens, or the longest row where it is longer (a micro-batch of its own). The dry run, the estimate and the
     trainer's fit check all use it."""
-    micro, data = cfg.train.micro_batch_size, cfg.data
+    micro, data, budget = cfg.train.micro_batch_size, cfg.data, cfg.train.micro_batch_tokens
+    if isinstance(budget, int):
+        rows = list(rows)
+        longest = min(data.max_length, sum(rows)) if data.packing else max(rows)
+        return max(budget, longest), longest
     if data.packing:
         tokens = min(micro * data.max_length, sum(rows))
         return tokens, min(data.max_length, tokens)

@@ -72,15 +72,25 @@ class Lengths:
         train.micro_batch_tokens N: N tokens, or the longest row where it is longer (a micro-batch of its own);
         auto, before the plan resolves it, plans as micro_batch_size rows do."""
         budget = cfg.train.micro_batch_tokens
-        if isinstance(budget, int):
-            longest = max(self.rows_of(cfg), default=documents_per_row(cfg) * cfg.data.max_length)
-            source = f"train.micro_batch_tokens {budget:,}" + (f", {self.batch_why}" if self.documents else "")
-            return MicroBatch(max(budget, longest), max(self.documents, default=cfg.data.max_length), source)
+        tokens_words = f"train.micro_batch_tokens {budget:,}, " if isinstance(budget, int) else ""
+        if not self.documents and tokens_words:
+            row = documents_per_row(cfg) * cfg.data.max_length
+            return MicroBatch(max(budget, row), cfg.data.max_length, tokens_words + self.batch_why)
         if not self.documents:
             bound = micro_batch_bound(cfg)
             return MicroBatch(bound.tokens, bound.longest, f"micro_batch_size x data.max_length: {self.batch_why}")
         tokens, _ = largest_micro_batch(self.rows_of(cfg), cfg)
-        return MicroBatch(tokens, max(self.documents), self.batch_why)
+        return MicroBatch(tokens, max(self.documents), tokens_words + self.batch_why)
+
+    def row_tokens(self, cfg: JobConfig) -> list[int]:
+        """Each training row's tokens as collated, longest first: packed rows each fill data.max_length (as many as
+        the documents fill), others are a document or a DPO pair; unread, one row of data.max_length (x 2 a pair)."""
+        if not self.documents:
+            return [documents_per_row(cfg) * cfg.data.max_length]
+        if cfg.data.packing:
+            full, left = divmod(sum(self.documents), cfg.data.max_length)
+            return [cfg.data.max_length] * full + ([left] if left else [])
+        return sorted(self.rows_of(cfg), reverse=True)
 
     def per_row(self, cfg: JobConfig) -> tuple[float, tuple[float, ...]]:
         """(tokens computed per micro-batch row, the documents whose tokens and attention the rows compute) as the

@@ -254,18 +254,19 @@ def dry_run(cfg: JobConfig, target: Target, read_data: bool = True) -> tuple[str
     encoded as training will), the resume point and the fit. Raises PlanError, after the plan is printed by the
     caller, when the job cannot run as planned."""
     problems: list[str] = []
+    cfg = cfg.model_copy(deep=True)  # train.epochs sets max_steps from the rows the survey counts
+    found = None
     if read_data:
-        cfg = cfg.model_copy(deep=True)  # train.epochs sets max_steps from the rows the survey counts
         found, data_lines, lengths = reading.survey_data(cfg, problems)
-        if found is not None:  # over the data ranks of the CP size those lengths decide
-            context = context_parallel(cfg, _hardware(target), lengths)[0]
-            data_lines = reading.data_lines(cfg, found, data_ranks(context, target.world))
     else:
         data_lines = ["data             not read here (--skip-data-check)"]
         lengths = Lengths(batch_why="--skip-data-check, the data was not read")
-    text = describe_plan(cfg, target.world, target, lengths, data_lines)
-    _, result = estimate.describe(batching.micro_batch_tokens(cfg, _hardware(target), lengths)[0], _hardware(target),
-                                  lengths)
+    cfg, tokens_why = batching.micro_batch_tokens(cfg, _hardware(target), lengths)  # before what counts its batch
+    if found is not None:  # over the data ranks of the CP size those lengths decide
+        context = context_parallel(cfg, _hardware(target), lengths)[0]
+        data_lines = reading.data_lines(cfg, found, data_ranks(context, target.world))
+    text = describe_plan(cfg, target.world, target, lengths, data_lines, tokens_why)
+    _, result = estimate.describe(cfg, _hardware(target), lengths)
     problem = does_not_fit(result) if result is not None else None
     if problem:
         problems.append(problem)
@@ -317,12 +318,13 @@ def describe_plan(
     target: Target | None = None,
     lengths: Lengths = Lengths(),
     data_lines: list[str] | None = None,
+    tokens_why: str = "",
 ) -> str:
-    """The plan's lines; `data_lines`: what a survey of the data found, in place of the data settings."""
+    """The plan's lines; `data_lines`: what a survey of the data found, in place of the data settings; `tokens_why`:
+    how train.micro_batch_tokens auto was resolved (plan.batching, before `cfg` came here)."""
     target = target or Target.here(world_size)
     info = DistInfo(0, world_size, 0, target.gpus_per_node, torch.device("cpu"), None)
     device_bytes = hardware.device_bytes(hardware.gpu(target.gpu), target.gpus_per_node)
-    cfg, tokens_why = batching.micro_batch_tokens(cfg, _hardware(target), lengths)
     context, context_why = context_parallel(cfg, _hardware(target), lengths)
     context_size = context.dist.context_parallel
     ranks = data_ranks(context, world_size)

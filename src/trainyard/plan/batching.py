@@ -3,8 +3,6 @@ the dry run, `trainyard estimate` and `train`; the rows it needs of the model; a
 
 from __future__ import annotations
 
-import heapq
-
 import torch
 
 from trainyard import estimate
@@ -12,7 +10,7 @@ from trainyard.batch import accumulation_steps, data_ranks
 from trainyard.config import JobConfig
 from trainyard.errors import ConfigError, ModelError, OptionError
 from trainyard.estimate import memory as estimate_memory
-from trainyard.estimate.timing import Lengths, documents_per_row
+from trainyard.estimate.timing import Lengths
 from trainyard.model import attention
 
 FILL = 0.9
@@ -80,13 +78,10 @@ def step_rows(cfg: JobConfig, world: int) -> int:
 
 
 def _row_bounds(cfg: JobConfig, lengths: Lengths, rows: int) -> tuple[int, int]:
-    """(the longest row's tokens, the tokens of a step's `rows` largest rows): every row at data.max_length where
-    the data was not read."""
-    found = lengths.rows_of(cfg)
-    if not found:
-        longest = documents_per_row(cfg) * cfg.data.max_length
-        return longest, rows * longest
-    return max(found), sum(heapq.nlargest(rows, found))
+    """(the longest row's tokens, the tokens of a step's `rows` largest rows, where a step of more rows than the
+    data's takes them again): every row at data.max_length where the data was not read."""
+    found = lengths.row_tokens(cfg)
+    return found[0], sum(found[i % len(found)] for i in range(rows))
 
 
 def _with_tokens(cfg: JobConfig, tokens: int) -> JobConfig:

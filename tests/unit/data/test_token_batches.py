@@ -11,7 +11,7 @@ import datasets
 import pytest
 import torch
 
-from trainyard.data import ResumableSampler, micro_batches
+from trainyard.data import IGNORE_INDEX, ResumableSampler, micro_batches
 from trainyard.data.token_batches import accumulation_windows, token_groups, token_windows
 
 PAD = 0
@@ -19,10 +19,11 @@ ROWS, MICRO, ACCUM = 40, 4, 2
 
 
 def dataset(seed: int = 5) -> datasets.Dataset:
-    """Rows of 3 to 60 tokens; a row's ids start with its index, so a micro-batch says which rows it holds."""
+    """Rows of 3 to 60 tokens; a row's ids start with its index, so a micro-batch says which rows it holds. A row's
+    first label is ignored, as encoding makes it: no target spans two rows of a micro-batch."""
     rng = random.Random(seed)
     ids = [[index + 1] + [rng.randint(1, 90) for _ in range(rng.randint(2, 59))] for index in range(ROWS)]
-    return datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
+    return datasets.Dataset.from_dict({"input_ids": ids, "labels": [[IGNORE_INDEX, *row[1:]] for row in ids]})
 
 
 def rows_of(batch: dict[str, torch.Tensor]) -> list[int]:
