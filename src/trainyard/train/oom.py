@@ -38,13 +38,15 @@ def _micro_batch_field(cfg: JobConfig) -> str:
 def _predicted(job: Job, strategy: str) -> str:
     """The estimate's peak for this job on this device, made now (the model is built on the meta device)."""
     from trainyard import estimate
+    from trainyard.estimate.timing import Lengths
 
     info, cfg = job.info, job.cfg
     if info.device.type != "cuda":
         return "The estimate is for GPUs; on a CPU the process's memory is the host's."
     capacity = torch.cuda.get_device_properties(info.device).total_memory
     try:
-        peak = estimate.planned_peak(cfg, strategy, info.world_size, info.local_world_size, capacity)
+        batch = Lengths().largest_micro_batch(cfg)  # micro_batch_size rows, or train.micro_batch_tokens, unread
+        peak = estimate.planned_peak(cfg, strategy, info.world_size, info.local_world_size, capacity, batch)
     except TrainyardError as err:
         return f"The estimate could not be made: {err.what}."
     return f"The estimate predicted a peak of {peak / 2**30:.1f} GiB of {capacity / 2**30:.1f} GiB per device."

@@ -259,6 +259,8 @@ def _windows(job: Job) -> Any:
     if isinstance(job.sampler, MixtureStream):
         return accumulation_windows(stream_batches(job.sampler, micro, pad_id, record, one_row, context), job.accum)
     if cfg.train.micro_batch_tokens is not None:
+        logging.getLogger("trainyard").info("micro-batches of up to %d tokens: each step's %d rows per rank in as few "
+                                            "as hold them", cfg.train.micro_batch_tokens, micro * job.accum)
         return token_windows(job.data.train, job.sampler, micro * job.accum, cfg.train.micro_batch_tokens, pad_id,
                              record, context)
     return accumulation_windows(micro_batches(job.data.train, job.sampler, micro, pad_id, record, one_row, context),
