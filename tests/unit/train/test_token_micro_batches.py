@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,16 +15,17 @@ import torch
 from tests.conftest import TINY
 from tests.unit.data.test_token_batches import ACCUM, MICRO, PAD, dataset, sampler
 from tests.unit.test_loss import tiny_llama
+from trainyard.config import JobConfig
 from trainyard.config_file import load_config
 from trainyard.data import micro_batches
-from trainyard.data.token_batches import accumulation_windows, token_windows
+from trainyard.data.token_batches import Window, accumulation_windows, token_windows
 from trainyard.dist import DistInfo
 from trainyard.objective import Sft
 from trainyard.train import build
 from trainyard.train import recipe as trainer
 
 
-def step_of(windows) -> tuple[torch.Tensor, list[torch.Tensor], int]:  # noqa: ANN001 - an iterator of windows
+def step_of(windows: Iterator[Window]) -> tuple[torch.Tensor, list[torch.Tensor], int]:
     """The loop's step on one window: each micro-batch's loss sum over the step's targets, backward; the micro-batches
     it took."""
     model, objective, window = tiny_llama(), Sft(), next(windows)
@@ -48,7 +50,7 @@ def test_the_step_s_loss_and_gradient_are_the_row_path_s() -> None:
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def _tiny(tmp_path: Path, name: str, *more: str):  # noqa: ANN202 - a JobConfig
+def _tiny(tmp_path: Path, name: str, *more: str) -> JobConfig:
     return load_config(TINY, [
         f"output_dir={tmp_path}", f"run_name={name}", "dist.strategy=none", "eval.every_steps=0", "eval.at_end=false",
         "checkpoint.at_end=false", "checkpoint.every_minutes=0", "checkpoint.preemption_signals=[]",
