@@ -279,6 +279,31 @@ def all_to_all_rows(
     return all_to_all_single_autograd(rows, receive_splits, send_splits, group)
 
 
+class _GroupSum(torch.autograd.Function):
+    """A sum over the group whose backward sums the ranks' gradients: each rank's loss reads the sum (torch's own,
+    torch.distributed.nn.functional.all_reduce, is deprecated)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return _summed(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return _summed(grad, ctx.group), None
+
+
+def _summed(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    summed = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(summed, group=group)
+    return summed
+
+
+def group_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """`x` summed over the group, on every rank, differentiable."""
+    return _GroupSum.apply(x, group)
+
+
 def all_gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Every rank's `row` in the group (the world by default), stacked in rank order (just the row alone)."""
     if not (dist.is_initialized() and dist.get_world_size(group) > 1):

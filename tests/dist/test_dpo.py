@@ -155,6 +155,20 @@ def test_two_ranks_equal_one_process(
     assert_same_figures(got, one_process[lora], 1e-5)
 
 
+@pytest.mark.parametrize("lora", ["true", "false"], ids=["lora", "full"])
+def test_context_parallelism_equals_one_process(
+    world: World, tmp_path: Path, pairs: Path, one_process: dict[str, list[dict[str, Any]]], lora: str
+) -> None:
+    """dist.context_parallel 2 on 2 ranks, the whole loop: both take the step's 8 pairs, each half of the row's
+    tokens; each reply's log-probabilities are summed over the two, each pair counted on one rank (`pairs` is the
+    step's 8, not 16). Full fine-tuning's reference pass runs under the CP build, each rank its rows whole. (A reply
+    across the halves, and every gradient: tests/dist/test_context_parallel_dpo.py.)"""
+    got = ours(world, tmp_path, pairs, f"lora.enabled={lora}", "dist.strategy=fsdp", "dist.context_parallel=2",
+               "train.micro_batch_size=8", "train.global_batch_size=8")
+    assert all(e["pairs"] == 8 for e in got)
+    assert_same_figures(got, one_process[lora], 1e-5)
+
+
 def test_full_fine_tunings_reference_is_computed_once_and_reused(solo: World, tmp_path: Path, pairs: Path) -> None:
     """A second job on the same model and data (a resume, a rerun) reads the kept log-probabilities: same steps."""
     more = ("lora.enabled=false", "dist.strategy=none", "train.micro_batch_size=4", "train.global_batch_size=4",

@@ -16,7 +16,7 @@ import peft
 from tests.unit.test_preference_loss import VOCAB, gradients, lora_llama, shift_adapters, tiny_llama
 from trainyard.config import DpoConfig
 from trainyard.data import IGNORE_INDEX, build_byte_tokenizer, collate
-from trainyard.preference.loss import PairLogps, dpo_loss, pair_logps, pair_loss_sum, target_documents, target_logps
+from trainyard.preference.loss import PairLogps, dpo_loss, pair_logps, pair_loss_sum, target_logps
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -102,7 +102,7 @@ def test_sigmoids_label_smoothing_is_trls_conservative_sigmoid(tmp_path: Path) -
     cfg = DpoConfig(loss="sigmoid", beta=0.5, label_smoothing=0.2)
     batch = collate(as_rows(pairs()), 0)
     with torch.no_grad():
-        policy = pair_logps(target_logps(model, batch, CPU), target_documents(batch))
+        policy = pair_logps(target_logps(model, batch, CPU), batch)
         reference = PairLogps(*(value * 0.9 for value in (policy.chosen, policy.rejected)), policy.chosen_tokens,
                               policy.rejected_tokens)
     got, stats = dpo_loss(cfg, policy, reference)

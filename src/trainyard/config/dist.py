@@ -101,9 +101,10 @@ class DistConfig(Section):
     contiguous 1/N of every row's tokens through the whole block (Ulysses: an all-to-all around attention trades the
     sequence shard for a head shard, so each rank attends whole documents for heads / N). Carved out of the shard
     dimension: must divide it (and the heads). Activations per rank fall by about N; the data-parallel size, the
-    sampler's and the global batch's, is the world / N. Full checkpoints resume at another CP size. 1: none. Not yet
-    with dist.expert_parallel, diloco, DPO, or families whose layers carry a state along the row (linear attention,
-    state-space, short convolutions: refused naming them); proven for llama, qwen3, mistral, gemma2 and gpt_oss.
+    sampler's and the global batch's, is the world / N. Full checkpoints resume at another CP size; DPO sums each
+    reply over the group. 1: none. Not yet with dist.expert_parallel, diloco, dpo.loss orpo, or families whose
+    layers carry a state along the row (linear attention, state-space, short convolutions: refused naming them);
+    proven for llama, qwen3, mistral, gemma2 and gpt_oss.
     auto: where the estimate shows the job does not fit a device as it is (a document's activations), the plan takes
     the fewest of a node's GPUs that fit it (the cheapest fix's split), under fsdp/hsdp; else 1 (it fits, no split
     fits, the family or the job cannot run CP, one process). The dry run says which and why."""

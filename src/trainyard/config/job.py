@@ -63,9 +63,10 @@ class JobConfig(Section):
         size = self.dist.context_parallel
         if size in (1, "auto"):  # auto: 1 where these rules refuse CP (plan.context_parallel)
             return self
-        if self.train.objective != "sft":
-            raise ValueError(f"dist.context_parallel {size} runs train.objective sft only yet, not "
-                             f"{self.train.objective}: set dist.context_parallel: 1")
+        if self.train.objective == "dpo" and self.dpo.loss == "orpo":
+            raise ValueError(f"dist.context_parallel {size} runs dpo.loss orpo not yet (its chosen cross-entropy "
+                             "reads each document's next token, on another rank at a slice's end): set "
+                             "dist.context_parallel: 1, or another dpo.loss")
         if not self.data.padding_free:
             raise ValueError(f"dist.context_parallel {size} slices padding-free rows: set data.padding_free: true")
         return self

@@ -88,7 +88,10 @@ def context_slice(batch: dict[str, torch.Tensor], rank: int, size: int, pad_id: 
     whole row's); the labels carry one more than the tokens, the label the slice's last logit predicts, so the
     loss's shift (labels[:, 1:]) finds each target on the one rank holding the token before it, and a count of
     targets over the CP group counts each once. real_tokens: the slice's tokens that are not padding. The document
-    bounds are the whole padded row's: the attention inside the exchange sees every token of the row."""
+    bounds are the whole padded row's: the attention inside the exchange sees every token of the row. A pair's two
+    documents may lie on several ranks, so each label names its document among the whole row's that have targets
+    (`label_documents`, -1 elsewhere; DPO sums each over the group), and `documents_ending` says, per document, whether
+    its last target is this rank's: a pair counts on the one rank holding its rejected reply's last target."""
     total = batch["input_ids"].size(1)
     length = -(-total // size)
     padding = length * size - total
@@ -96,13 +99,28 @@ def context_slice(batch: dict[str, torch.Tensor], rank: int, size: int, pad_id: 
     positions = batch["position_ids"][0].tolist()
     lengths = batch["cu_seq_lens"].diff().tolist()
     labels = F.pad(batch["labels"], (0, padding + 1), value=IGNORE_INDEX)
+    owners = _label_documents(batch["labels"][0], lengths)
+    is_target = owners >= 0
+    last = torch.zeros(int(owners.max()) + 1, dtype=torch.long).scatter_reduce_(
+        0, owners[is_target], torch.arange(total)[is_target], "amax")
     return {
         "input_ids": F.pad(batch["input_ids"], (0, padding), value=pad_id)[:, start:end],
         "labels": labels[:, start : end + 1],
         "position_ids": torch.tensor([positions + list(range(padding))], dtype=torch.long)[:, start:end],
         "real_tokens": torch.tensor(max(0, min(end, total) - start), dtype=torch.long),
+        "label_documents": F.pad(owners, (0, padding + 1), value=-1)[start : end + 1].unsqueeze(0),
+        "documents_ending": (last > start) & (last <= end),
         **document_bounds(lengths, total + padding),
+        **{name: batch[name] for name in ("ref_logps",) if name in batch},
     }
+
+
+def _label_documents(labels: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Each label's document, numbered among the row's documents that have targets; -1 where it is no target."""
+    document = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
+    is_target = labels != IGNORE_INDEX
+    trained = torch.zeros(len(lengths), dtype=torch.long).index_add_(0, document, is_target.long()) > 0
+    return torch.where(is_target, (trained.cumsum(0) - 1)[document], -1)
 
 
 def collate(
@@ -113,8 +131,6 @@ def collate(
     (`ref_logps`, one [chosen, rejected] per row) when the rows have them. `context`: (this rank's place in its
     context-parallel group, the group's size): a padding-free row is cut to the rank's slice."""
     batch = padding_free_batch(rows) if padding_free else padded_batch(rows, pad_id)
-    if context[1] > 1:
-        return context_slice(batch, *context, pad_id)
     if "ref_logps" in rows[0]:
         batch["ref_logps"] = torch.tensor([row["ref_logps"] for row in rows], dtype=torch.float64)
-    return batch
+    return context_slice(batch, *context, pad_id) if context[1] > 1 else batch

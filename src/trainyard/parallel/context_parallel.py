@@ -129,13 +129,26 @@ def attach(model: torch.nn.Module, mesh: DeviceMesh) -> ContextGroup:
     return found
 
 
-def slice_of(model: torch.nn.Module) -> tuple[int, int]:
-    """(this rank's place in its CP group, the group's size): which slice of each row the collator gives it."""
+def group_of(model: torch.nn.Module) -> ContextGroup | None:
+    """The CP group `attach` gave the model's attention modules, or None without context parallelism."""
     for module in model.modules():
         found = getattr(module, "context_parallel", None)
         if found is not None:
-            return found.rank, found.size
-    return 0, 1
+            return found
+    return None
+
+
+def slice_of(model: torch.nn.Module) -> tuple[int, int]:
+    """(this rank's place in its CP group, the group's size): which slice of each row the collator gives it."""
+    found = group_of(model)
+    return (0, 1) if found is None else (found.rank, found.size)
+
+
+def summed_over_slices(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A figure of whole rows from each rank's partial one over its slices (DPO's per-document sums): the CP group's
+    sum, on every rank, differentiable; its backward sums the ranks' gradients, each rank computing the same loss."""
+    found = group_of(model)
+    return x if found is None else dist.group_sum(x, found.group)
 
 
 def sequence_to_heads(x: torch.Tensor, group: ContextGroup) -> torch.Tensor:

@@ -20,6 +20,7 @@ from trainyard.config.preference import REFERENCE_FREE
 from trainyard.data import IGNORE_INDEX
 from trainyard.loss import add_product, chunkable_head, final_softcap, head_computes, keeps_logits
 from trainyard.model.documents import model_inputs
+from trainyard.parallel.context_parallel import summed_over_slices
 from trainyard.parallel.parallelize import unwrap
 
 STATS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -29,7 +30,10 @@ STATS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accur
 
 def target_documents(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """For each target token (labels[:, 1:] not ignored, row-major), the number of its document among the batch's
-    documents that have targets: 0, 0, ..., 1, ... A document starts where the position does not go up by one."""
+    documents that have targets: 0, 0, ..., 1, ... A document starts where the position does not go up by one. A
+    context-parallel slice names its labels' documents in the whole row (collate.context_slice)."""
+    if "label_documents" in batch:
+        return batch["label_documents"][:, 1:][batch["labels"][:, 1:] != IGNORE_INDEX]
     positions = batch["position_ids"]
     starts = torch.ones_like(positions, dtype=torch.bool)
     starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
@@ -39,8 +43,21 @@ def target_documents(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def count_pairs(batch: dict[str, torch.Tensor]) -> int:
+    """The pairs of the batch; a context-parallel slice counts those it owns (`owned_pairs`)."""
+    if "documents_ending" in batch:
+        return int(owned_pairs(batch).sum())
     documents = target_documents(batch)
     return (int(documents[-1]) + 1) // 2 if documents.numel() else 0
+
+
+def owned_pairs(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per pair of a context-parallel slice's row, whether this rank holds its rejected reply's last target: every
+    rank of the group computes each pair's loss, the owner alone adds it in (and its figures), so each counts once."""
+    return batch["documents_ending"][1::2]
+
+
+def _all_pairs(batch: dict[str, torch.Tensor]) -> int:
+    return batch["documents_ending"].numel() // 2 if "documents_ending" in batch else count_pairs(batch)
 
 
 def target_logps(
@@ -161,11 +178,17 @@ class PairLogps:
     rejected_tokens: torch.Tensor
 
 
-def pair_logps(token_logps: torch.Tensor, documents: torch.Tensor) -> PairLogps:
-    pairs = (int(documents[-1]) + 1) // 2
-    index = documents.to(token_logps.device)
+def pair_logps(token_logps: torch.Tensor, batch: dict[str, torch.Tensor], model: torch.nn.Module | None = None
+               ) -> PairLogps:
+    """The batch's pairs from its target tokens' log-probabilities; a context-parallel slice (collate.context_slice)
+    holds part of each pair: the pair's sums are its CP group's (`model`'s), on every rank of the group."""
+    pairs = _all_pairs(batch)
+    index = target_documents(batch).to(token_logps.device)
     sums = token_logps.new_zeros(2 * pairs).index_add(0, index, token_logps)
     counts = torch.bincount(index, minlength=2 * pairs).to(token_logps.dtype)
+    if "label_documents" in batch:
+        assert model is not None, "a context-parallel slice's pairs are summed over the model's CP group"
+        sums, counts = summed_over_slices(model, torch.stack([sums, counts])).unbind(0)
     return PairLogps(sums[0::2], sums[1::2], counts[0::2], counts[1::2])
 
 
@@ -236,7 +259,7 @@ def _orpo_logps(
     targets = labels[:, 1:] != IGNORE_INDEX
     reply = (batch["labels"][:, 1:] != IGNORE_INDEX)[targets].to(device)
     chosen_nll = -token_logps[in_chosen[:, 1:][targets].to(device)].mean()
-    return pair_logps(token_logps[reply], target_documents(batch)), chosen_nll
+    return pair_logps(token_logps[reply], batch), chosen_nll
 
 
 def pair_loss_sum(
@@ -251,7 +274,6 @@ def pair_loss_sum(
         policy, chosen_nll = _orpo_logps(model, batch, device, chunk_tokens)
         losses, stats = dpo_loss(cfg, policy, None, chosen_nll)
         return losses.sum(), stats.sum(dim=0)
-    documents = target_documents(batch)
     reference = None
     if cfg.loss not in REFERENCE_FREE and "ref_logps" in batch:
         stored = batch["ref_logps"].to(device=device, dtype=torch.float32)
@@ -260,7 +282,10 @@ def pair_loss_sum(
         from trainyard.model.lora import adapters_off  # LoRA's reference (PEFT): full fine-tuning stored its own
 
         with torch.no_grad(), adapters_off(model):
-            reference = pair_logps(target_logps(model, batch, device, chunk_tokens), documents)
-    policy = pair_logps(target_logps(model, batch, device, chunk_tokens), documents)
+            reference = pair_logps(target_logps(model, batch, device, chunk_tokens), batch, model)
+    policy = pair_logps(target_logps(model, batch, device, chunk_tokens), batch, model)
     losses, stats = dpo_loss(cfg, policy, reference)
+    if "documents_ending" in batch:
+        owned = owned_pairs(batch).to(losses.device)
+        losses, stats = losses[owned], stats[owned]
     return losses.sum(), stats.sum(dim=0)

@@ -25,7 +25,7 @@ from trainyard.dist import DistInfo, all_reduce_sum, is_fsdp
 from trainyard.model import attention
 from trainyard.parallel.parallelize import unwrap
 from trainyard.precision import Precision
-from trainyard.preference.loss import pair_logps, target_documents, target_logps
+from trainyard.preference.loss import pair_logps, target_logps
 
 if TYPE_CHECKING:
     import datasets
@@ -91,7 +91,7 @@ def _pass(
         examples = [{name: picked[name][i] for name in picked} for i in range(len(indices or [0]))]
         batch = collate(examples, 0, one_row)
         with autocast():
-            logps = pair_logps(target_logps(net, batch, info.device), target_documents(batch))
+            logps = pair_logps(target_logps(net, batch, info.device), batch)
         if indices:
             values[indices] = torch.stack([logps.chosen, logps.rejected], dim=1).double()
     all_reduce_sum(values)

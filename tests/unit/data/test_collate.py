@@ -187,3 +187,22 @@ def test_context_parallel_slices_put_back_together_are_the_row_padded_to_a_multi
     for s in slices:  # each rank's attention sees the whole padded row, its padding a document of its own
         assert s["cu_seq_lens"].tolist() == [0, 7, 11] + ([11 + padding] if padding else [])
         assert int(s["max_length"]) == 7
+
+
+def test_a_context_parallel_slice_of_pairs_names_each_labels_document_in_the_whole_row_and_keeps_the_reference():
+    """DPO under CP: a pair's reply may start on one rank and end on the next, so each target of a slice names its
+    document among the whole row's that have targets (the second pair's chosen reply crosses the halves here), and
+    says which documents end on it, so a pair counts once; full fine-tuning's stored reference log-probabilities
+    ride along."""
+    rows = [{"input_ids": list(range(10, 17)), "labels": [-100, -100, 12, 13, -100, 15, 16], "seq_lens": [4, 3],
+             "ref_logps": [-1.5, -2.5]},
+            {"input_ids": list(range(30, 41)), "labels": [-100, -100, 32, 33, 34, 35, -100, -100, 38, 39, 40],
+             "seq_lens": [6, 5], "ref_logps": [-3.5, -4.5]}]
+    slices = [collate(rows, pad_id=PAD, context=(rank, 2)) for rank in range(2)]
+    owners = [s["label_documents"][0, 1:][s["labels"][0, 1:] != -100].tolist() for s in slices]
+    assert owners == [[0, 0, 1, 1, 2], [2, 2, 2, 3, 3, 3]], owners  # the second chosen reply: tokens 9-12
+    ending = [s["documents_ending"].tolist() for s in slices]  # each pair owned by one rank: its rejected's end
+    assert ending == [[True, True, False, False], [False, False, True, True]], ending
+    assert [s["label_documents"].shape for s in slices] == [(1, 10), (1, 10)]  # as the labels: one past the slice
+    for s in slices:
+        assert s["ref_logps"].tolist() == [[-1.5, -2.5], [-3.5, -4.5]]

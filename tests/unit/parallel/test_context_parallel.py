@@ -34,7 +34,7 @@ def refusal(model, size: int = 2, shard: int = 2, data: DataConfig | None = None
 @pytest.mark.parametrize(("overrides", "named"), [
     (["dist.strategy=ddp", "dist.context_parallel=2"], "needs dist.strategy fsdp or hsdp"),
     ([*SHARDED, "dist.expert_parallel=2"], "dist.expert_parallel 2: the two do not compose yet"),
-    ([*SHARDED, "train.objective=dpo"], "runs train.objective sft only"),
+    ([*SHARDED, "train.objective=dpo", "dpo.loss=orpo"], "runs dpo.loss orpo not yet"),
     ([*SHARDED, "data.padding_free=false"], "slices padding-free rows"),
 ])
 def test_what_context_parallelism_cannot_run_yet_is_refused_naming_it(overrides: list[str], named: str) -> None:
@@ -44,6 +44,7 @@ def test_what_context_parallelism_cannot_run_yet_is_refused_naming_it(overrides:
 
 def test_a_refusal_exits_2_without_a_traceback() -> None:
     assert load_config(TINY, SHARDED).dist.context_parallel == 2
+    assert load_config(TINY, [*SHARDED, "train.objective=dpo"]).dist.context_parallel == 2  # orpo alone is refused
     assert load_config(TINY, [*SHARDED, "train.epochs=1", "~train.max_steps"]).train.epochs == 1  # sized by data ranks
     result = run_cli("train", TINY, "dist.strategy=ddp", "dist.context_parallel=2", "--dry-run")
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
