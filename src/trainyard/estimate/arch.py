@@ -14,9 +14,11 @@ from trainyard.config import JobConfig
 from trainyard.errors import ModelError
 from trainyard.estimate import quantized
 from trainyard.estimate.quantized import LowBit
+from trainyard.estimate.state_memory import Mixer, mixer_of
 from trainyard.hardware import FlopShape, flop_shape
 from trainyard.model import attention
 from trainyard.model import build as model_room
+from trainyard.model import layers as layer_kinds
 from trainyard.model import source as source_room
 
 # Known architectures, keyed by hub id: their config.json's shape fields, so an estimate needs no download.
@@ -75,6 +77,30 @@ class ExpertCounts:
 
 
 @dataclass(frozen=True)
+class Block:
+    """One decoder block of a family whose blocks differ (state layers beside or instead of attention): what it
+    computes, with its own norms and adapters."""
+
+    attention: bool
+    mixers: tuple[Mixer, ...] = ()
+    """Its state layers (linear attention, Mamba, short convolutions); Falcon-H1 runs one beside attention."""
+    gated_attention: bool = False
+    """q_proj also makes a gate that multiplies attention's output (Qwen3-Next's sigmoid gate)."""
+    window: int | None = None
+    mlp: int = 0
+    """A dense MLP's width (LFM2 sizes its own), or an MoE block's shared expert's; 0: none."""
+    mlp_linears: int = 3
+    """A dense MLP's linear layers: gate, up, down (Nemotron-H's has no gate)."""
+    moe: bool = False
+    norms: int = 0
+    """Hidden-wide norms whose outputs the block's linear layers read."""
+    norm_inputs: int = 0
+    """Per token, what its norms outside the state layers normalise (`_norm_inputs`)."""
+    lora_ranks: int = 0
+    lora_inputs: int = 0
+
+
+@dataclass(frozen=True)
 class Counts:
     """Parameters of the meta-built model (LoRA included), as sharding and FLOPs need them."""
 
@@ -124,6 +150,8 @@ class Counts:
     take a [L, L] mask, which it keeps for backward."""
     low_bit: LowBit = LowBit()
     """The weights model.quantize nf4 stores in 4 bits and train.precision fp8 computes with (quantized.py)."""
+    blocks: tuple[Block, ...] = ()
+    """Each decoder block, where any carries a state layer (empty: every block is attention and an MLP alike)."""
 
 
 def hf_config(cfg: JobConfig):  # -> PretrainedConfig
@@ -223,7 +251,72 @@ def count(model: torch.nn.Module, shape: Shape) -> Counts:
         norm_inputs_per_block=_norm_inputs(blocks[-1], shape) if blocks else 0,
         low_bit=quantized.count(model, blocks),
         attention_windows=tuple(_window(block, model.config) for block in blocks),
+        blocks=_blocks(blocks, shape, model.config, model_room.is_peft(model)),
     )
+
+
+def _blocks(blocks: list[torch.nn.Module], shape: Shape, config: Any, peft: bool) -> tuple[Block, ...]:
+    """Each block's layers, where a state layer is among them (estimate/state_memory.py): else (). A block holding
+    others (Zamba2's hybrid layer holds a Mamba block) counts only what they do not hold."""
+    own = {id(block) for block in blocks}
+    nested = [{id(m) for child in block.modules() if child is not block and id(child) in own for m in child.modules()}
+              for block in blocks]
+    found = [_state_layers(block, skip) for block, skip in zip(blocks, nested)]
+    if not any(found):
+        return ()
+    return tuple(_block(block, layers, shape, config, peft, skip)
+                 for block, layers, skip in zip(blocks, found, nested))
+
+
+def _state_layers(block: torch.nn.Module, skip: set[int]) -> list[tuple[torch.nn.Module, Mixer]]:
+    """The outermost state layers of a block that state_memory sizes."""
+    found: list[tuple[torch.nn.Module, Mixer]] = []
+    inside = set(skip)
+    for module in block.modules():
+        if id(module) in inside or layer_kinds.kind(module) not in layer_kinds.CARRIERS:
+            continue
+        mixer = mixer_of(module)
+        if mixer is not None:
+            found.append((module, mixer))
+            inside.update(id(m) for m in module.modules())
+    return found
+
+
+def _block(block: torch.nn.Module, state: list[tuple[torch.nn.Module, Mixer]], shape: Shape, config: Any,
+           peft: bool, skip: set[int]) -> Block:
+    """What the block computes outside `skip` and its state layers: attention, an MLP or MoE, norms, adapters."""
+    inside = skip | {id(m) for module, _ in state for m in module.modules()}
+    modules = [m for m in block.modules() if id(m) not in inside]
+    attention = [m for m in modules if layer_kinds.kind(m) == layer_kinds.ATTENTION]
+    q_proj = getattr(attention[0], "q_proj", None) if attention else None
+    moe = any(type(m).__name__.endswith("Experts") or "num_experts" in m.__dict__ for m in modules)
+    mlp = next((m for m in modules if type(m).__name__.endswith(("MLP", "Mlp", "FeedForward"))), None)
+    linears = [m for m in mlp.children() if hasattr(m, "in_features")] if mlp is not None else []
+    norms = [m for m in modules if "norm" in type(m).__name__.lower() and _width(m) == shape.hidden]
+    adapted = [m for m in _lora_layers(block) if id(m) not in skip] if peft else []
+    plain = [m for m in adapted if isinstance(getattr(m, "base_layer", None), torch.nn.Linear)]
+    return Block(
+        attention=bool(attention),
+        mixers=tuple(mixer for _, mixer in state),
+        gated_attention=q_proj is not None and _out_features(q_proj) == 2 * shape.heads * shape.head_dim,
+        window=_window(block, config) if attention else None,
+        mlp=_out_features(linears[0]) if linears else 0,
+        mlp_linears=len(linears) or 3,
+        moe=moe,
+        norms=len(norms),
+        norm_inputs=_norm_inputs(block, shape, inside),
+        lora_ranks=sum(sum(m.r.values()) for m in plain),
+        lora_inputs=sum(m.base_layer.in_features for m in plain),
+    )
+
+
+def _width(module: torch.nn.Module) -> int:
+    weight = getattr(module, "weight", None)
+    return weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 1 else 0
+
+
+def _out_features(linear: torch.nn.Module) -> int:
+    return getattr(linear, "out_features", None) or getattr(linear, "base_layer", linear).out_features
 
 
 def _window(block: torch.nn.Module, config: Any) -> int | None:
@@ -237,13 +330,14 @@ def _window(block: torch.nn.Module, config: Any) -> int | None:
     return getattr(config, "sliding_window", None) or None
 
 
-def _norm_inputs(block: torch.nn.Module, shape: Shape) -> int:
+def _norm_inputs(block: torch.nn.Module, shape: Shape, skip: set[int] | None = None) -> int:
     """Per token, what the block's norms normalise: a norm as wide as one head (q_norm, k_norm) runs over every query
-    or key/value head, any other over its own width."""
+    or key/value head, any other over its own width; modules in `skip` (state layers, which count their own) not."""
     total = 0
     for name, module in block.named_modules():
         weight = getattr(module, "weight", None)
-        if "norm" not in type(module).__name__.lower() or weight is None or weight.dim() != 1:
+        skipped = id(module) in (skip or ())
+        if skipped or "norm" not in type(module).__name__.lower() or weight is None or weight.dim() != 1:
             continue
         width, leaf = weight.shape[0], name.rsplit(".", 1)[-1]
         heads = shape.heads if leaf.startswith("q") else shape.kv_heads if leaf.startswith("k") else 1

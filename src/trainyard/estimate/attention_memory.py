@@ -62,6 +62,12 @@ def saved_per_token(requested: str, shape: Shape, counts: Counts, kind: Gpu, doc
     return sum(_saved(one, shape, document, a, w) for one in paths) / len(paths)
 
 
+def saved_in_layer(requested: str, shape: Shape, counts: Counts, kind: Gpu, document: int, a: int, w: int,
+                   window: int | None) -> float:
+    """Bytes per token one layer's attention under `window` keeps for backward (`saved_per_token`'s, for one layer)."""
+    return _saved(path(requested, shape, counts, kind, document, window), shape, document, a, w)
+
+
 def workspace(requested: str, shape: Shape, counts: Counts, kind: Gpu, document: int, a: int, w: int) -> float:
     """Bytes beside every layer's saved tensors at attention's worst moment in one layer (the largest over the
     layers): its [heads, L, L] gradients in backward, or the forward's chain of score tensors (sinks)."""

@@ -1,14 +1,15 @@
-"""`trainyard estimate`, memory: per-device memory of a job before launch, from its config alone (no weights read),
-and whether it fits; step time and cost are in estimate_time.py.
+"""`trainyard estimate`, memory: per-device memory of a job before launch, from its config alone (no weights read), and
+whether it fits; step time and cost are in estimate_time.py.
 
-Memory is the sum of named parts, each a count times the bytes its dtype takes (precision.py's dtypes):
-weights, gradients and AdamW's two moments (divided by the shard group under FSDP2/HSDP), DDP's gradient
-buckets, DiLoCo's outer state and sync chunks, autocast's bf16 copies of fp32 weights, FSDP2's unsharded buffers,
-activations (a per-layer formula of the tensors autograd saves, with or without activation checkpointing) and the
-loss's logits. Their sum at the step's worst moment is `peak_tensor_bytes`, the live tensor bytes. `peak` is what
-the process holds at its peak, the figure an OOM is about: on a GPU the caching allocator's reservation
-(`max_memory_reserved`: live bytes and its slack) and the CUDA context; on a CPU the process's RSS (live bytes, what
-malloc keeps of freed memory, and the interpreter with its libraries, measured in benchmarks/RESULTS.md).
+Memory is the sum of named parts, each a count times the bytes its dtype takes (precision.py's dtypes): weights,
+gradients and AdamW's two moments (divided by the shard group under FSDP2/HSDP), DDP's gradient buckets, DiLoCo's
+outer state and sync chunks, autocast's bf16 copies of fp32 weights, FSDP2's unsharded buffers, activations
+(layer_memory.py's per-layer formula of the tensors autograd saves, block by block where state layers differ:
+state_memory.py; with or without activation checkpointing) and the loss's logits. Their sum at the step's worst
+moment is `peak_tensor_bytes`, the live tensor bytes. `peak` is what the process holds at its peak, the figure an
+OOM is about: on a GPU the caching allocator's reservation (`max_memory_reserved`: live bytes and its slack) and the
+CUDA context; on a CPU the process's RSS (live bytes, what malloc keeps of freed memory, and the interpreter with
+its libraries, measured in benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from trainyard.estimate import arch as estimate_arch
 from trainyard.estimate import attention_memory
 from trainyard.estimate import context as context_room
 from trainyard.estimate import experts as experts_room
+from trainyard.estimate import layer_memory
 from trainyard.estimate import quantized as quantized_room
 from trainyard.estimate.arch import Counts, Shape
+from trainyard.estimate.elements import Dtypes
 from trainyard.hardware import GIB, Gpu, device_bytes
 
 # The CUDA caching allocator's fragmentation and rounding, as a share of live tensor bytes (stated, not measured).
@@ -47,10 +50,12 @@ LOGIT_BYTES = 12
 CHUNK_LOGIT_BYTES = 6
 # With final_logit_softcapping, at the chunk's gradient: its fp32 logits, their tanh, its square and 1 - square.
 CAPPED_CHUNK_LOGIT_BYTES = 16
-EXPERT_INTERMEDIATES = {"gpt_oss": 7}
-"""Intermediates of expert width each routed (token, expert) pair saves, where not the gated MLP's four: gpt-oss's
-clamped SwiGLU keeps gate_up (two), the clamped gate, its sigmoid, the product, up + 1 and the gated output."""
 LOSS_CHUNK_BYTES = 256 * 2**20  # as loss.LOSS_CHUNK_BYTES (the estimate never imports torch-side rooms)
+CHUNKED_LOSS_FAMILIES = frozenset({
+    "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3", "olmo2",
+    "glm4_moe", "deepseek_v3", "gpt_oss",
+})
+"""As loss.CHUNKED_FAMILIES: the families whose loss runs in chunks; any other keeps its whole logits."""
 
 
 @dataclass(frozen=True)
@@ -73,22 +78,6 @@ class Layout:
     @property
     def world(self) -> int:
         return self.gpus_per_node * self.nodes
-
-
-@dataclass(frozen=True)
-class Dtypes:
-    """Bytes per element: trainable masters (and AdamW moments), frozen base, compute, and the residual
-    stream (fp32 under autocast over fp32 weights, since embeddings and additions are not autocast)."""
-
-    master: int
-    frozen: int
-    compute: int
-    residual: int
-    mixed: bool
-    compute_dtype: torch.dtype
-    expert: int = 0
-    """The routed experts' products (grouped_mm, which autocast does not cast): their weights' dtype, the compute
-    dtype only where FSDP2 gathers them in it. Full fine-tuning under bf16-mixed on one process runs them in fp32."""
 
 
 @dataclass
@@ -120,6 +109,11 @@ class Memory:
     """nf4: the one weight a product dequantizes at a time; fp8: the one weight cast to FP8, and its transpose."""
     attention_workspace: float = 0.0
     """One layer's attention at its worst moment, beside every layer's saved tensors (attention_memory.workspace)."""
+    head_activations: float = 0.0
+    """The final norm's and the head's saved inputs (part of `activations`): freed before any layer's backward."""
+    layer_workspace: float = 0.0
+    """One layer's backward at its widest op beside its saved tensors: its MLP's or state layer's input gradients
+    (layer_memory.workspace_per_token)."""
     head_gradient: float = 0.0
     """A trainable head's gradient, whole (FSDP2 reduces the root's only after the backward): the chunked loss makes
     it in its forward (loss.py), the plain head in the first op of backward; either way beside every activation."""
@@ -172,7 +166,8 @@ def dtypes(cfg: JobConfig, precision: precision_room.Precision, strategy: str) -
     base = frozen if cfg.lora.enabled else master
     sharded = _sharded(cfg, strategy)
     residual = compute if (precision.mixed and sharded) else base
-    return Dtypes(master, frozen, compute, residual, precision.mixed, precision.compute_dtype, residual)
+    return Dtypes(master, frozen, compute, residual, precision.mixed, precision.compute_dtype, residual,
+                  precision.mixed and not sharded)
 
 
 def resolve_strategy(cfg: JobConfig, model: Model, kind: Gpu, gpus_per_node: int, nodes: int) -> Layout:
@@ -255,6 +250,9 @@ def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_ro
         activations=activation_bytes(cfg, model.shape, counts, size, layout.gpu, batch),
         recomputed_layer=recomputed_layer_bytes(cfg, model.shape, counts, size, layout.gpu, batch),
         logits=_logit_bytes(cfg, model.shape, batch),
+        head_activations=batch.tokens * _head_bytes_per_token(cfg, model.shape, size),
+        layer_workspace=batch.tokens * layer_memory.workspace_per_token(cfg, model.shape, counts, size, layout.gpu,
+                                                                        batch.longest),
         attention_workspace=attention_memory.workspace(cfg.model.attn_implementation, model.shape, counts,
                                                        layout.gpu, batch.longest, size.compute, size.residual),
         tied_gradient=_tied_gradient(counts, size, shard),
@@ -347,10 +345,11 @@ def _expert_exchange(batch: MicroBatch, shape: Shape, size: Dtypes, ep: int) -> 
 def _logit_bytes(cfg: JobConfig, shape: Shape, batch: MicroBatch) -> float:
     """The loss's logits: one chunk of train.loss_chunk_tokens (loss.py; its fp32 logits, turned into their
     gradient in place, and that gradient in the compute dtype; soft-capped, the tanh's tensors at the gradient),
-    else the micro-batch's whole fp32 logits, their compute-dtype source and their gradient (LOGIT_BYTES each)."""
+    else (chunking off, or a family loss.py does not chunk) the micro-batch's whole fp32 logits, their
+    compute-dtype source and their gradient (LOGIT_BYTES each)."""
     tokens, vocab = batch.tokens, shape.vocab
     chunk = cfg.train.loss_chunk_tokens
-    if chunk == 0:
+    if chunk == 0 or shape.family not in CHUNKED_LOSS_FAMILIES:
         return float(tokens * vocab * LOGIT_BYTES)
     chunk = chunk or max(1, LOSS_CHUNK_BYTES // (4 * vocab))
     element = CAPPED_CHUNK_LOGIT_BYTES if shape.logit_softcap else CHUNK_LOGIT_BYTES
@@ -365,10 +364,13 @@ def _add_peak(parts: Memory, cfg: JobConfig, layout: Layout) -> None:
     static = (parts.weights + parts.lora_adapters + parts.optimizer + parts.ddp_buckets + parts.diloco_outer
               + parts.diloco_sync + parts.mixed_precision_copies + parts.fsdp_buffers + parts.expert_exchange
               + parts.context_exchange + parts.low_bit_copies)
-    # With checkpointing the logits and their gradients are gone before the last layer is recomputed; attention's
-    # workspace comes in one layer's forward or backward, never beside the loss's logits.
-    recomputed = parts.recomputed_layer + parts.attention_workspace
-    forward = parts.activations - parts.recomputed_layer + max(recomputed, parts.logits) + parts.head_gradient
+    # The logits and their gradients, and the head's saved inputs, are gone before the last layer's backward (and
+    # its recompute, with checkpointing); attention's workspace comes in one layer's forward or backward, the
+    # MLP's backward before it.
+    recomputed = parts.recomputed_layer + max(parts.attention_workspace, parts.layer_workspace)
+    head = parts.head_activations
+    forward = (parts.activations - parts.recomputed_layer - head + max(recomputed, head + parts.logits)
+               + parts.head_gradient)
     accumulates = accumulation_steps(cfg, data_ranks(cfg, layout.world)) > 1
     held = parts.gradients if accumulates else 0.0
     parts.peak_tensor_bytes = static + max(forward + held, parts.gradients + parts.tied_gradient)
@@ -385,7 +387,7 @@ def activation_bytes(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes,
     """Saved tensors of one micro-batch: every layer's (or, with activation checkpointing, every layer's input
     plus one layer being recomputed), then the final norm and the head's input at target positions."""
     tokens = batch.tokens
-    head = _norm_bytes(shape.hidden, size, trainable=not cfg.lora.enabled) + shape.hidden * size.residual
+    head = _head_bytes_per_token(cfg, shape, size)
     # The first whole-stack gradient of a folded expert weight, while the layer's folded weights are still saved.
     folded_gradient = counts.lora_largest_parameter * size.residual
     if cfg.model.gradient_checkpointing:
@@ -393,8 +395,13 @@ def activation_bytes(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes,
         return inputs + tokens * head + recomputed_layer_bytes(cfg, shape, counts, size, kind, batch) + folded_gradient
     # The folded expert weights (peft) or B copies (grouped) of every MoE layer stay saved until its backward.
     folded = (shape.layers - shape.dense_layers) * _expert_lora_layer_bytes(counts, size)
-    per_token = head + shape.layers * layer_bytes_per_token(cfg, shape, counts, size, kind, batch.longest)
+    per_token = head + layer_memory.stack_per_token(cfg, shape, counts, size, kind, batch.longest)
     return tokens * per_token + folded + folded_gradient
+
+
+def _head_bytes_per_token(cfg: JobConfig, shape: Shape, size: Dtypes) -> float:
+    """The final norm (fp32 input, and its output for a trainable weight) and the head's input."""
+    return layer_memory.norm_bytes(shape.hidden, size, not cfg.lora.enabled) + shape.hidden * size.residual
 
 
 def recomputed_layer_bytes(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes, kind: Gpu,
@@ -405,7 +412,7 @@ def recomputed_layer_bytes(cfg: JobConfig, shape: Shape, counts: Counts, size: D
 
 def _layer_bytes(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes, kind: Gpu, batch: MicroBatch) -> float:
     """The largest layer's saved tensors for a micro-batch, what its expert adapters save included."""
-    per_token = layer_bytes_per_token(cfg, shape, counts, size, kind, batch.longest)
+    per_token = layer_memory.largest_per_token(cfg, shape, counts, size, kind, batch.longest)
     return batch.tokens * per_token + _expert_lora_layer_bytes(counts, size)
 
 
@@ -413,54 +420,3 @@ def _expert_lora_layer_bytes(counts: Counts, size: Dtypes) -> float:
     """What one MoE layer's expert adapters save apart from per-token tensors: lora.moe_adapter peft, the folded
     W + B·A of every adapted expert stack; grouped, only the B factors copied into grouped_mm's layout."""
     return (counts.lora_parameters_per_block + counts.lora_expert_copies_per_block) * size.residual
-
-
-def layer_bytes_per_token(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes, kind: Gpu,
-                          document: int) -> float:
-    """What autograd saves in one decoder block, per token: two RMSNorms, the linear layers' inputs (one bf16 copy
-    per layer under autocast over fp32 activations), rotated q/k and v, attention's own, the MLP's
-    intermediates, and LoRA's rank-r outputs (plus dropout's copies and masks). `document`: the longest document's
-    tokens, whose attention scores a token may keep."""
-    h, a = shape.hidden, size.compute
-    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    casts = size.residual != a  # each consumer of an fp32 activation saves its own bf16 copy
-    full = not cfg.lora.enabled
-    norms = _norm_bytes(counts.norm_inputs_per_block or 2 * h, size, trainable=full)
-    inputs = (3 + 2) * h * a if casts else 2 * h * size.residual
-    attention = attention_memory.saved_per_token(cfg.model.attn_implementation, shape, counts, kind, document, a,
-                                                 size.residual)
-    attention += q * a  # o_proj's input
-    total = norms + inputs + attention + (q + 2 * kv) * a + _mlp_bytes(shape, size)
-    if cfg.lora.enabled:
-        total += counts.lora_ranks_per_block * a + _grouped_expert_lora_bytes(shape, counts, a)
-        if cfg.lora.dropout > 0:
-            total += counts.lora_inputs_per_block * (a + 1)
-    return total
-
-
-def _grouped_expert_lora_bytes(shape: Shape, counts: Counts, a: int) -> float:
-    """Per token, averaged over the layers: lora.moe_adapter grouped saves each routed (token, expert) pair's rank-r
-    product per adapted expert projection (its B copies are per layer: `_expert_lora_layer_bytes`)."""
-    if not shape.experts:
-        return 0.0
-    moe_share = (shape.layers - shape.dense_layers) / shape.layers
-    return moe_share * shape.experts_per_token * counts.lora_expert_ranks_per_block * a
-
-
-def _norm_bytes(hidden: int, size: Dtypes, trainable: bool) -> float:
-    """RMSNorm in fp32: its fp32 input (for the square and the scaling) and, for a trainable weight, the
-    normalised input the weight's gradient needs."""
-    return hidden * (4 + (size.residual if trainable else 0))
-
-
-def _mlp_bytes(shape: Shape, size: Dtypes) -> float:
-    """Gated MLP (gate, up, SiLU(gate), product): four intermediates. MoE layers: top-k experts each with their
-    gathered input and weighted output, shared experts, and the fp32 router logits; averaged over the layers."""
-    a = size.compute
-    dense = 4 * shape.intermediate * a
-    if not shape.experts:
-        return dense
-    expert = EXPERT_INTERMEDIATES.get(shape.family, 4) * shape.moe_intermediate
-    routed = shape.experts_per_token * (expert + 2 * shape.hidden) * (size.expert or a)
-    moe = routed + 4 * shape.moe_intermediate * shape.shared_experts * a + shape.experts * 4
-    return (shape.dense_layers * dense + (shape.layers - shape.dense_layers) * moe) / shape.layers
