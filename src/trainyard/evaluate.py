@@ -172,7 +172,7 @@ def evaluate(
 ) -> dict[str, float]:
     """Loss, perplexity and (optionally) exact-match accuracy, reduced once over ranks.
     `autocast` computes in the training's precision (bf16 products over fp32 weights).
-    `padding_free`: each batch collated as one padding-free row, as training collates its own (attention.one_row).
+    `padding_free`: each batch collated as one padding-free row, as training collates its own (collation.one_row).
     `samples_path` (with `generate`): rank 0 writes every generation there (see `samples_file`).
     `dpo` (train.objective dpo): the eval rows are pairs; the loss is per pair, with TRL's eval_rewards/ and
     eval_logps/ figures riding the same all-reduce."""

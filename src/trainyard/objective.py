@@ -16,7 +16,7 @@ from trainyard.config.preference import REFERENCE_FREE
 from trainyard.data import IGNORE_INDEX
 from trainyard.data.preference import check_objective_fits
 from trainyard.loss import token_loss_sum
-from trainyard.model.attention import check_pair_rows
+from trainyard.model.collation import check_pair_rows
 from trainyard.parallel.parallelize import unwrap
 from trainyard.preference.loss import STATS, count_pairs, pair_loss_sum
 from trainyard.preference.reference import attach_reference

@@ -20,7 +20,7 @@ from trainyard.config import JobConfig
 from trainyard.data import prepare_datasets
 from trainyard.errors import DataError
 from trainyard.evaluate import evaluate
-from trainyard.model import attention
+from trainyard.model import collation
 from trainyard.model import source as source_room
 from trainyard.config.preference import REFERENCE_FREE
 from trainyard.model import weights
@@ -74,7 +74,7 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path) -> dict[str, object]:
         generate=cfg.eval.generate,
         max_new_tokens=cfg.eval.max_new_tokens,
         autocast=autocast,
-        padding_free=attention.model_one_row(unwrap(model), cfg.data),
+        padding_free=collation.model_one_row(unwrap(model), cfg.data),
         dpo=dpo,
     )
     dist.teardown()

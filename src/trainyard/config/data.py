@@ -46,7 +46,7 @@ class DataConfig(Section):
     padding_free: bool = True
     """Each micro-batch is one row of its documents back to back, attention kept per document: no padding is
     computed. false: rows padded to the longest in the micro-batch (for models whose attention ignores
-    position_ids); packed rows still reach flash-attention as one row (attention.one_row)."""
+    position_ids); packed rows still reach flash-attention as one row (model.collation.one_row)."""
     train_on_prompt: bool = False
     chat_template: str | None = Field(None, min_length=1)
     """How chat rows are rendered: a known family template (gemma3, gpt-oss, llama3, mistral, qwen3: the

@@ -83,10 +83,7 @@ def micro_batches(
     """
     columns = [name for name in COLUMNS if name in dataset.column_names]
     rows_of = dataset.select_columns(columns)
-    recorder = None
-    if record is not None:
-        start = {"start": sampler.state_dict(), "world_size": sampler.world_size, "rank": sampler.rank}
-        recorder = SampleRecord(record, {**start, "samples_per_epoch": sampler.num_samples})
+    recorder = sample_recorder(record, sampler)
     indices = iter(sampler)
     try:
         while True:
@@ -136,3 +133,11 @@ def stream_batches(
 
 def _digest(token_ids: list[int]) -> str:
     return hashlib.blake2b(json.dumps(token_ids).encode(), digest_size=8).hexdigest()
+
+
+def sample_recorder(record: Path | None, sampler: ResumableSampler) -> SampleRecord | None:
+    """Where each micro-batch's rows are appended (`record`), opened with the point the sampler starts from."""
+    if record is None:
+        return None
+    start = {"start": sampler.state_dict(), "world_size": sampler.world_size, "rank": sampler.rank}
+    return SampleRecord(record, {**start, "samples_per_epoch": sampler.num_samples})

@@ -14,7 +14,7 @@ import numpy
 import torch
 
 from trainyard.data.collate import collate
-from trainyard.data.loader import COLUMNS, SampleRecord
+from trainyard.data.loader import COLUMNS, sample_recorder
 from trainyard.data.sampler import ResumableSampler
 
 Window = list[dict[str, torch.Tensor]]
@@ -72,10 +72,7 @@ def token_windows(
     step's start) and each micro-batch's rows are appended to `record` when given."""
     columns = [name for name in COLUMNS if name in dataset.column_names]
     rows_of, lengths = dataset.select_columns(columns), row_lengths(dataset)
-    recorder = None
-    if record is not None:
-        start = {"start": sampler.state_dict(), "world_size": sampler.world_size, "rank": sampler.rank}
-        recorder = SampleRecord(record, {**start, "samples_per_epoch": sampler.num_samples})
+    recorder = sample_recorder(record, sampler)
     indices = iter(sampler)
     try:
         while True:

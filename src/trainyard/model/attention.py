@@ -27,7 +27,8 @@ Chunked attention (Llama 4's attention_chunk_size on its "chunked_attention" lay
 chunks counted from each document's start: transformers' sdpa and eager count them from the restarting position_ids
 in the mask they build, and auto chooses sdpa for it. Layers that carry state across documents (linear attention,
 state-space, short causal convolutions: layers.py) run each document on its own (state_layers.py) where the blocks get
-the collator's bounds; elsewhere, and for recurrences, the family gets padded rows instead of one row (padded_rows).
+the collator's bounds; elsewhere, and for recurrences, the family gets padded rows instead of one row
+(collation.padded_rows).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from trainyard.config.data import DataConfig
 from trainyard.errors import ModelError
-from trainyard.model import documents, layers, state_layers
+from trainyard.model import documents, layers
 from trainyard.model.documents import DOCUMENT_KWARGS, document_bounds, documents_in_kwargs
 
 VARLEN = "trainyard_varlen"
@@ -98,57 +99,6 @@ def packed_rows(data: DataConfig) -> bool:
     pretraining mixture's rows): then an implementation must read the documents from position_ids. Otherwise each
     row is one document and a 2-D attention_mask covers its padding."""
     return data.padding_free or data.packing or data.mixture is not None
-
-
-def one_row(implementation: str, data: DataConfig, model: torch.nn.Module | None = None) -> bool:
-    """Whether each micro-batch is collated as one padding-free row: data.padding_free, or packed rows meeting a
-    flash kernel, unless the built `model` has layers that would carry state across its documents (padded_rows).
-    transformers' flash path reads documents from position_ids only in a batch of one row (`_is_packed_sequence`):
-    packed rows of a larger batch would each attend causally across their documents. Flattening them is exact: the
-    same documents, tokens and labels, without the padding."""
-    if model is not None and padded_rows(model, data):
-        return False
-    return data.padding_free or (implementation in FLASH and packed_rows(data))
-
-
-def model_one_row(model: torch.nn.Module, data: DataConfig) -> bool:
-    """one_row for a built model: its attention implementation, and its layers (padded_rows)."""
-    return one_row(model.config._attn_implementation, data, model)
-
-
-def padded_rows(model: torch.nn.Module, data: DataConfig) -> str | None:
-    """Why the job collates padded rows (one document each, right-padded: exact for every causal layer) though
-    data.padding_free asks for one row of documents; None when it does not (no layer carries state, or each that does
-    is split per document: state_layers.py). Packed rows or a mixture's are refused for layers left unsplit, and for
-    all of them where data.padding_free is off (rows of several documents with no bounds)."""
-    carried, why = (layers.carriers(model), "") if packed_rows(data) else ([], "")
-    if carried and data.padding_free:  # one row, whose host bounds reach the split state layers
-        carried, why = state_layers.unsplit_carriers(model)
-    if not carried:
-        return None
-    why = f" ({why})" if why else ""
-    if data.packing or data.mixture is not None:
-        field = "data.packing" if data.packing else "data.mixture"
-        raise ModelError(
-            f"{field}: rows of several documents, but {config_name(model)} has {', '.join(carried)} layers that carry "
-            f"state across documents{why or ' (a row of several documents comes without their bounds)'}",
-            fix="keep data.padding_free: true with model.attn_implementation: auto (the row's bounds then reach these "
-            "layers, where the family has attention), or set data.packing: false and train on a data.path dataset "
-            "(its rows are padded for this family)",
-        )
-    return f"{config_name(model)} has {', '.join(carried)} layers that carry state across documents{why}"
-
-
-def check_pair_rows(model: torch.nn.Module) -> None:
-    """A preference pair is one row of two documents (chosen, rejected), padded or not: a layer that carries state
-    across documents would let the rejected response read the chosen one."""
-    if carried := layers.carriers(model):
-        raise ModelError(
-            f"train.objective: dpo puts each pair's chosen and rejected responses in one row, but "
-            f"{config_name(model)} has {', '.join(carried)} layers that carry state across documents (trainyard "
-            "cannot give them the boundaries yet)",
-            fix="train this family with train.objective: sft, or choose a family without such layers for dpo",
-        )
 
 
 def features(model: torch.nn.Module, packed: bool = True) -> list[str]:

@@ -2,7 +2,7 @@
 paths keep to each document of a padding-free row (attention.py), and the kinds that carry a state from one document
 of a row into the next: linear attention (Gated DeltaNet and its kin), state-space layers (Mamba) and short causal
 convolutions, recurrences (RG-LRU, xLSTM, RWKV and its token shift). state_layers.py runs the first three per
-document of a padding-free row; attention.padded_rows pads the rows of the others, and of attention a family computes
+document of a padding-free row; collation.padded_rows pads the rows of the others, and of attention a family computes
 itself rather than through transformers' attention interface (`own_attention`: trainyard's attention never sees its
 documents).
 

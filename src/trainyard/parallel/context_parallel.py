@@ -31,6 +31,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from trainyard import dist
 from trainyard.config.data import DataConfig
 from trainyard.errors import ConfigError
+from trainyard.model import collation
 from trainyard.model import attention, documents, layers
 
 CONTEXT = "trainyard_context"
@@ -75,8 +76,8 @@ def check(model: torch.nn.Module, size: int, shard: int, data: DataConfig, where
         )
     refuse_family(model, size, where)
     family, inner = attention.config_name(model), model.config._attn_implementation
-    if not attention.model_one_row(model, data):
-        why = attention.padded_rows(model, data) or "data.padding_free is off"
+    if not collation.model_one_row(model, data):
+        why = collation.padded_rows(model, data) or "data.padding_free is off"
         raise ConfigError(
             f"dist.context_parallel {size} slices padding-free rows, but this job collates padded rows ({why})",
             where=where, fix="set data.padding_free: true, or dist.context_parallel: 1",

@@ -20,6 +20,7 @@ from trainyard.errors import ConfigError, ModelError, OptionError
 from trainyard.estimate import arch as estimate_arch
 from trainyard.estimate import memory as estimate_memory
 from trainyard.estimate.timing import Lengths, dpo_reference
+from trainyard.model import collation
 from trainyard.model import attention, state_layers
 from trainyard.model import build as model_room
 from trainyard.parallel import context_parallel as context_parallel_room
@@ -392,14 +393,14 @@ def describe_plan(
                                                                                                     *attention.FLASH):
         lines.append("attention        packed rows reach flash-attention as one padding-free row per micro-batch "
                      "(its varlen path keeps documents apart only in a batch of one row)")
-    if model is not None and (padded := attention.padded_rows(model, data)):
+    if model is not None and (padded := collation.padded_rows(model, data)):
         lines.append(f"attention        padded rows: {padded}")
-    elif model is not None and attention.one_row(model.config._attn_implementation, data, model) and (
+    elif model is not None and collation.one_row(model.config._attn_implementation, data, model) and (
             split := state_layers.split_classes(model)):
         lines.append(f"state layers     {', '.join(split)} run each document of the padding-free row on its own")
     batching.check_rows(cfg, model)
     if model is not None and cfg.train.objective == "dpo":
-        attention.check_pair_rows(model)
+        collation.check_pair_rows(model)
     lines.append(estimate.describe(cfg, _hardware(target), lengths)[0])
     return "\n".join(lines)
 

@@ -11,7 +11,7 @@ from trainyard.config import JobConfig
 from trainyard.errors import ConfigError, ModelError, OptionError
 from trainyard.estimate import memory as estimate_memory
 from trainyard.estimate.timing import Lengths
-from trainyard.model import attention
+from trainyard.model import collation
 
 FILL = 0.9
 """auto's N fills at most this share of a device: the estimate is a model, and fragmentation grows with N."""
@@ -91,11 +91,11 @@ def _with_tokens(cfg: JobConfig, tokens: int) -> JobConfig:
 
 
 def check_rows(cfg: JobConfig, model: torch.nn.Module | None) -> None:
-    """Refuse train.micro_batch_tokens where the built model keeps rows padded (attention.padded_rows): its
+    """Refuse train.micro_batch_tokens where the built model keeps rows padded (collation.padded_rows): its
     micro-batches are one padding-free row. The dry run and `train` refuse alike, before any weight is read."""
     if cfg.train.micro_batch_tokens is None or model is None:
         return
-    padded = attention.padded_rows(model, cfg.data)
+    padded = collation.padded_rows(model, cfg.data)
     if padded:
         raise ConfigError(
             f"train.micro_batch_tokens packs padding-free micro-batches, but the rows stay padded: {padded}",

@@ -22,7 +22,7 @@ from trainyard.atomic import write_atomically
 from trainyard.config import JobConfig
 from trainyard.data import collate
 from trainyard.dist import DistInfo, all_reduce_sum, is_fsdp
-from trainyard.model import attention
+from trainyard.model import collation
 from trainyard.parallel.parallelize import unwrap
 from trainyard.precision import Precision
 from trainyard.preference.loss import pair_logps, target_logps
@@ -84,7 +84,7 @@ def _pass(
     batches = -(-len(range(0, len(split), info.world_size)) // size)  # as many as rank 0 has: lockstep
     values = torch.zeros(len(split), 2, dtype=torch.float64, device=info.device)
     rows = split.select_columns(["input_ids", "labels", "seq_lens"])
-    one_row = attention.model_one_row(unwrap(model), cfg.data)  # as training collates: padded rows for some families
+    one_row = collation.model_one_row(unwrap(model), cfg.data)  # as training collates: padded rows for some families
     for start in range(0, batches * size, size):
         indices = mine[start : start + size]
         picked = rows[indices or [0]]

@@ -44,7 +44,7 @@ from trainyard.metrics import (
     setup_logging,
     write_json,
 )
-from trainyard.model import attention
+from trainyard.model import collation
 from trainyard.model import build as model_room
 from trainyard.model import routing
 from trainyard.model import source as source_room
@@ -253,7 +253,7 @@ def _windows(job: Job) -> Any:
     rows in as few token-bounded micro-batches as hold them."""
     cfg, pad_id = job.cfg, job.tokenizer.pad_token_id
     record = sample_record_path(cfg.run_dir, job.info.rank)
-    one_row = attention.model_one_row(parallel.unwrap(job.model), cfg.data)
+    one_row = collation.model_one_row(parallel.unwrap(job.model), cfg.data)
     context = context_parallel.slice_of(job.model)  # this rank's slice of each row: (0, 1) without context parallelism
     micro = cfg.train.micro_batch_size
     if isinstance(job.sampler, MixtureStream):
@@ -293,7 +293,7 @@ def _evaluator(job: Job):
             generate=cfg.eval.generate,
             max_new_tokens=cfg.eval.max_new_tokens,
             autocast=job.autocast,
-            padding_free=attention.model_one_row(parallel.unwrap(job.model), cfg.data),
+            padding_free=collation.model_one_row(parallel.unwrap(job.model), cfg.data),
             samples_path=samples_file(cfg.run_dir, step) if cfg.eval.generate else None,
             dpo=cfg.dpo if cfg.train.objective == "dpo" else None,
         )

@@ -1,7 +1,7 @@
 """Run under torchrun (2 ranks, or more): for each MoE family, with LoRA and with full fine-tuning, build the job the
 way training does (`build.build_and_wrap`, dist.strategy fsdp, dist.expert_parallel 2 by default, fp32), run one
 forward and backward with a different micro-batch on each rank (collated as the trainer collates it for the family:
-one padding-free row, or padded rows: attention.model_one_row), and compare the mean of the ranks'
+one padding-free row, or padded rows: collation.model_one_row), and compare the mean of the ranks'
 losses and every trainable parameter's gradient (the EP ranks' experts put back together) with a 1-process build on
 rank 0 that takes every rank's micro-batch's mean loss.
 
@@ -31,6 +31,7 @@ from trainyard.config.data import DataConfig
 from trainyard.config_file import load_config
 from trainyard.data.collate import collate
 from trainyard.data.formats import IGNORE_INDEX
+from trainyard.model import collation
 from trainyard.model import attention, documents
 from trainyard.model import source as source_room
 from trainyard.parallel import expert_parallel, parallelize
@@ -44,12 +45,12 @@ EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 def batch(seed: int, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The documents collated as the trainer collates them for `model`: one padding-free row, or padded rows where
-    its layers would carry a state from one document into the next (attention.padded_rows)."""
+    its layers would carry a state from one document into the next (collation.padded_rows)."""
     generator = torch.Generator().manual_seed(seed)
     docs = [torch.randint(3, 200, (n,), generator=generator).tolist() for n in DOCUMENTS]
     inner = parallelize.unwrap(model)
     rows = [{"input_ids": d, "labels": [IGNORE_INDEX, *d[1:]]} for d in docs]
-    one_row = attention.model_one_row(inner, DataConfig(path="x.jsonl"))
+    one_row = collation.model_one_row(inner, DataConfig(path="x.jsonl"))
     return collate(rows, inner.config.pad_token_id, padding_free=one_row)
 
 

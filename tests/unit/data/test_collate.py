@@ -10,7 +10,8 @@ from transformers.modeling_flash_attention_utils import _is_packed_sequence
 
 from trainyard.config.data import DataConfig
 from trainyard.data import ResumableSampler, collate, micro_batches
-from trainyard.model.attention import FLASH, VARLEN, document_bounds, one_row, varlen_attention
+from trainyard.model.attention import FLASH, VARLEN, document_bounds, varlen_attention
+from trainyard.model.collation import one_row
 
 PAD = 0
 

@@ -23,6 +23,7 @@ from tests.unit.model import registry
 from trainyard.config import DataConfig
 from trainyard.data.collate import collate
 from trainyard.errors import ModelError
+from trainyard.model import collation
 from trainyard.model import attention, state_layers
 from trainyard.model import build as _registers_implementations  # noqa: F401
 from trainyard.model.documents import model_inputs
@@ -86,8 +87,8 @@ def outcome(model_type: str) -> dict[str, Any]:
     state_layers.install(model)  # as build_meta_model does
     want = losses(build(model_type), collate(rows(), pad_id=0, padding_free=False))
     data = DataConfig()
-    why = attention.padded_rows(model, data)
-    got = losses(model, collate(rows(), pad_id=0, padding_free=attention.model_one_row(model, data)))
+    why = collation.padded_rows(model, data)
+    got = losses(model, collate(rows(), pad_id=0, padding_free=collation.model_one_row(model, data)))
     worst = max(abs(a - b) / b for a, b in zip(got, want))
     return {"result": PADDED if why else EXACT, "why": why, "rel": worst}
 

@@ -21,6 +21,7 @@ from tests.unit.model.test_families import CPU, TOLERANCE, packed_loss
 from trainyard.config import DataConfig, LoraConfig
 from trainyard.data.collate import collate
 from trainyard.errors import ModelError
+from trainyard.model import collation
 from trainyard.model import attention, layers, lora, state_layers
 from trainyard.model.documents import model_inputs
 
@@ -85,8 +86,8 @@ def test_the_default_job_computes_the_family_s_eager_model_on_padding_free_rows(
     model.config._attn_implementation = attention.choose("auto", model, CPU)
     assert state_layers.install(model) == (family in CARRIERS) * sum(
         type(m).__name__ == CARRIERS.get(family) for m in model.modules())
-    assert attention.padded_rows(model, DataConfig()) is None
-    assert attention.model_one_row(model, DataConfig())  # trainyard's defaults: padding-free rows
+    assert collation.padded_rows(model, DataConfig()) is None
+    assert collation.model_one_row(model, DataConfig())  # trainyard's defaults: padding-free rows
     got = losses(model, collate(rows(), pad_id=0, padding_free=True))
     assert max(abs(a - b) / b for a, b in zip(got, want)) < TOLERANCE, (got, want)
 
@@ -95,10 +96,10 @@ def test_rows_are_padded_where_the_state_layers_get_no_bounds_saying_why() -> No
     """sdpa reads the documents from position_ids: the collator's bounds never reach the blocks."""
     model = build("qwen3_next", "sdpa")
     assert state_layers.install(model) == 0
-    assert attention.padded_rows(model, DataConfig()) == (
+    assert collation.padded_rows(model, DataConfig()) == (
         "qwen3_next has Qwen3NextGatedDeltaNet layers that carry state across documents (under sdpa, whose rows "
         "come without the documents' bounds)")
-    assert not attention.model_one_row(model, DataConfig())
+    assert not collation.model_one_row(model, DataConfig())
     want = losses(build("qwen3_next"), collate(rows(), pad_id=0, padding_free=False))
     got = losses(model, collate(rows(), pad_id=0, padding_free=False))
     assert max(abs(a - b) / b for a, b in zip(got, want)) < TOLERANCE, (got, want)
@@ -224,10 +225,10 @@ def test_llama4_s_nope_temperature_gets_padded_rows() -> None:
 
     want = losses(nope(), collate(rows(), pad_id=0, padding_free=False))
     model = nope(attention.choose("auto", nope(), CPU))
-    assert attention.padded_rows(model, DataConfig()) == ("llama4_text has Llama4TextAttention (NoPE: queries scaled "
+    assert collation.padded_rows(model, DataConfig()) == ("llama4_text has Llama4TextAttention (NoPE: queries scaled "
                                                           "by their index in the row) layers that carry state across "
                                                           "documents")
-    got = losses(model, collate(rows(), pad_id=0, padding_free=attention.model_one_row(model, DataConfig())))
+    got = losses(model, collate(rows(), pad_id=0, padding_free=collation.model_one_row(model, DataConfig())))
     assert max(abs(a - b) / b for a, b in zip(got, want)) < TOLERANCE, (got, want)
     joined = losses(nope(), collate(rows(), pad_id=0, padding_free=True))[0]
     assert abs(joined - want[0]) / want[0] > 20 * TOLERANCE  # what one row of documents computed

@@ -16,6 +16,7 @@ from tests.unit.model import matrix, registry
 from trainyard.config import DataConfig
 from trainyard.data.collate import collate
 from trainyard.errors import ModelError
+from trainyard.model import collation
 from trainyard.model import attention, layers
 
 COMMITTED = json.loads(matrix.MATRIX.read_text())
@@ -42,7 +43,7 @@ def test_the_check_can_fail_one_row_of_documents_joins_them(family: str, why: st
     document."""
     want = matrix.losses(matrix.build(family), collate(matrix.rows(), pad_id=0, padding_free=False))[0]
     model = matrix.build(family)
-    assert attention.padded_rows(model, DataConfig()).startswith(
+    assert collation.padded_rows(model, DataConfig()).startswith(
         f"{family} has {why} layers that carry state across documents")
     joined = matrix.losses(model, collate(matrix.rows(), pad_id=0, padding_free=True))[0]
     assert abs(joined - want) / want > 20 * matrix.TOLERANCE
@@ -57,7 +58,7 @@ def test_a_family_with_attention_of_its_own_gets_its_own_mask_and_padded_rows() 
     with pytest.raises(ModelError, match=r"varlen: FalconAttention computes attention in its own code"):
         attention.choose("varlen", model, torch.device("cpu"))  # asked for by name: refused, not trained wrong
     assert attention.choose("eager", model, torch.device("cpu")) == "eager"
-    assert "FalconAttention (its own attention" in attention.padded_rows(model, DataConfig())
+    assert "FalconAttention (its own attention" in collation.padded_rows(model, DataConfig())
     want = matrix.losses(matrix.build("falcon"), collate(matrix.rows(), pad_id=0, padding_free=False))[0]
     model.config._attn_implementation = attention.VARLEN  # set after the build, as trainyard sets it
     varlen = matrix.losses(model, collate(matrix.rows(), pad_id=0, padding_free=False))[0]

@@ -13,6 +13,7 @@ from tests.unit.model.test_hybrid_families import CARRIERS, build, losses, rows
 from tests.unit.model.test_families import TOLERANCE
 from trainyard.config import DataConfig
 from trainyard.data.collate import collate
+from trainyard.model import collation
 from trainyard.model import attention, state_layers
 
 LENGTHS = (20, 13, 27, 5, 26, 9)
@@ -69,7 +70,7 @@ def test_activation_checkpointing_recomputes_with_the_row_s_bounds() -> None:
     model.config._attn_implementation = attention.choose("auto", model, torch.device("cpu"))
     state_layers.install(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    assert attention.model_one_row(model, DataConfig())
+    assert collation.model_one_row(model, DataConfig())
     got = losses(model, collate(rows(), pad_id=0, padding_free=True))
     assert max(abs(a - b) / b for a, b in zip(got, want)) < TOLERANCE, (got, want)
 
