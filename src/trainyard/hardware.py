@@ -75,7 +75,8 @@ class FlopShape:
     active: float
     """Matmul weights a token passes through: every weight of two or more dimensions but the embedding lookup (a
     tied lm_head counts once, as the lm_head), routed experts at top-k of all (shared experts and dense layers in
-    full). Norms and biases are not matmuls."""
+    full). Norms and biases are not matmuls. A state layer's weights count so too: its projections, its convolution
+    (2 FLOPs per weight and token, as a depthwise kernel runs), its A (one multiply-add per state and token)."""
     trainable: float
     """Of those, the ones with weight gradients (LoRA: the adapters alone)."""
     heads: int
@@ -83,7 +84,7 @@ class FlopShape:
     """Per head, the width queries and keys multiply over (MLA: its nope + rope dims)."""
     v_head_dim: int
     windows: tuple[int | None, ...]
-    """Per attention layer, its sliding window (None: full causal attention)."""
+    """Per attention layer, its sliding window (None: full causal attention); () where no layer attends."""
 
 
 def flop_shape(model: torch.nn.Module) -> FlopShape:
@@ -98,7 +99,9 @@ def flop_shape(model: torch.nn.Module) -> FlopShape:
         share = routed_share if "experts" in name.split(".") else 1.0
         active += weight.numel() * share
         trainable += weight.numel() * share if weight.requires_grad else 0.0
-    heads = config.num_attention_heads
+    heads = getattr(config, "num_attention_heads", None) or 0  # 0: no attention layer (Mamba, Mamba2)
+    if not heads:
+        return FlopShape(active, trainable, 0, 0, 0, ())
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     if getattr(config, "qk_nope_head_dim", None):  # MLA: head_dim names the rope part alone
         head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim

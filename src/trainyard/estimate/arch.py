@@ -173,22 +173,22 @@ def hf_config(cfg: JobConfig):  # -> PretrainedConfig
 
 def shape_of(config) -> Shape:  # type: ignore[no-untyped-def]
     """Sizes from an HF config, with the usual defaults where a model omits a field."""
-    heads = config.num_attention_heads
+    heads = getattr(config, "num_attention_heads", None) or 0  # 0: no attention layer (Mamba, Mamba2)
     experts = next((getattr(config, f) for f in ("n_routed_experts", "num_local_experts", "num_experts")
                     if getattr(config, f, None)), 0)
     return Shape(
         hidden=config.hidden_size,
-        intermediate=config.intermediate_size,
+        intermediate=getattr(config, "intermediate_size", None) or 0,  # Mamba2: none (no MLP)
         layers=config.num_hidden_layers,
         heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         # MLA (DeepSeek V3): queries and keys are qk_head_dim wide (its head_dim is the rotary part alone)
         head_dim=next((getattr(config, f) for f in ("qk_head_dim", "head_dim") if getattr(config, f, None)),
-                      config.hidden_size // heads),
+                      config.hidden_size // heads if heads else 0),
         vocab=config.vocab_size,
         experts=experts,
         experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
-        moe_intermediate=getattr(config, "moe_intermediate_size", None) or config.intermediate_size,
+        moe_intermediate=getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", 0),
         shared_experts=getattr(config, "n_shared_experts", None) or 0 if experts else 0,
         dense_layers=getattr(config, "first_k_dense_replace", 0) if experts else 0,
         family=getattr(config, "model_type", ""),
