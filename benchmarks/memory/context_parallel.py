@@ -9,7 +9,8 @@ the same document with `trainyard.train.recipe.run`, as `trainyard train` runs a
 (VmHWM), the seconds spent in CP's all-to-alls (`dist.all_to_all_rows`, timed on the host: gloo's all-to-all returns
 when the data has arrived; every step exchanges the same bytes, so a step's share is the run's over its steps), and
 from metrics.jsonl the steps after the first (which carries one-time costs): tokens/s per process and seconds a
-step. Prints one JSON line per run and the ratios; no assertions."""
+step. Prints one JSON line per run and the ratios; no assertions. Each process sets glibc's malloc as `trainyard train`
+does (launch/allocator.return_freed_memory); TRAINYARD_ALLOCATOR=off measures glibc's malloc left as it is."""
 
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ def worker(out: Path, args: list[str]) -> None:
     """One rank: CP's all-to-alls timed, the recipe run, then this rank's peak RSS and all-to-all seconds."""
     from trainyard import dist
     from trainyard.config_file import load_config
+    from trainyard.launch.allocator import return_freed_memory
     from trainyard.train.recipe import run
 
     spent = [0.0]
@@ -66,6 +68,7 @@ def worker(out: Path, args: list[str]) -> None:
             spent[0] += time.perf_counter() - started
 
     dist.all_to_all_rows = timed
+    return_freed_memory()  # as `trainyard train` does in every training process
     run(load_config("configs/tiny.yaml", args))
     rank = int(os.environ.get("RANK", "0"))
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)

@@ -93,8 +93,10 @@ def train(
         if code:
             _fail(code, message or "a worker failed")
         return
+    from trainyard.launch.allocator import return_freed_memory
     from trainyard.train.recipe import run
 
+    return_freed_memory()  # every training process: this one, or each worker the launcher started
     summary = run(cfg)
     _print_outcome(summary, cfg.run_dir)
 

@@ -94,3 +94,43 @@ def test_a_library_this_environment_takes_is_preloaded(tmp_path: Path) -> None:
     assert allocator.preload_env({}, problem=lambda path: allocator.preload_problem(path, tmp_path / "c.json")) == {
         "LD_PRELOAD": library
     }
+
+
+FREED_AFTER = """
+import ctypes, json, sys
+from trainyard.launch import allocator
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+tuned = allocator.return_freed_memory({"TRAINYARD_ALLOCATOR": sys.argv[1]})
+def rss():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) << 10
+libc.free(libc.malloc(16 << 20))  # a large free: glibc's own threshold rises past the blocks below
+blocks = [libc.malloc(8 << 20) for _ in range(8)]
+for block in blocks:
+    ctypes.memset(block, 1, 8 << 20)
+guard = libc.malloc(2 << 20)  # above the blocks (no free chunk that large below them): the top cannot be trimmed
+ctypes.memset(guard, 1, 2 << 20)
+held = rss()
+for block in blocks:
+    libc.free(block)
+print(json.dumps({"tuned": tuned, "returned": held - rss(), "describe": allocator.describe({})}))
+"""
+
+
+@pytest.mark.skipif(allocator.in_use() != "glibc", reason="glibc's malloc only")
+def test_on_glibc_freed_tensors_go_back_to_the_kernel_unless_switched_off() -> None:
+    """Sixty-four MiB in blocks of 8 MiB, allocated after a 16 MiB free and then freed: with the thresholds set they
+    were mappings and go back at once; with TRAINYARD_ALLOCATOR=off glibc's threshold had risen to 16 MiB, they came
+    from the heap and stay in the process."""
+    import json
+    import sys
+
+    def run(switch: str) -> dict:
+        found = subprocess.run([sys.executable, "-c", FREED_AFTER, switch], capture_output=True, text=True, check=True)
+        return json.loads(found.stdout)
+
+    tuned, untouched = run("jemalloc"), run(allocator.OFF)
+    assert tuned["tuned"] and not untouched["tuned"]
+    assert tuned["returned"] >= 56 << 20, tuned
+    assert untouched["returned"] < 8 << 20, untouched
+    assert "freed blocks of >= 1 MiB returned" in tuned["describe"]
