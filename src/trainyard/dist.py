@@ -164,33 +164,50 @@ def build_mesh(
 
     `expert_parallel` > 1 (fsdp, hsdp): the same mesh, its "shard" dimension flattened from ("shard_mod_ep",
     "ep") of a root mesh whose "ep" groups (consecutive ranks) hold the experts between them. `context_parallel` > 1
-    carves "cp" the same way: its groups (consecutive ranks) split each row's tokens between them."""
+    carves "cp" the same way: its groups (consecutive ranks) split each row's tokens between them. With both, each
+    EP group is made of whole CP groups (`_carved_mesh`)."""
     if strategy == "diloco":
         assert sites is not None, "diloco needs its number of sites"
         site = info.world_size // sites
         if site_inner == "hsdp":
             return _mesh(info, (sites, *hsdp_shape(info, shard_size, site)), ("site", "replicate", "shard"))
         return _mesh(info, (sites, site), ("site", "local"))
-    carved = ("ep", expert_parallel) if expert_parallel > 1 else ("cp", context_parallel)
+    carved = expert_parallel > 1 or context_parallel > 1
     if strategy == "fsdp":
-        if carved[1] > 1:
-            return _carved_mesh(info, (), info.world_size, *carved)
+        if carved:
+            return _carved_mesh(info, (), info.world_size, expert_parallel, context_parallel)
         return _mesh(info, (info.world_size,), ("shard",))
     if strategy == "hsdp":
         replicas, shard = hsdp_shape(info, shard_size)
-        if carved[1] > 1:
-            return _carved_mesh(info, (replicas,), shard, *carved)
+        if carved:
+            return _carved_mesh(info, (replicas,), shard, expert_parallel, context_parallel)
         return _mesh(info, (replicas, shard), ("replicate", "shard"))
     return None
 
 
-def _carved_mesh(info: DistInfo, replicas: tuple[int, ...], shard: int, name: str, size: int) -> DeviceMesh:
-    """("shard",) or ("replicate", "shard") as a view of a root mesh (["replicate",] "shard_mod_<name>", name):
-    `name` is "ep" (experts) or "cp" (context), `size` ranks each, carved out of the shard dimension."""
+def carved_dims(shard: int, expert: int, context: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The root mesh's dimensions the shard dimension is flattened from, outermost first. EP alone:
+    ("shard_mod_ep", "ep"); CP alone: ("shard_mod_cp", "cp"); both: ("shard_mod_ep", "ep_mod_cp", "cp"), "ep"
+    flattened from the last two, so that each EP group is made of whole CP groups (config.dist: EP a multiple of
+    CP). A row's tokens then stay within one EP group, and a rank's CP slice is routed to experts like any
+    data-parallel rank's rows."""
+    if expert > 1 and context > 1:
+        assert expert % context == 0, f"EP {expert} is made of whole CP groups of {context}"
+        return ("shard_mod_ep", "ep_mod_cp", "cp"), (shard // expert, expert // context, context)
+    if expert > 1:
+        return ("shard_mod_ep", "ep"), (shard // expert, expert)
+    return ("shard_mod_cp", "cp"), (shard // context, context)
+
+
+def _carved_mesh(info: DistInfo, replicas: tuple[int, ...], shard: int, expert: int, context: int) -> DeviceMesh:
+    """("shard",) or ("replicate", "shard") as a view of a root mesh (["replicate",] `carved_dims`...): "ep"
+    (experts) and "cp" (context) carved out of the shard dimension."""
     outer = ("replicate",) if replicas else ()
-    rest = f"shard_mod_{name}"
-    root = _mesh(info, (*replicas, shard // size, size), (*outer, rest, name))
-    root[rest, name]._flatten("shard", backend_override=group_backend(info))
+    names, sizes = carved_dims(shard, expert, context)
+    root = _mesh(info, (*replicas, *sizes), (*outer, *names))
+    if len(names) == 3:
+        root[names[1:]]._flatten("ep", backend_override=group_backend(info))
+    root[names]._flatten("shard", backend_override=group_backend(info))
     return root[(*outer, "shard")] if outer else root["shard"]
 
 

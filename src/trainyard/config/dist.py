@@ -102,9 +102,10 @@ class DistConfig(Section):
     sequence shard for a head shard, so each rank attends whole documents for heads / N). Carved out of the shard
     dimension: must divide it (and the heads). Activations per rank fall by about N; the data-parallel size, the
     sampler's and the global batch's, is the world / N. Full checkpoints resume at another CP size; DPO sums each
-    reply over the group. 1: none. Not yet with dist.expert_parallel, diloco, dpo.loss orpo, or families whose
-    layers carry a state along the row (linear attention, state-space, short convolutions: refused naming them);
-    proven for llama, qwen3, mistral, gemma2 and gpt_oss.
+    reply over the group. With dist.expert_parallel: each EP group is made of whole CP groups (EP a multiple of
+    CP; a row's tokens are routed to experts within its EP group). 1: none. Not yet with diloco, dpo.loss orpo, or
+    families whose layers carry a state along the row (linear attention, state-space, short convolutions: refused
+    naming them); proven for llama, qwen3, mistral, gemma2, gpt_oss, and with EP for qwen3_moe and glm4_moe.
     auto: where the estimate shows the job does not fit a device as it is (a document's activations), the plan takes
     the fewest of a node's GPUs that fit it (the cheapest fix's split), under fsdp/hsdp; else 1 (it fits, no split
     fits, the family or the job cannot run CP, one process). The dry run says which and why."""
@@ -152,9 +153,13 @@ class DistConfig(Section):
                 f"dist.context_parallel {size} needs dist.strategy fsdp or hsdp (CP is carved out of the shard "
                 f"dimension), not {self.strategy}: set dist.strategy: fsdp, or dist.context_parallel: 1"
             )
-        if size > 1 and self.expert_parallel != 1:
+        experts = self.expert_parallel
+        if size > 1 and experts != "auto" and experts > 1 and experts % size:
+            divisors = ", ".join(str(d) for d in range(1, experts + 1) if experts % d == 0)
             raise ValueError(
-                f"dist.context_parallel {size} with dist.expert_parallel {self.expert_parallel}: the two do not "
-                "compose yet; set one of them to 1"
+                f"dist.context_parallel {size} with dist.expert_parallel {experts}: each EP group is made of whole "
+                f"CP groups, so dist.expert_parallel must be a multiple of dist.context_parallel; set "
+                f"dist.expert_parallel to {size}, {2 * size}, ... (a multiple of {size} that divides the shard "
+                f"dimension and the experts), or dist.context_parallel to one of {divisors}"
             )
         return self

@@ -226,7 +226,7 @@ def context_splits(cfg: JobConfig, hardware: Hardware, shape: mem.Shape) -> tupl
     for size in range(2, gpus + 1):
         if gpus % size or shard % size or shape.heads % size:
             continue
-        try:  # the job's own rules (no orpo, padding-free rows, no expert parallelism), as loading the file would apply
+        try:  # the job's own rules (no orpo, padding-free rows, EP a multiple of CP), as loading the file would apply
             split = _with(cfg, **{"dist.context_parallel": size})
             type(cfg).model_validate(split.model_dump(by_alias=True))
         except ValidationError as err:

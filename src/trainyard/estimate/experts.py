@@ -6,7 +6,8 @@ Under EP N, carved out of a shard group of S ranks, each rank holds experts / N 
 sharded again over the S / N ranks left (not at all when N = S): FSDP2 gathers only those. Each routed
 (token, expert) pair's hidden state goes to its expert's rank and its output comes back (dispatch and combine),
 in the forward and again, as gradients, in the backward; activation checkpointing recomputes the forward's.
-A rank keeps the 1 / N of its pairs whose experts it holds (routing taken as balanced).
+A rank keeps the 1 / N of its pairs whose experts it holds (routing taken as balanced). Under context parallelism
+C (each EP group made of whole CP groups: N a multiple of C) a rank routes only its 1 / C of every row's tokens.
 """
 
 from __future__ import annotations
@@ -65,29 +66,33 @@ def link_words(size: int, gpus_per_node: int) -> str:
     return "within a node" if within else "across nodes"
 
 
-def candidates(shape: Shape, shard: int, gpus_per_node: int) -> list[int]:
+def candidates(shape: Shape, shard: int, gpus_per_node: int, context: int = 1) -> list[int]:
     """EP sizes an MoE model can run in a shard group, largest first: within a node, dividing the experts and the
-    shard group, each EP rank's experts splitting evenly over the ranks left of it."""
+    shard group, each EP rank's experts splitting evenly over the ranks left of it, made of whole CP groups of
+    `context` ranks."""
     if not shape.experts or shape.family not in FAMILIES:
         return []
     sizes = [n for n in range(2, min(shard, gpus_per_node, shape.experts) + 1)
              if shape.experts % n == 0 and shard % n == 0 and gpus_per_node % n == 0
-             and (shape.experts // n) % (shard // n) == 0]
+             and (shape.experts // n) % (shard // n) == 0 and n % context == 0]
     return sorted(sizes, reverse=True)
 
 
 def choose(cfg: JobConfig, shape: Shape, counts: Counts, strategy: str, shard: int, gpus_per_node: int,
-           accum: int, tokens_per_micro_batch: float, element: tuple[int, int, int, bool]) -> tuple[int, str]:
+           accum: int, tokens_per_micro_batch: float, element: tuple[int, int, int, bool],
+           context: int = 1) -> tuple[int, str]:
     """(size, why) for `dist.expert_parallel: auto`: the largest candidate whose all-to-all and remaining gathers
-    move fewer bytes per rank and step than FSDP2's gathers of every expert; else 1."""
+    move fewer bytes per rank and step than FSDP2's gathers of every expert; else 1. `tokens_per_micro_batch`: a
+    rank's (its CP slice's); `context`: the CP size EP groups are made of."""
     if strategy not in ("fsdp", "hsdp") or shard == 1:
         return 1, f"expert parallelism is carved out of fsdp/hsdp's shard group ({strategy}, {shard} rank(s))"
     if not shape.experts:
         return 1, "a dense model has no routed experts"
-    found = candidates(shape, shard, gpus_per_node)
+    found = candidates(shape, shard, gpus_per_node, context)
     if not found:
         why = ("not proven exact for " + shape.family) if shape.family not in FAMILIES else "no size divides"
-        return 1, f"{why} ({shape.experts} experts, shard group {shard}, {gpus_per_node} per node)"
+        groups = f", whole CP groups of {context}" if context > 1 else ""
+        return 1, f"{why} ({shape.experts} experts, shard group {shard}, {gpus_per_node} per node{groups})"
     args = (cfg, shape, counts)
     fsdp = traffic(*args, 1, shard, gpus_per_node, accum, tokens_per_micro_batch, element)
     for size in found:

@@ -190,9 +190,11 @@ def expert_parallel(cfg: JobConfig, model: Model, kind: Gpu, strategy: str, shar
         return (requested if strategy in ("fsdp", "hsdp") else 1), ""
     size = dtypes(cfg, resolve_precision(cfg, kind), strategy)
     element = (size.compute, size.frozen if cfg.lora.enabled else size.master, size.master, size.mixed)
+    context = cfg.dist.context_parallel  # auto: resolved on the EP size this picks (estimate.context_parallel_auto)
+    context = 1 if context == "auto" else context_room.context_size(cfg, strategy)
     return experts_room.choose(cfg, model.shape, model.counts, strategy, shard, gpus_per_node,
                                accumulation_steps(cfg, data_ranks(cfg, world)),
-                               tokens_per_micro_batch(cfg), element)
+                               tokens_per_micro_batch(cfg) / context, element, context)
 
 
 def shard_size(cfg: JobConfig, strategy: str, world: int, gpus_per_node: int) -> int:

@@ -229,7 +229,7 @@ def traffic(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: i
     element = (size.compute, size.frozen if cfg.lora.enabled else size.master, size.master, size.mixed)
     ep = layout.expert_parallel
     experts = experts_room.traffic(cfg, model.shape, counts, ep, layout.shard, layout.gpus_per_node, accum,
-                                   tokens_per_micro_batch, element)
+                                   tokens_per_micro_batch / layout.context_parallel, element)  # a rank's CP slice
     if layout.strategy == "ddp":
         if spans and diloco_h > 1:  # inner steps sync a node; outer steps every H cross nodes
             moved.ring(gradients, layout.gpus_per_node, 2, False, intra, inter)

@@ -17,9 +17,10 @@ HOST_LOOP = "trainyard: the attention loops over the micro-batch's documents on 
 """The reason the host-bounds attentions and state layers (state_layers.py) are left out of compiled graphs: how
 parallel.compile tells the expected graph break apart."""
 DOCUMENT_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-CONTEXT_PARALLEL_FAMILIES = ("llama", "qwen3", "mistral", "gemma2", "gpt_oss")
+CONTEXT_PARALLEL_FAMILIES = ("llama", "qwen3", "mistral", "gemma2", "gpt_oss", "qwen3_moe", "glm4_moe")
 """Families whose documents, split over a context-parallel group, give one process's loss and every gradient
-(tests/dist/test_context_parallel.py): sliding windows (mistral, gemma2, gpt_oss), soft-capping (gemma2) and sinks
+(tests/dist/test_context_parallel.py; the MoE ones with expert parallelism, tests/dist/
+test_context_expert_parallel.py): sliding windows (mistral, gemma2, gpt_oss), soft-capping (gemma2) and sinks
 (gpt_oss) included. parallel.context_parallel runs them; the estimate proposes CP for them only."""
 
 

@@ -159,8 +159,8 @@ def expert_meshes(mesh: DeviceMesh) -> ExpertMeshes:
     """The EP and expert-sharding meshes of a mesh `dist.build_mesh` made with expert_parallel > 1."""
     root = mesh._get_root_mesh()
     names = root.mesh_dim_names or ()
-    assert "ep" in names, f"not an expert-parallel mesh: {names}"
-    outer = tuple(name for name in names if name != "ep")
+    assert "shard_mod_ep" in names, f"not an expert-parallel mesh: {names}"
+    outer = tuple(name for name in names if name in ("replicate", "shard_mod_ep"))  # not "ep" nor its CP parts
     return ExpertMeshes(root["ep"], root[outer] if len(outer) > 1 else root[outer[0]], root[(*outer, "ep")])
 
 

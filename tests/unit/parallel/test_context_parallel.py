@@ -1,7 +1,8 @@
 """dist.context_parallel is refused, exit 2 naming the field, where it cannot run exactly this round: without
-fsdp/hsdp, with expert parallelism, DPO or padded rows; on a family not proven (one whose layers carry a state along
-the row named with their kind), attention that builds its mask from the rank's slice, or a size that does not divide
-the heads or the shard dimension. KV heads are repeated just enough for the group to split them."""
+fsdp/hsdp, with an expert-parallel size not made of whole CP groups, DPO or padded rows; on a family not proven (one
+whose layers carry a state along the row named with their kind), attention that builds its mask from the rank's
+slice, or a size that does not divide the heads or the shard dimension. KV heads are repeated just enough for the
+group to split them."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def refusal(model, size: int = 2, shard: int = 2, data: DataConfig | None = None
 
 @pytest.mark.parametrize(("overrides", "named"), [
     (["dist.strategy=ddp", "dist.context_parallel=2"], "needs dist.strategy fsdp or hsdp"),
-    ([*SHARDED, "dist.expert_parallel=2"], "dist.expert_parallel 2: the two do not compose yet"),
+    ([*SHARDED, "dist.expert_parallel=3"], "dist.expert_parallel 3: each EP group is made of whole CP groups"),
     ([*SHARDED, "train.objective=dpo", "dpo.loss=orpo"], "runs dpo.loss orpo not yet"),
     ([*SHARDED, "data.padding_free=false"], "slices padding-free rows"),
 ])
@@ -49,6 +50,17 @@ def test_a_refusal_exits_2_without_a_traceback() -> None:
     result = run_cli("train", TINY, "dist.strategy=ddp", "dist.context_parallel=2", "--dry-run")
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "dist.context_parallel" in result.stderr
+
+
+def test_ep_made_of_whole_cp_groups_loads_and_any_other_size_exits_2_naming_both_fields_and_the_sizes() -> None:
+    for ep in (2, 4, "auto"):  # auto: the plan takes a multiple of the CP size (estimate.experts.candidates)
+        assert load_config(TINY, [*SHARDED, f"dist.expert_parallel={ep}"]).dist.expert_parallel == ep
+    result = run_cli("train", TINY, "dist.strategy=fsdp", "dist.context_parallel=4", "dist.expert_parallel=2",
+                     "--dry-run")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    err = " ".join(result.stderr.split())
+    assert "dist.context_parallel 4 with dist.expert_parallel 2" in err, err
+    assert "set dist.expert_parallel to 4, 8, ..." in err and "or dist.context_parallel to one of 1, 2" in err, err
 
 
 def test_the_model_check_refuses_what_is_not_proven_exact() -> None:
