@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 from torch._guards import active_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -35,9 +35,7 @@ from torch.utils._pytree import tree_leaves
 
 from trainyard import dist, estimate
 from trainyard import hardware as machines
-from trainyard import loss as loss_room
 from trainyard import precision as precision_room
-from trainyard.batch import accumulation_steps
 from trainyard.config import JobConfig
 from trainyard.diloco import outer as diloco
 from trainyard.errors import ConfigError
@@ -45,12 +43,15 @@ from trainyard.estimate import arch as estimate_arch
 from trainyard.estimate import context as estimate_context
 from trainyard.estimate import memory as estimate_memory
 from trainyard.estimate.memory import Layout, Memory
+from trainyard.estimate.timing import Lengths
 from trainyard.model import attention
 from trainyard.model import build as model_room
 from trainyard.model import lora as lora_room
 from trainyard.model import weights
 from trainyard.parallel import parallelize as parallel
+from trainyard.plan import batching
 from trainyard.train.optim import build_optimizer, grad_norm_and_clip
+from trainyard.train.trace_batch import documents, micro_batch_loss, micro_batches
 from trainyard.train.trace_kernels import FUSED, GroupedMmInAnyDtype, balanced_exchanges, hooked, traced_attention
 
 CPU = torch.device("cpu")
@@ -283,7 +284,8 @@ def formula(cfg: JobConfig, config: Any, hardware: estimate.Hardware) -> tuple[L
         strategy = estimate.auto_strategy(cfg, world, hardware.gpus_per_node, device)[0]
         cfg = cfg.model_copy(update={"dist": cfg.dist.model_copy(update={"strategy": strategy})})
     layout = estimate_memory.resolve_strategy(cfg, model, kind, hardware.gpus_per_node, hardware.nodes)
-    return layout, estimate_memory.memory(cfg, model, layout, estimate_memory.resolve_precision(cfg, kind))
+    batch = Lengths().largest_micro_batch(cfg)  # unread data: the estimate's, a token budget's N included
+    return layout, estimate_memory.memory(cfg, model, layout, estimate_memory.resolve_precision(cfg, kind), batch)
 
 
 def meta_model(
@@ -336,19 +338,6 @@ class FakeWeights:
         return lambda start, stop: torch.empty((stop - start, *shape[1:]), dtype=dtype)
 
 
-def micro_batch_loss(model: torch.nn.Module, cfg: JobConfig) -> torch.Tensor:
-    """The loss of one full micro-batch (micro_batch_size documents of max_length tokens, every position a target), as
-    loss.token_loss_sum computes it (logits at target positions only, in chunks of train.loss_chunk_tokens). Its
-    positions are given as an index, not found from the labels, which fake tensors do not hold."""
-    rows, length = cfg.train.micro_batch_size, cfg.data.max_length
-    tokens = torch.zeros((rows, length), dtype=torch.long)
-    targets = torch.zeros(rows * (length - 1), dtype=torch.long)
-    with unset_fake_temporarily():  # real: varlen reads the documents from them on the host, as in training
-        positions = torch.arange(length).expand(rows, length)
-    return loss_room.kept_positions_loss(model, {"input_ids": tokens, "position_ids": positions},
-                                         torch.arange(length - 1), targets, cfg.train.loss_chunk_tokens)
-
-
 def hold_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """AdamW creates its moments at its first step and every later step holds them throughout: a step over zero
     gradients creates them before the traced one (no forward: DDP would rebuild its buckets at the next one, with
@@ -379,7 +368,9 @@ def optimizer_step(
 
 def trace(cfg: JobConfig, hardware: estimate.Hardware, layers: int | None = None) -> Trace:
     """Trace one optimizer step of `cfg` on `hardware` (its GPU kind sets the precision, its shape the world and
-    the strategy, as the formula plans them); `layers` cuts the model's depth (tests)."""
+    the strategy, as the formula plans them); `layers` cuts the model's depth (tests). train.micro_batch_tokens
+    auto takes the N the dry run and `train` take for unread data (plan.batching)."""
+    cfg = batching.micro_batch_tokens(cfg, hardware)[0]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")  # as training does
         # moe_lora checks its operands' alignment, as the job does: a fake tensor's address is 0, which it passes
@@ -405,7 +396,7 @@ def _trace(cfg: JobConfig, hardware: estimate.Hardware, layers: int | None) -> T
     return Trace(
         mesh=dist.describe_mesh(mesh) if mesh is not None else f"the world of {layout.world}",
         layers=config.num_hidden_layers,
-        accumulation=accumulation_steps(cfg, layout.world),
+        accumulation=micro_batches(cfg, layout.world),
         static_bytes=memory.window_start,
         peak_bytes=memory.peak,
         gathered_peak_bytes=memory.gathered_peak,
@@ -431,7 +422,7 @@ def _step_on_fake_tensors(
     outer = diloco.OuterSync(wrapped, cfg.diloco, diloco_mesh, info) if diloco_mesh is not None else None
     hold_optimizer_state(optimizer)
     memory.start_window()
-    optimizer_step(wrapped, optimizer, cfg, precision, accumulation_steps(cfg, layout.world), outer)
+    optimizer_step(wrapped, optimizer, cfg, precision, micro_batches(cfg, layout.world), outer)
 
 
 def _notes(cfg: JobConfig, model: torch.nn.Module, layout: Layout) -> list[str]:
@@ -439,6 +430,10 @@ def _notes(cfg: JobConfig, model: torch.nn.Module, layout: Layout) -> list[str]:
     strategy, traced = layout.strategy, model.config._attn_implementation
     fused = " (sdpa's fused kernel: what flash-attention and flex_attention save)" if traced == FUSED else ""
     notes = [f"attention: the job's {cfg.model.attn_implementation}, traced as {traced}{fused}"]
+    if isinstance(cfg.train.micro_batch_tokens, int):
+        notes.append(f"train.micro_batch_tokens {cfg.train.micro_batch_tokens:,}: each micro-batch one padding-free "
+                     f"row of {sum(documents(cfg)):,} tokens (documents of data.max_length), as many as the estimate "
+                     "plans for rows of data.max_length")
     if cfg.train.compile:
         notes.append("train.compile: the blocks run eagerly here (compiled kernels may save less)")
     if layout.expert_parallel > 1:
