@@ -4,7 +4,9 @@ tokens travel to their experts instead of the experts to the tokens.
 EP is carved out of the shard dimension (`dist.build_mesh`: "shard" = "shard_mod_ep" x "ep"), as torchtitan
 does: routers, attention, shared experts and dense layers stay under FSDP2/HSDP over the whole shard dimension;
 the expert stacks (and their adapters) hold only this EP rank's rows and are FSDP-sharded over what is left of it
-("shard_mod_ep", and "replicate" under HSDP), so no step all-gathers every expert.
+("shard_mod_ep", and "replicate" under HSDP), so no step all-gathers every expert. With context parallelism each
+EP group is made of whole CP groups ("ep" = "ep_mod_cp" x "cp"): each rank routes its slice of the rows like any
+data-parallel rank's rows.
 
 The forward (`TokenExchange`, called by moe_lora's grouped path on the expert-sorted rows) sends each row to the
 rank holding its expert and back with autograd-aware all-to-alls, capacity-free: no row is dropped. The routing

@@ -4,13 +4,13 @@ holds tokens / CP of the row through the block (activations, and the EP all-to-a
 attention's exchange buffers beside; per step both all-to-alls are counted: EP's for the rank's tokens over CP times
 the micro-batches (the data ranks are world / CP), so the same bytes a step as without CP, and CP's around every
 layer's attention. It plans and fits, at CP 1 already (checkpointed), with room for more at CP 2 and 8; auto EP takes
-a multiple of the CP size."""
+a multiple of the CP size. The dry run plans it the same way."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_cli
 from trainyard import estimate
 from trainyard.estimate import experts
 from trainyard.config_file import load_config
@@ -73,3 +73,13 @@ def test_auto_ep_takes_a_multiple_of_the_cp_size(glm) -> None:
         result = estimate.estimate(job(cp, "dist.expert_parallel=auto"), H200_2X8, model=glm, suggest=False)
         assert result.layout.expert_parallel % cp == 0 or result.layout.expert_parallel == 1, result.layout
     assert experts.candidates(glm.shape, 8, 8, context=4) == [8, 4]
+
+
+def test_the_dry_run_plans_it_on_2x8_h200_and_it_fits() -> None:
+    result = run_cli("train", SEED_000, *LONG, "dist.context_parallel=2", "--dry-run", "--gpu", "h200",
+                     "--gpus-per-node", "8", "--nodes", "2", "--skip-data-check")
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = " ".join(result.stdout.split())
+    assert "8 data ranks (context-parallel groups of 2 ranks)" in out, out
+    assert "expert parallel 8: each rank holds 16 of the 128 routed experts" in out and "context parallel 2" in out
+    assert "(fits)" in out and "context: all-to-all" in out and "experts: all-to-all" in out, out
