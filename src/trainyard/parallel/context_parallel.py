@@ -5,10 +5,11 @@ head shard, so each rank attends whole documents for 1/N of the heads, then trad
 CP is carved out of the shard dimension (`dist.build_mesh`: "shard" = "shard_mod_cp" x "cp"), as expert
 parallelism is: the ranks that split a row still shard the weights under FSDP2/HSDP. With expert parallelism each EP
 group is made of whole CP groups (`dist.carved_dims`): a rank's slice goes to the experts like any rank's rows. It
-enters the job in two places only: `attach` (from parallelize.apply) swaps the model's attention for `context_attention`, which wraps the
-implementation `attention.choose` picked (varlen); the collator slices each row (data/collate.py: context_slice) for the
-rank `slice_of` names. The loop is unchanged: each target token is counted on the one rank that holds it, so the
-step's global count is already right, and FSDP sums the ranks' gradients as for any other data-parallel rank.
+enters the job in two places only: `attach` (from parallelize.apply) swaps the model's attention for
+`context_attention`, which wraps the implementation `attention.choose` picked (varlen); the collator slices each row
+(data/collate.py: context_slice) for the rank `slice_of` names. The loop is unchanged: each target token is counted
+on the one rank that holds it, so the step's global count is already right, and FSDP sums the ranks' gradients as
+for any other data-parallel rank.
 
 Rotary positions come from each token's global position_ids, which the slice keeps; the inner attention gets the
 whole row's position_ids (all-gathered once per forward), so it finds the same documents, windows included, as on
