@@ -168,10 +168,7 @@ def build_mesh(
     EP group is made of whole CP groups (`_carved_mesh`)."""
     if strategy == "diloco":
         assert sites is not None, "diloco needs its number of sites"
-        site = info.world_size // sites
-        if site_inner == "hsdp":
-            return _mesh(info, (sites, *hsdp_shape(info, shard_size, site)), ("site", "replicate", "shard"))
-        return _mesh(info, (sites, site), ("site", "local"))
+        return _site_mesh(info, sites, shard_size, site_inner, context_parallel)
     carved = expert_parallel > 1 or context_parallel > 1
     if strategy == "fsdp":
         if carved:
@@ -210,6 +207,21 @@ def _carved_mesh(info: DistInfo, replicas: tuple[int, ...], shard: int, expert: 
     root[names]._flatten("shard", backend_override=group_backend(info))
     return root[(*outer, "shard")] if outer else root["shard"]
 
+
+def _site_mesh(info: DistInfo, sites: int, shard_size: int | None, inner: str, context: int) -> DeviceMesh:
+    """DiLoCo's mesh, ("site", "local") or ("site", "replicate", "shard") under hsdp within a site. With `context` > 1
+    the site's shard dimension ("local" under fsdp) is a view of a root mesh whose "cp" groups (consecutive ranks)
+    split each row, carved as `_carved_mesh` carves fsdp's; "site" still pairs the ranks that hold the same shard."""
+    site = info.world_size // sites
+    replicas, shard = hsdp_shape(info, shard_size, site) if inner == "hsdp" else (0, site)
+    outer = ("site", "replicate") if replicas else ("site",)
+    last = "shard" if replicas else "local"
+    shape = (sites, replicas) if replicas else (sites,)
+    if context == 1:
+        return _mesh(info, (*shape, shard), (*outer, last))
+    root = _mesh(info, (*shape, shard // context, context), (*outer, "shard_mod_cp", "cp"))
+    root["shard_mod_cp", "cp"]._flatten(last, backend_override=group_backend(info))
+    return root[(*outer, last)]
 
 def _mesh(info: DistInfo, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     """init_device_mesh gives the groups it splits off torch's default timeout (30 minutes), not the default

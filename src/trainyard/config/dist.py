@@ -148,10 +148,10 @@ class DistConfig(Section):
         size = self.context_parallel
         if size == "auto":  # the plan resolves it to a size these rules allow, or 1
             return self
-        if size > 1 and self.strategy not in ("fsdp", "hsdp"):
+        if size > 1 and self.strategy not in ("fsdp", "hsdp", "diloco"):  # diloco: diloco.inner is JobConfig's
             raise ValueError(
-                f"dist.context_parallel {size} needs dist.strategy fsdp or hsdp (CP is carved out of the shard "
-                f"dimension), not {self.strategy}: set dist.strategy: fsdp, or dist.context_parallel: 1"
+                f"dist.context_parallel {size} needs dist.strategy fsdp, hsdp or diloco (CP is carved out of the "
+                f"shard dimension), not {self.strategy}: set dist.strategy: fsdp, or dist.context_parallel: 1"
             )
         experts = self.expert_parallel
         if size > 1 and experts != "auto" and experts > 1 and experts % size:

@@ -69,6 +69,10 @@ class JobConfig(Section):
                              "dist.context_parallel: 1, or another dpo.loss")
         if not self.data.padding_free:
             raise ValueError(f"dist.context_parallel {size} slices padding-free rows: set data.padding_free: true")
+        if self.dist.strategy == "diloco" and self.diloco.inner == "ddp":
+            raise ValueError(f"dist.context_parallel {size} under dist.strategy diloco is carved out of each "
+                             "site's shard dimension, and diloco.inner ddp shards nothing: set diloco.inner: hsdp "
+                             "or fsdp, or dist.context_parallel: 1")
         return self
 
     @model_validator(mode="after")

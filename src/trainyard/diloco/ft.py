@@ -83,14 +83,15 @@ def _same(a: float, b: float) -> bool:
 def data_slice(cfg: JobConfig, info: DistInfo) -> tuple[int, int]:
     """The rank and world the data sampler and batch rule see: a fault-tolerant site's ranks read the slice they
     would read in one world of every site, so sites never read each other's rows. The ranks of a context-parallel
-    group (consecutive ranks, dist.build_mesh) read the same rows: one data-parallel rank between them."""
+    group (consecutive ranks within a site too, dist.build_mesh) read the same rows: one data-parallel rank between
+    them, so a site of N ranks at CP C is N / C data ranks."""
     context = cfg.dist.context_parallel
-    if context > 1:  # never with diloco (DistConfig refuses it)
-        return info.rank // context, info.world_size // context
+    assert context != "auto", "dist.context_parallel auto is resolved first (build.planned_context)"
+    rank, world = info.rank // context, info.world_size // context
     if not cfg.diloco.fault_tolerant:
-        return info.rank, info.world_size
+        return rank, world
     assert cfg.diloco.site is not None and cfg.diloco.sites is not None
-    return cfg.diloco.site * info.world_size + info.rank, cfg.diloco.sites * info.world_size
+    return cfg.diloco.site * world + rank, cfg.diloco.sites * world
 
 
 def lighthouse_url(cfg: JobConfig) -> str:

@@ -57,6 +57,15 @@ def site_count(cfg: JobConfig, info: DistInfo) -> int:
     return count
 
 
+def site_shard(cfg: JobConfig, info: DistInfo, sites: int) -> int:
+    """The ranks of a site's shard dimension (dist.shard_size under hsdp, else the site's): what context parallelism
+    is carved out of within a site (dist.build_mesh), as it is out of the world's under fsdp."""
+    site = info.world_size // sites
+    if cfg.diloco.inner != "hsdp":
+        return site
+    return dist.hsdp_shape(info, cfg.dist.shard_size, site, cfg.where("dist.shard_size"))[1]
+
+
 @dataclass(frozen=True)
 class _Piece:
     """A run of one parameter's values that lies in a chunk."""

@@ -19,14 +19,17 @@ from trainyard.estimate.arch import Shape
 
 
 CONTEXT_STRATEGIES = ("fsdp", "hsdp")
-"""Where CP runs: it is carved out of their shard dimension (DistConfig refuses it elsewhere)."""
+"""Where CP runs: it is carved out of their shard dimension, a DiLoCo site's included (DistConfig refuses it
+elsewhere)."""
 
 
 def context_size(cfg: JobConfig, strategy: str) -> int:
-    """dist.context_parallel where the strategy carries it, else 1 (one process runs no CP)."""
+    """dist.context_parallel where the strategy carries it (fsdp, hsdp, diloco with either in a site), else 1 (one
+    process runs no CP)."""
     size = cfg.dist.context_parallel
     assert size != "auto", "dist.context_parallel auto is resolved first (estimate.context_parallel_auto)"
-    return size if strategy in CONTEXT_STRATEGIES else 1
+    inner = cfg.diloco.inner if strategy == "diloco" else strategy
+    return size if inner in CONTEXT_STRATEGIES else 1
 
 
 def rank_batch(batch: MicroBatch, size: int) -> MicroBatch:

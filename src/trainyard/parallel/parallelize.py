@@ -68,7 +68,8 @@ def apply(
         first_rows = expert_parallel.shard_experts(model, experts)
         source = expert_parallel.ExpertRows(source, first_rows)
     if context_parallel_size > 1:
-        assert mesh is not None and strategy in context_parallel.STRATEGIES, "CP is carved out of fsdp/hsdp's mesh"
+        carried = site_inner if strategy == "diloco" else strategy  # a DiLoCo site's inner strategy carries it
+        assert mesh is not None and carried in context_parallel.STRATEGIES, "CP is carved out of fsdp/hsdp's mesh"
         context_parallel.attach(model, mesh)
     float8.apply(model, precision, info.device, shards_within(strategy, site_inner), "train.precision")
     if activation_checkpointing:

@@ -85,6 +85,8 @@ def build_and_wrap(
     if why:
         logging.getLogger("trainyard").info("dist.expert_parallel auto -> %d: %s", ep, why)
     shard = dist.hsdp_shape(info, cfg.dist.shard_size)[1] if strategy == "hsdp" else info.world_size
+    if sites is not None:  # diloco: CP is carved out of a site's shard dimension
+        shard = diloco.site_shard(cfg, info, sites)
     if ep > 1:
         expert_parallel.check(model, ep, strategy, shard, cfg.where("dist.expert_parallel"))
     cp = 1 if forward_only else cfg.dist.context_parallel  # `trainyard eval` runs whole rows on each rank
