@@ -4,8 +4,9 @@ The weights to quantize are chosen on the plain model (every linear layer's weig
 in fp32 and the ones a parent hands to a fused kernel), so training and export pick the same ones. Before the
 model is sharded, each becomes an NF4Tensor on the meta device: FSDP2 shards it as its own type (torchao implements
 FSDP2's all-gather hooks) and materialises 4-bit shards; no full-precision copy of it is ever allocated. Loading
-then reads one whole tensor at a time, quantizes it, and keeps this rank's rows: NF4's scales share one mean over
-the whole tensor, so a rank cannot quantize its rows alone and gather the same weight as the others.
+streams each weight in row chunks and quantizes only this rank's rows (nf4_fast): NF4's scales share one mean over
+the whole tensor's block absmax, which every rank takes from the stream, so each holds what torchao's quantization
+of the whole tensor would give it, and gathers the same weight as the others.
 
 NF4 takes blocks of 64 values, whose scales are quantized in blocks of 256: a weight whose size 16384 does not
 divide stays in model.dtype (said in the log); under FSDP2 each rank's rows must hold whole blocks too. MoE experts
@@ -108,25 +109,28 @@ def _check_shards(name: str, shape: torch.Size, shards: int) -> None:
 
 
 @torch.no_grad()
-def fill_own_rows(local: torch.Tensor, whole: torch.Tensor, start: int, stop: int) -> None:
-    """This rank's rows [start, stop) of `whole` (one full tensor), quantized as the whole tensor, into the NF4
-    `local` (its shard, or all of it)."""
+def fill_own_rows(local: torch.Tensor, read: Callable[[int, int], torch.Tensor], shape: torch.Size, start: int,
+                  stop: int) -> None:
+    """This rank's rows [start, stop) of a `shape` tensor, read in row chunks by `read(a, b)`, quantized as the
+    whole tensor (bit for bit torchao's `to_nf4` of it, then split) into the NF4 `local` (its shard, or all of it).
+    """
+    from trainyard.model import nf4_fast  # it imports this module
+
+    parts = nf4_fast.quantize_rows(read, (shape[0], shape[1]), start, stop, local.dtype)
     nf4 = nf4_module()
-    quantized = nf4.to_nf4(whole.to(local.dtype).contiguous(), BLOCK, SCALER_BLOCK)
-    if stop - start != whole.shape[0]:
-        quantized = quantized.split(stop - start)[start // (stop - start)]
-    local.copy_(quantized)
+    local.copy_(nf4.NF4Tensor(*nf4.construct_nf4_args(local, {**vars(parts), "device": torch.device("cpu")})))
 
 
 @torch.no_grad()
 def round_trip(model: torch.nn.Module, targets: list[str]) -> int:
     """Each target weight of a whole plain model replaced by its NF4 value dequantized: the base training saw, for
     an export to merge the adapter into. Returns how many."""
-    nf4 = nf4_module()
+    from trainyard.model import nf4_fast
+
     params = dict(model.named_parameters())
     for name in targets:
         weight = params[name]
-        weight.copy_(nf4.to_nf4(weight.detach().contiguous(), BLOCK, SCALER_BLOCK).get_original_weight())
+        weight.copy_(nf4_fast.to_nf4(weight.detach().cpu().contiguous()).get_original_weight())
     return len(targets)
 
 

@@ -214,8 +214,8 @@ def copy_own_rows(param: torch.Tensor, read: RowReader, name: str) -> None:
     start, stop = own_rows(param)
     if local.numel() == 0:
         return
-    if quantize.is_nf4(local):  # quantized as one whole tensor (a tensor at a time), then this rank's rows kept
-        quantize.fill_own_rows(local, _whole_rows(read, param.shape[0], name), start, stop)
+    if quantize.is_nf4(local):  # streamed in row chunks, this rank's rows quantized as the whole tensor's
+        quantize.fill_own_rows(local, _checked_rows(read, tuple(param.shape[1:]), name), param.shape, start, stop)
         return
     rows = read(start, stop)
     expected = tuple(local.shape)
@@ -227,12 +227,16 @@ def copy_own_rows(param: torch.Tensor, read: RowReader, name: str) -> None:
     local.copy_(rows.reshape(local.shape))
 
 
-def _whole_rows(read: RowReader, rows: int, name: str) -> torch.Tensor:
-    whole = read(0, rows)
-    if whole.shape[0] != rows:
-        raise ModelError(f"model.path: {name} has {whole.shape[0]} rows, the model expects {rows}",
-                         fix="model.path must hold weights of this architecture (check its config.json)")
-    return whole
+def _checked_rows(read: RowReader, columns: tuple[int, ...], name: str) -> RowReader:
+    """`read`, refusing rows of another shape than the model's."""
+    def checked(start: int, stop: int) -> torch.Tensor:
+        rows = read(start, stop)
+        if tuple(rows.shape) != (stop - start, *columns):
+            raise ModelError(f"model.path: {name} has shape {tuple(rows.shape)} in rows {start}:{stop}, the model "
+                             f"expects {(stop - start, *columns)}",
+                             fix="model.path must hold weights of this architecture (check its config.json)")
+        return rows
+    return checked
 
 
 def tensors_to_load(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from tests.conftest import TINY, run_cli
 from trainyard.errors import ModelError
-from trainyard.model import quantize, weights
+from trainyard.model import nf4_fast, quantize, weights
 
 
 def test_nf4_without_lora_is_refused_naming_the_field_and_the_fix() -> None:
@@ -46,17 +46,80 @@ def test_nf4_takes_the_linear_weights_whose_size_divides_and_never_the_head_or_e
     assert not any("embed" in name or "lm_head" in name or "norm" in name for name in quantized + left)
 
 
-def test_each_rank_s_rows_are_the_whole_tensor_quantized_then_split() -> None:
-    """NF4's scales share one mean over the tensor: rows quantized alone would dequantize to other values."""
+_INNER = ["quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4"]
+
+
+def _assert_bit_identical(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert (got.shape, got.dtype, got.n_blocks) == (want.shape, want.dtype, want.n_blocks)
+    for name in _INNER:
+        mine, theirs = getattr(got, name), getattr(want, name)
+        assert (mine.dtype, mine.shape) == (theirs.dtype, theirs.shape), name
+        assert torch.equal(mine.reshape(-1).view(torch.uint8), theirs.reshape(-1).view(torch.uint8)), name
+
+
+def _adversarial(dtype: torch.dtype) -> torch.Tensor:
+    """Random rows, then a zero block, blocks of NF4's levels and of the midpoints between them (ties), a block of
+    one repeated value, tiny and huge magnitudes."""
+    levels = nf4_fast.levels(torch.float64)
+    whole = torch.randn(128, 512, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    whole[0, :64] = 0
+    whole[1, :16], whole[1, 16:32] = levels * 3, -levels * 3
+    middles = (levels[1:] + levels[:-1]) / 2
+    whole[2, :15], whole[2, 15:30], whole[2, 63] = middles * 5, -middles * 5, 5
+    whole[3, :64] = -0.25
+    whole[4] *= 1e-30
+    whole[5] *= 1e30 if dtype != torch.float16 else 1e4
+    return whole.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_fast_nf4_is_torchao_s_bit_for_bit_on_random_and_adversarial_weights(dtype: torch.dtype) -> None:
     nf4 = quantize.nf4_module()
-    whole = torch.randn(128, 256, generator=torch.Generator().manual_seed(0))
-    expected = nf4.to_nf4(whole).get_original_weight()
-    meta = quantize._meta_nf4(nf4, whole.shape, whole.dtype, torch.device("cpu"))
-    for start, stop in ((0, 128), (0, 64), (64, 128)):
+    for whole in (_adversarial(dtype), torch.randn(512, 4096).to(dtype)):  # the second: a parallel mean
+        _assert_bit_identical(nf4_fast.to_nf4(whole), nf4.to_nf4(whole, quantize.BLOCK, quantize.SCALER_BLOCK))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_codes_of_every_16_bit_pattern_are_torchao_s(dtype: torch.dtype) -> None:
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype)
+    want = quantize.nf4_module().NF4Tensor.quantize_tensor_nearest(every, nf4_fast.levels(dtype))
+    assert torch.equal(nf4_fast.codes(every), want.to(torch.uint8))
+
+
+def test_the_fp32_codes_are_torchao_s_around_every_step_midpoint_and_level() -> None:
+    """Every fp32 value within 2048 steps of each code's change, of each exact midpoint and of each level; values
+    in [-1, 1] and their ends; NaN (a zero block's 0 / 0)."""
+    levels = nf4_fast.levels(torch.float32)
+    first, _, steps = nf4_fast._table32()
+    changes = ((steps != 1 << 16).nonzero().flatten() << 16 | steps[steps != 1 << 16]).view(torch.float32)
+    middles = ((levels[1:].double() + levels[:-1].double()) / 2).float()
+    centres = torch.cat([changes, middles, levels, -torch.cat([changes, middles, levels])])
+    around = (centres.view(torch.int32)[:, None] + torch.arange(-2048, 2049, dtype=torch.int32)).view(torch.float32)
+    ends = torch.tensor([-1.0, -0.0, 0.0, 1.0, float("nan")])
+    values = torch.cat([around.flatten(), torch.rand(1 << 20) * 2 - 1, ends])
+    values = values[values.isnan() | (values.abs() <= 1)]
+    want = quantize.nf4_module().NF4Tensor.quantize_tensor_nearest(values, levels)
+    assert len(changes) >= 15 and torch.equal(nf4_fast.codes(values), want.to(torch.uint8))
+
+
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
+def test_each_rank_s_rows_streamed_in_chunks_are_the_whole_tensor_quantized_then_split(
+        monkeypatch: pytest.MonkeyPatch, source: torch.dtype) -> None:
+    """NF4's scales share one mean over the tensor: rows quantized alone would dequantize to other values. Chunks
+    of 64 rows: the stream, not one read, is what is checked; each rank reads no row twice."""
+    monkeypatch.setattr(nf4_fast, "CHUNK_VALUES", 64 * 256)
+    nf4 = quantize.nf4_module()
+    whole = torch.randn(512, 256, generator=torch.Generator().manual_seed(0)).to(source)
+    expected = nf4.to_nf4(whole.to(torch.bfloat16), quantize.BLOCK, quantize.SCALER_BLOCK)
+    meta = quantize._meta_nf4(nf4, whole.shape, torch.bfloat16, torch.device("cpu"))
+    for start, stop in ((0, 512), (0, 256), (256, 512), (128, 192)):
         local = torch.empty_like(meta.split(stop - start)[0], device="cpu")
-        quantize.fill_own_rows(local, whole, start, stop)
+        reads: list[tuple[int, int]] = []
+        quantize.fill_own_rows(local, lambda a, b: reads.append((a, b)) or whole[a:b], whole.shape, start, stop)
         assert isinstance(local, nf4.NF4Tensor)
-        assert torch.equal(local.get_original_weight(), expected[start:stop])
+        _assert_bit_identical(local, expected.split(stop - start)[start // (stop - start)])
+        assert sorted(reads) == sorted(set(reads)) and max(b - a for a, b in reads) <= 64
+        assert sum(b - a for a, b in reads) == 512
 
 
 def test_a_weight_that_shards_do_not_split_into_whole_blocks_is_refused_naming_it() -> None:
