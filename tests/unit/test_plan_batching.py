@@ -68,7 +68,7 @@ def test_the_dry_run_and_the_estimate_print_the_one_choice() -> None:
     assert f"micro batch      up to {tokens:,} tokens, padding-free (train.micro_batch_tokens auto -> {tokens:,}: " \
            "the largest micro-batch whose estimated peak fits 90%" in planned.stdout
     assert f"planned for a micro-batch of {tokens:,} tokens" in planned.stdout
-    assert "each step's 256 rows per rank in as few as hold them" in planned.stdout
+    assert "each step's 256 rows per rank (about " in planned.stdout and " micro-batch(es) of up to " in planned.stdout
     estimated = run_cli("estimate", LLAMA_1B, *job, *target)
     assert estimated.returncode == 0, estimated.stderr[-2000:]
     assert f"note: train.micro_batch_tokens auto -> {tokens:,}: " in estimated.stdout

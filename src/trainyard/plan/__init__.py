@@ -336,7 +336,7 @@ def describe_plan(
     lines = [
         f"run dir          {cfg.run_dir}",
         f"world size       {world_size}",
-        batching.micro_batch_words(cfg, accum, _ranks_words(context_size, ranks), tokens_why),
+        batching.micro_batch_words(cfg, accum, _ranks_words(context_size, ranks), tokens_why, lengths),
         f"global batch     {_global_batch_words(cfg, samples)}",
         f"objective        {_objective_words(cfg)}",
         f"steps            {_steps_words(train)} (lr {train.lr:g}, {train.schedule}, warmup {train.warmup_steps})",

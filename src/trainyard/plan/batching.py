@@ -3,6 +3,8 @@ the dry run, `trainyard estimate` and `train`; the rows it needs of the model; a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from trainyard import estimate
@@ -10,8 +12,9 @@ from trainyard.batch import accumulation_steps, data_ranks
 from trainyard.config import JobConfig
 from trainyard.errors import ConfigError, ModelError, OptionError
 from trainyard.estimate import memory as estimate_memory
-from trainyard.estimate.timing import Lengths
+from trainyard.estimate.timing import Lengths, micro_batches_per_step
 from trainyard.model import collation
+from trainyard.plan import reading
 
 FILL = 0.9
 """auto's N fills at most this share of a device: the estimate is a model, and fragmentation grows with N."""
@@ -104,11 +107,29 @@ def check_rows(cfg: JobConfig, model: torch.nn.Module | None) -> None:
         )
 
 
-def micro_batch_words(cfg: JobConfig, accum: int, ranks: str, why: str) -> str:
-    """The dry run's micro batch line: rows, or a token bound and how auto chose it."""
+def micro_batch_words(cfg: JobConfig, accum: int, ranks: str, why: str, lengths: Lengths = Lengths()) -> str:
+    """The dry run's micro batch line: rows, or a token bound, how auto chose it and the micro-batches a step plans."""
     train = cfg.train
     if train.micro_batch_tokens is None:
         return f"micro batch      {train.micro_batch_size} samples x {accum} accumulation x {ranks}"
     chosen = f"auto -> {train.micro_batch_tokens:,}: {why}" if why else f"{train.micro_batch_tokens:,}"
     return (f"micro batch      up to {train.micro_batch_tokens:,} tokens, padding-free (train.micro_batch_tokens "
-            f"{chosen}); each step's {train.micro_batch_size * accum} rows per rank in as few as hold them x {ranks}")
+            f"{chosen}); {token_steps_words(cfg, accum, lengths)} x {ranks}")
+
+
+def accumulation_words(cfg: JobConfig, accum: int, train_rows: Any) -> str:
+    """`train`'s log of a step's micro-batches: the accumulation, or under train.micro_batch_tokens the dry run's
+    words for the prepared rows (plan.reading.prepared_lengths, read only then)."""
+    if cfg.train.micro_batch_tokens is None:
+        return f"accumulation {accum}"
+    return token_steps_words(cfg, accum, reading.prepared_lengths(cfg, train_rows))
+
+
+def token_steps_words(cfg: JobConfig, accum: int, lengths: Lengths) -> str:
+    """A token budget's step, as the dry run and `train` both say it: the rows a rank takes, in about as many
+    micro-batches as the estimate plans (estimate.timing.micro_batches_per_step: their tokens / N, at least one
+    row each), every rank running as many as the rank that needs the most."""
+    rows, per_row = cfg.train.micro_batch_size * accum, lengths.per_row(cfg)[0]
+    planned = micro_batches_per_step(cfg, accum, per_row)[0]
+    return (f"each step's {rows} rows per rank (about {per_row:,.0f} tokens each) in about "
+            f"{planned} micro-batch(es) of up to {cfg.train.micro_batch_tokens:,} tokens, as many on every rank")

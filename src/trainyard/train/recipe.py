@@ -51,6 +51,7 @@ from trainyard.model import source as source_room
 from trainyard.objective import build_objective
 from trainyard.parallel import comm, context_parallel, expert_parallel
 from trainyard.parallel import parallelize as parallel
+from trainyard.plan import batching as plan_batching
 from trainyard.runs import layout as run_layout
 from trainyard.runs.status import BackgroundHeartbeat
 from trainyard.train import build, events, oom, rounds
@@ -258,9 +259,7 @@ def _windows(job: Job) -> Any:
     micro = cfg.train.micro_batch_size
     if isinstance(job.sampler, MixtureStream):
         return accumulation_windows(stream_batches(job.sampler, micro, pad_id, record, one_row, context), job.accum)
-    if cfg.train.micro_batch_tokens is not None:
-        logging.getLogger("trainyard").info("micro-batches of up to %d tokens: each step's %d rows per rank in as few "
-                                            "as hold them", cfg.train.micro_batch_tokens, micro * job.accum)
+    if cfg.train.micro_batch_tokens is not None:  # run() logged how many a step takes
         return token_windows(job.data.train, job.sampler, micro * job.accum, cfg.train.micro_batch_tokens, pad_id,
                              record, context)
     return accumulation_windows(micro_batches(job.data.train, job.sampler, micro, pad_id, record, one_row, context),
@@ -350,7 +349,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     total_params, trainable_params = model_room.parameter_counts(model)
     accum = accumulation_steps(cfg, data_world)
     logger.info(
-        "strategy %s  mesh %s  accumulation %d  params %s (trainable %s)", strategy, dist.describe_mesh(mesh), accum,
+        "strategy %s  mesh %s  %s  params %s (trainable %s)", strategy, dist.describe_mesh(mesh),
+        plan_batching.accumulation_words(cfg, accum, None if cfg.data.mixture else data.train),
         f"{total_params:,}",
         f"{trainable_params:,}",
     )
