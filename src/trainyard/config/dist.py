@@ -103,9 +103,10 @@ class DistConfig(Section):
     dimension: must divide it (and the heads). Activations per rank fall by about N; the data-parallel size, the
     sampler's and the global batch's, is the world / N. Full checkpoints resume at another CP size; DPO sums each
     reply over the group. With dist.expert_parallel: each EP group is made of whole CP groups (EP a multiple of
-    CP; a row's tokens are routed to experts within its EP group). 1: none. Not yet with diloco, dpo.loss orpo, or
-    families whose layers carry a state along the row (linear attention, state-space, short convolutions: refused
-    naming them); proven for llama, qwen3, mistral, gemma2, gpt_oss, and with EP for qwen3_moe and glm4_moe.
+    CP; a row's tokens are routed to experts within its EP group). diloco: within a site (diloco.inner fsdp or
+    hsdp). 1: none. Not yet with dpo.loss orpo, or families whose layers carry a state along the row (linear
+    attention, state-space, short convolutions: refused naming them); proven for llama, qwen3, mistral, gemma2,
+    gpt_oss, and with EP for qwen3_moe and glm4_moe.
     auto: where the estimate shows the job does not fit a device as it is (a document's activations), the plan takes
     the fewest of a node's GPUs that fit it (the cheapest fix's split), under fsdp/hsdp; else 1 (it fits, no split
     fits, the family or the job cannot run CP, one process). The dry run says which and why."""

@@ -33,7 +33,7 @@ def refusal(model, size: int = 2, shard: int = 2, data: DataConfig | None = None
 
 
 @pytest.mark.parametrize(("overrides", "named"), [
-    (["dist.strategy=ddp", "dist.context_parallel=2"], "needs dist.strategy fsdp or hsdp"),
+    (["dist.strategy=ddp", "dist.context_parallel=2"], "needs dist.strategy fsdp, hsdp or diloco"),
     ([*SHARDED, "dist.expert_parallel=3"], "dist.expert_parallel 3: each EP group is made of whole CP groups"),
     ([*SHARDED, "train.objective=dpo", "dpo.loss=orpo"], "runs dpo.loss orpo not yet"),
     ([*SHARDED, "data.padding_free=false"], "slices padding-free rows"),
