@@ -23,7 +23,8 @@ import datasets
 import torch
 import torch.distributed as torch_dist
 
-from context_parallel import TINY, build_model, grads_of  # beside this script
+from context_parallel import TINY, build_model  # beside this script
+from expert_parallel import full_grads  # beside this script
 from trainyard import dist
 from trainyard.config_file import load_config
 from trainyard.data.collate import collate
@@ -79,7 +80,7 @@ def compare(overrides: list[str], info: dist.DistInfo) -> dict:
               "data.padding_free=true", "train.objective=dpo", "train.micro_batch_size=2", *overrides]
     sharded_overrides = [*common, "dist.strategy=fsdp", "dist.context_parallel=2"]
     cfg = load_config(TINY, sharded_overrides)
-    sharded, pad_id = build_model(sharded_overrides, info)
+    sharded, pad_id = build_model(sharded_overrides, info, 1)
     examples = rows()
     stored = None
     if not cfg.lora.enabled:
@@ -94,12 +95,12 @@ def compare(overrides: list[str], info: dist.DistInfo) -> dict:
     summed = dist.all_reduce_sum(torch.cat([loss_sum.detach().reshape(1), stats.detach()]).double())
     facts: list[list[int] | None] = [None] * info.world_size
     torch_dist.all_gather_object(facts, [int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()), count_pairs(batch)])
-    grads = grads_of(sharded)
+    grads = full_grads(sharded, 1)
     del sharded
     if not info.is_main:
         return {}
     alone = dist.DistInfo(0, 1, 0, 1, info.device, None)
-    reference, _ = build_model([*common, "dist.strategy=none"], alone)
+    reference, _ = build_model([*common, "dist.strategy=none"], alone, 1)
     examples = rows()
     reference_rel = 0.0
     if stored is not None:
@@ -110,7 +111,7 @@ def compare(overrides: list[str], info: dist.DistInfo) -> dict:
     want_pairs = count_pairs(whole)
     want_loss, want_stats = pair_loss_sum(reference, whole, info.device, cfg.dpo)
     (want_loss / want_pairs).backward()
-    want = grads_of(reference)
+    want = full_grads(reference, 1)
     assert sorted(want) == sorted(grads), f"trainable parameters differ: {sorted(set(want) ^ set(grads))}"
     worst, grad_rel = "", 0.0
     for name, expected in want.items():
