@@ -18,10 +18,27 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from types import ModuleType
 
 import torch
 
-from trainyard.model.quantize import BLOCK, SCALER_BLOCK, UNIT, nf4_module
+from trainyard.errors import ModelError
+
+BLOCK = 64
+SCALER_BLOCK = 256
+UNIT = BLOCK * SCALER_BLOCK
+"""Values per NF4 scaler block: a quantized weight's size must be a multiple of it, and each shard's too."""
+
+
+def nf4_module() -> ModuleType:
+    """torchao's NF4, imported here only (trainyard's package quiets its import chatter)."""
+    try:
+        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+    except ImportError:
+        raise ModelError("model.quantize nf4 needs torchao, which is not installed",
+                         fix="pip install 'trainyard[quant]' (torchao), or set model.quantize: none") from None
+    return nf4_tensor
+
 
 CHUNK_VALUES = 1 << 22
 """Values a streamed row chunk holds at most (16 MB in fp32): small next to any weight worth quantizing."""

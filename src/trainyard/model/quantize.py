@@ -21,22 +21,8 @@ from types import ModuleType
 import torch
 
 from trainyard.errors import ModelError
-
-BLOCK = 64
-SCALER_BLOCK = 256
-UNIT = BLOCK * SCALER_BLOCK
-"""Values per NF4 scaler block: a quantized weight's size must be a multiple of it, and each shard's too."""
-
-
-def nf4_module() -> ModuleType:
-    """torchao's NF4, imported here only (trainyard's package quiets its import chatter)."""
-    try:
-        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
-    except ImportError:
-        raise ModelError("model.quantize nf4 needs torchao, which is not installed",
-                         fix="pip install 'trainyard[quant]' (torchao), or set model.quantize: none") from None
-    return nf4_tensor
-
+from trainyard.model import nf4_fast
+from trainyard.model.nf4_fast import BLOCK, SCALER_BLOCK, UNIT, nf4_module
 
 def is_nf4(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is an NF4Tensor (False without importing torchao where nothing has)."""
@@ -114,7 +100,6 @@ def fill_own_rows(local: torch.Tensor, read: Callable[[int, int], torch.Tensor],
     """This rank's rows [start, stop) of a `shape` tensor, read in row chunks by `read(a, b)`, quantized as the
     whole tensor (bit for bit torchao's `to_nf4` of it, then split) into the NF4 `local` (its shard, or all of it).
     """
-    from trainyard.model import nf4_fast  # it imports this module
 
     parts = nf4_fast.quantize_rows(read, (shape[0], shape[1]), start, stop, local.dtype)
     nf4 = nf4_module()
@@ -125,7 +110,6 @@ def fill_own_rows(local: torch.Tensor, read: Callable[[int, int], torch.Tensor],
 def round_trip(model: torch.nn.Module, targets: list[str]) -> int:
     """Each target weight of a whole plain model replaced by its NF4 value dequantized: the base training saw, for
     an export to merge the adapter into. Returns how many."""
-    from trainyard.model import nf4_fast
 
     params = dict(model.named_parameters())
     for name in targets:
