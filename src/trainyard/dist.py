@@ -223,6 +223,7 @@ def _site_mesh(info: DistInfo, sites: int, shard_size: int | None, inner: str, c
     root["shard_mod_cp", "cp"]._flatten(last, backend_override=group_backend(info))
     return root[(*outer, last)]
 
+
 def _mesh(info: DistInfo, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     """init_device_mesh gives the groups it splits off torch's default timeout (30 minutes), not the default
     group's: each dimension gets the job's timeout through its backend options."""
