@@ -1,7 +1,8 @@
 """Token-bounded micro-batches (train.micro_batch_tokens): each optimizer step's rows, the very rows the row path
 takes, cut in order into padding-free micro-batches of up to N tokens. Every rank runs as many micro-batches as the
 rank that needs the most (FSDP's gathers, expert all-to-alls and DDP's one synced backward pair up across ranks);
-each rank knows that count from the sampler's deterministic stream, without a collective."""
+each rank knows that count from the sampler's deterministic stream, without a collective. StepWindows counts the
+micro-batches the loop takes, for its train events and summary.json."""
 
 from __future__ import annotations
 
@@ -56,6 +57,45 @@ def accumulation_windows(batches: Iterator[dict[str, torch.Tensor]], accum: int)
     """The row path's steps: `accum` micro-batches each (fewer where a pretraining stream ended)."""
     while True:
         yield list(islice(batches, accum))
+
+
+class StepWindows:
+    """The loop's windows, each step's micro-batches counted as it takes them: under a token budget that count
+    follows the rows' lengths, so the train events and summary.json say what ran, not the row path's accumulation.
+    Every rank runs as many (step_count), so one rank's counts are its data ranks'."""
+
+    def __init__(self, windows: Iterator[Window], budget: int | None, accum: int) -> None:
+        self.windows, self.budget, self.accum = windows, budget, accum
+        self.counts: list[int] = []
+        self.logged = 0
+
+    def __iter__(self) -> StepWindows:
+        return self
+
+    def __next__(self) -> Window:
+        window = next(self.windows)
+        self.counts.append(len(window))
+        return window
+
+    def since_log(self) -> dict[str, int | float | None]:
+        """A train event's: the token budget (under one) and the mean micro-batches of the steps since the last."""
+        counts, self.logged = self.counts[self.logged :], len(self.counts)
+        return {**self._budget(), "micro_batches_per_step": _mean(counts)}
+
+    def summary(self) -> dict[str, Any]:
+        """summary.json's: the row path's accumulation (none under a token budget, whose steps' counts vary), the
+        budget, and the micro-batches per step this process ran: mean, min and max (None before any step)."""
+        counts = self.counts
+        per_step = {"mean": _mean(counts), "min": min(counts), "max": max(counts)} if counts else None
+        return {"accumulation": self.accum if self.budget is None else None, "micro_batch_tokens": self.budget,
+                "micro_batches_per_step": per_step}
+
+    def _budget(self) -> dict[str, int]:
+        return {} if self.budget is None else {"micro_batch_tokens": self.budget}
+
+
+def _mean(counts: list[int]) -> float | None:
+    return round(sum(counts) / len(counts), 3) if counts else None
 
 
 def token_windows(

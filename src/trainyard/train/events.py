@@ -21,9 +21,11 @@ from trainyard.train.state import LoopState
 
 
 def log_interval(
-    state: LoopState, job: Job, interval: LogWindow, lr: float, grad_norm: torch.Tensor, whole_world: bool
+    state: LoopState, job: Job, interval: LogWindow, lr: float, grad_norm: torch.Tensor, whole_world: bool,
+    steps: dict[str, Any],
 ) -> None:
-    """The train event: over the world, or under DiLoCo between outer syncs over rank 0's site only (`site`)."""
+    """The train event: over the world, or under DiLoCo between outer syncs over rank 0's site only (`site`);
+    `steps`: the micro-batches its steps ran (data.token_batches.StepWindows.since_log)."""
     health.leak_if_injected(job.info, state.step)
     figures = interval.figures(None if whole_world else agreement.step_group(job))  # the group's ranks: one all-gather
     growth = interval.memory_growth(state.step)
@@ -34,7 +36,7 @@ def log_interval(
     state.last_loss = figures["loss"]
     job.sink.emit(
         "train", step=state.step, lr=lr, grad_norm=float(grad_norm), **figures, **site_field(job, whole_world),
-        tokens=state.tokens,
+        tokens=state.tokens, **steps,
         **({"tokens_per_source": per_source(job)} if isinstance(job.sampler, MixtureStream) else {}),
         **({"epoch": epoch(job.sampler)} if isinstance(job.sampler, ResumableSampler) else {}),
     )

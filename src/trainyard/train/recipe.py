@@ -29,7 +29,7 @@ from trainyard.data import ResumableSampler, micro_batches, prepare_datasets, sa
 from trainyard.data.chat import tokenizer_as_trained
 from trainyard.data.loader import largest_rows, stream_batches
 from trainyard.data.mixture import MixtureStream, mixture_stream
-from trainyard.data.token_batches import accumulation_windows, token_windows
+from trainyard.data.token_batches import StepWindows, accumulation_windows, token_windows
 from trainyard.data.pretraining import prepare_pretraining
 from trainyard.diloco import ft as diloco_ft
 from trainyard.diloco import outer as diloco
@@ -62,7 +62,7 @@ from trainyard.train.optim import build_optimizer, grad_norm_and_clip
 from trainyard.train.state import LoopState
 
 
-def fit(job: Job, windows: Any, state: LoopState) -> LoopState:
+def fit(job: Job, windows: StepWindows, state: LoopState) -> LoopState:
     cfg, info, model = job.cfg, job.info, job.model
     routers = routing.find_routers(model)
     interval = LogWindow(info.device, job.comm_timer, device_peak_flops(info.device, job.precision.compute_dtype),
@@ -96,7 +96,7 @@ def fit(job: Job, windows: Any, state: LoopState) -> LoopState:
 
 
 def _train_steps(
-    job: Job, windows: Any, state: LoopState, run_eval: Any, heartbeat: BackgroundHeartbeat, interval: LogWindow
+    job: Job, windows: StepWindows, state: LoopState, run_eval: Any, heartbeat: BackgroundHeartbeat, interval: LogWindow
 ) -> None:
     """Steps until max_steps. An async save may still be in flight at the end (job.saves). When the ranks act on
     their votes, at once or at a DiLoCo round's sync, is `rounds`'."""
@@ -137,7 +137,7 @@ def _train_steps(
             interval.add(step_loss, own.targets, own.real_tokens, own.flops, step_time, data_wait)
         heartbeat.step = step
         if step % cfg.log.every_steps == 0 or step == cfg.train.max_steps:  # before a stop: the step was trained
-            events.log_interval(state, job, interval, lr, grad_norm, whole_world=agreed is not None)
+            events.log_interval(state, job, interval, lr, grad_norm, agreed is not None, windows.since_log())
         if agreeing.stops(state, agreed):
             return
         if run_eval and cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
@@ -400,8 +400,9 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     if info.is_main:  # after resume's checks: a rejected job never replaces the run's config
         write_atomically(run_dir / run_layout.CONFIG, dump_config(cfg))
     loop_state.install_preemption_handlers(cfg.checkpoint.preemption_signals)
+    windows = StepWindows(_windows(job), cfg.train.micro_batch_tokens, job.accum)
     try:
-        state = fit(job, _windows(job), state)
+        state = fit(job, windows, state)
     finally:
         job.sink.close()
         if job.across is not None:
@@ -416,7 +417,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         else None,
         "world_size": info.world_size,
         "strategy": strategy,
-        "accumulation": job.accum,
+        **windows.summary(),  # the accumulation, or a token budget's micro-batches per step
         "device": environment["cuda_devices"][0] if environment["cuda_devices"] else "cpu",
         "torch": torch.__version__,
         "model": cfg.model.path or f"config:{cfg.model.config.get('model_type') if cfg.model.config else None}",
