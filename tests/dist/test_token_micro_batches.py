@@ -93,6 +93,9 @@ def test_ranks_needing_different_micro_batch_counts_train_the_row_path_s_steps(
     assert summary["micro_batches_per_step"] == {"mean": round(sum(ran) / STEPS, 3), "min": min(ran), "max": max(ran)}
     assert json.loads((rows_dir / "summary.json").read_text())["micro_batches_per_step"] == \
         {"mean": 2, "min": 2, "max": 2}
+    logged = (tokens_dir / "logs" / "rank-0.log").read_text()
+    assert f"each step's {ROWS} rows per rank (about " in logged  # the plan, as the dry run says it
+    assert f"ran each step's {ROWS} rows per rank in {ran[0]} micro-batch(es) of up to {BUDGET} tokens" in logged
     status = run_cli("status", str(tokens_dir), "--json")
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["summary"]["micro_batches_per_step"] == summary["micro_batches_per_step"]

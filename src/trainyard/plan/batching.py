@@ -133,3 +133,14 @@ def token_steps_words(cfg: JobConfig, accum: int, lengths: Lengths) -> str:
     planned = micro_batches_per_step(cfg, accum, per_row)[0]
     return (f"each step's {rows} rows per rank (about {per_row:,.0f} tokens each) in about "
             f"{planned} micro-batch(es) of up to {cfg.train.micro_batch_tokens:,} tokens, as many on every rank")
+
+
+def ran_words(cfg: JobConfig, accum: int, per_step: dict[str, float] | None) -> str:
+    """`train`'s last word on a token budget's steps, beside the dry run's plan: the micro-batches they ran
+    (summary.json's micro_batches_per_step); the row path ran its accumulation, logged at the start ("")."""
+    if cfg.train.micro_batch_tokens is None or per_step is None:
+        return ""
+    low, high, mean = per_step["min"], per_step["max"], per_step["mean"]
+    ran = f"{low}" if low == high else f"{low} to {high} (mean {mean:g})"
+    return (f"ran each step's {cfg.train.micro_batch_size * accum} rows per rank in {ran} micro-batch(es) of up to "
+            f"{cfg.train.micro_batch_tokens:,} tokens, as many on every rank")

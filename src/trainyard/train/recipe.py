@@ -407,6 +407,9 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         job.sink.close()
         if job.across is not None:
             job.across.shutdown()
+    ran = windows.summary()
+    if words := plan_batching.ran_words(cfg, job.accum, ran["micro_batches_per_step"]):  # beside the start's plan
+        logger.info("%s", words)
     summary = {
         "wall_time_s": time.monotonic() - wall_start,
         "steps": state.step,
@@ -417,7 +420,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         else None,
         "world_size": info.world_size,
         "strategy": strategy,
-        **windows.summary(),  # the accumulation, or a token budget's micro-batches per step
+        **ran,  # the accumulation, or a token budget's micro-batches per step
         "device": environment["cuda_devices"][0] if environment["cuda_devices"] else "cpu",
         "torch": torch.__version__,
         "model": cfg.model.path or f"config:{cfg.model.config.get('model_type') if cfg.model.config else None}",
