@@ -5,10 +5,13 @@ memory.py counts every weight at its dtype; `adjust` then corrects the parts the
 what FSDP2 gathers of a block, the one weight at a time a product dequantizes or casts, autocast's copies of the
 weights FP8 casts itself. Which weights: model.quantize's rule (frozen linear weights but the head's, fp32-kept ones
 and those a fused kernel reads, whose size NF4's blocks divide; routed experts per expert) and precision's FP8 rule.
+Each weight's block scales are quantized in scaler blocks of the largest power of two up to 256 dividing its blocks
+(model.nf4_fast.scaler_block): the estimate counts each weight's second-level scales from it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +23,7 @@ from trainyard.precision import fp8_linears
 NF4_BLOCK = 64
 """Values per NF4 block: each has an int8 scale."""
 NF4_SCALER_BLOCK = 256
-"""Blocks per second-level scale, stored in the weight's dtype (double quantization)."""
-NF4_UNIT = NF4_BLOCK * NF4_SCALER_BLOCK
+"""Blocks per second-level scale at most, stored in the weight's dtype (double quantization)."""
 NF4_LEVELS = 16
 """NF4's lookup table, one per tensor, in the weight's dtype (with the scales' mean, one value)."""
 
@@ -31,6 +33,11 @@ class LowBit:
     """Elements of the weights nf4 stores and fp8 computes with, over the model and in its largest block."""
 
     nf4: int = 0
+    nf4_scalers: int = 0
+    """Second-level scales of the NF4 weights (one a scaler block), and below: of the experts, in the largest block."""
+    nf4_experts_scalers: int = 0
+    nf4_block_scalers: int = 0
+    nf4_block_experts_scalers: int = 0
     nf4_tensors: int = 0
     """NF4 tensors (a routed expert each): each keeps its own levels and mean."""
     nf4_experts: int = 0
@@ -49,16 +56,23 @@ class LowBit:
     """Linears FP8 kernels cannot take (a dimension not a multiple of 16): they stay bf16."""
 
 
-def nf4_bytes(elements: float, tensors: int, element_bytes: int) -> float:
-    """What torchao's NF4Tensor holds for `elements` values in `tensors` tensors of `element_bytes` per value: two
-    4-bit codes a byte, an int8 scale per block of 64, a scale of those scales per 256 blocks in the weight's dtype;
-    per tensor the scales' mean and NF4's 16 levels in that dtype."""
-    return nf4_gathered_bytes(elements, element_bytes) + tensors * (1 + NF4_LEVELS) * element_bytes
+def nf4_bytes(elements: float, scalers: float, tensors: int, element_bytes: int) -> float:
+    """What torchao's NF4Tensor holds for `elements` values with `scalers` scaler blocks in `tensors` tensors of
+    `element_bytes` per value: two 4-bit codes a byte, an int8 scale per block of 64, a scale of those scales per
+    scaler block in the weight's dtype; per tensor the scales' mean and NF4's 16 levels in that dtype."""
+    return nf4_gathered_bytes(elements, scalers, element_bytes) + tensors * (1 + NF4_LEVELS) * element_bytes
 
 
-def nf4_gathered_bytes(elements: float, element_bytes: int) -> float:
+def nf4_gathered_bytes(elements: float, scalers: float, element_bytes: int) -> float:
     """What FSDP2 all-gathers of NF4 weights (torchao's fsdp_pre_all_gather): codes, int8 scales, their scales."""
-    return elements / 2 + elements / NF4_BLOCK + elements / NF4_UNIT * element_bytes
+    return elements / 2 + elements / NF4_BLOCK + scalers * element_bytes
+
+
+def scaler_blocks(elements: int) -> int:
+    """A weight's second-level scales: its blocks over the largest power of two up to NF4_SCALER_BLOCK dividing
+    them (model.nf4_fast.scaler_block, which needs torchao)."""
+    blocks = elements // NF4_BLOCK
+    return blocks // math.gcd(blocks, NF4_SCALER_BLOCK)
 
 
 def count(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> LowBit:
@@ -70,17 +84,23 @@ def count(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> LowBit:
     def in_block(found: dict[int, int], block: torch.nn.Module) -> int:
         return sum(found.get(id(module), 0) for module in block.modules())
 
-    stack_sizes = {key: size for key, (size, _, _) in stacks.items()}
+    stack_sizes = {key: size for key, (size, _, _, _) in stacks.items()}
+    scalers = {key: scaler_blocks(size) for key, size in linears.items()}
+    stack_scalers = {key: stack[3] for key, stack in stacks.items()}
     fp8_sizes = {key: weight.numel() for key, weight in fp8.items()}
     largest = max(blocks, key=lambda block: in_block(linears, block) + in_block(stack_sizes, block), default=None)
     return LowBit(
         nf4=sum(linears.values()) + sum(stack_sizes.values()),
-        nf4_tensors=len(linears) + sum(experts for _, experts, _ in stacks.values()),
+        nf4_scalers=sum(scalers.values()) + sum(stack_scalers.values()),
+        nf4_experts_scalers=sum(stack_scalers.values()),
+        nf4_block_scalers=in_block(scalers, largest) + in_block(stack_scalers, largest) if largest is not None else 0,
+        nf4_block_experts_scalers=in_block(stack_scalers, largest) if largest is not None else 0,
+        nf4_tensors=len(linears) + sum(experts for _, experts, _, _ in stacks.values()),
         nf4_experts=sum(stack_sizes.values()),
         nf4_block=in_block(linears, largest) + in_block(stack_sizes, largest) if largest is not None else 0,
         nf4_block_experts=in_block(stack_sizes, largest) if largest is not None else 0,
         nf4_largest=max(linears.values(), default=0),
-        nf4_largest_stack=max((largest for _, _, largest in stacks.values()), default=0),
+        nf4_largest_stack=max((largest for _, _, largest, _ in stacks.values()), default=0),
         fp8=sum(fp8_sizes.values()),
         fp8_trainable=sum(weight.numel() for weight in fp8.values() if weight.requires_grad),
         fp8_block=max((in_block(fp8_sizes, block) for block in blocks), default=0),
@@ -89,22 +109,22 @@ def count(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> LowBit:
     )
 
 
-def _nf4_weights(model: torch.nn.Module) -> tuple[dict[int, int], dict[int, tuple[int, int, int]]]:
+def _nf4_weights(model: torch.nn.Module) -> tuple[dict[int, int], dict[int, tuple[int, int, int, int]]]:
     """By module id: the frozen linear weights NF4 takes (their size), and the frozen routed-expert stacks it takes
-    (size, experts, the largest stack's size): none yet, as model.quantize.nf4_targets leaves fused 3-D experts in
-    model.dtype (NF4Tensor is 2-D only). A linear's size must be a multiple of NF4_UNIT."""
+    (size, experts, the largest stack's size, scaler blocks): none yet, as model.quantize.nf4_targets leaves fused
+    3-D experts in model.dtype (NF4Tensor is 2-D only). A linear's size must be a multiple of NF4_BLOCK."""
     from trainyard.model.build import kept_in_fp32
     from trainyard.model.layers import not_plain_linear
 
     fp32, skipped = kept_in_fp32(model, torch.bfloat16), set(not_plain_linear(model))
     head = model.get_output_embeddings()
     linears: dict[int, int] = {}
-    stacks: dict[int, tuple[int, int, int]] = {}
+    stacks: dict[int, tuple[int, int, int, int]] = {}
     for name, module in model.named_modules():
         if type(module) is torch.nn.Linear:
             weight = module.weight
             if not (module is head or weight.requires_grad or fp32(f"{name}.weight") or name in skipped
-                    or weight.numel() % NF4_UNIT):
+                    or weight.numel() % NF4_BLOCK):
                 linears[id(module)] = weight.numel()
     return linears, stacks
 
@@ -114,16 +134,18 @@ def adjust(parts: Any, cfg: JobConfig, low: LowBit, size: Any, layout: Any, shar
     and fp8's weights. Its types are not imported here: memory.py imports this module."""
     gather = size.compute if size.mixed else size.master  # what FSDP2 gathers a weight in (_fsdp_buffers)
     if cfg.model.quantize == "nf4" and low.nf4:
-        parts.weights += (nf4_bytes(low.nf4, low.nf4_tensors, size.frozen) - low.nf4 * size.frozen) / layout.shard
+        held = nf4_bytes(low.nf4, low.nf4_scalers, low.nf4_tensors, size.frozen)
+        parts.weights += (held - low.nf4 * size.frozen) / layout.shard
         if sharded:
-            gathered = low.nf4_block - low.nf4_block_experts * (1 - _experts_gathered(layout))
-            parts.fsdp_buffers += 2 * (nf4_gathered_bytes(gathered, size.frozen) - gathered * gather)
+            apart = 1 - _experts_gathered(layout)
+            gathered = low.nf4_block - low.nf4_block_experts * apart
+            scalers = low.nf4_block_scalers - low.nf4_block_experts_scalers * apart
+            parts.fsdp_buffers += 2 * (nf4_gathered_bytes(gathered, scalers, size.frozen) - gathered * gather)
         dequantized = max(low.nf4_largest, low.nf4_largest_stack / layout.expert_parallel)
         parts.low_bit_copies += dequantized * size.compute
         parts.notes.append(
             f"nf4: {low.nf4 / 1e9:.3g}B frozen weights in 4 bits with their scales "
-            f"({nf4_bytes(low.nf4, low.nf4_tensors, size.frozen) / low.nf4:.4f} bytes each, "
-            f"{nf4_bytes(low.nf4, low.nf4_tensors, size.frozen) / layout.shard / 2**30:.2f} GiB per device), "
+            f"({held / low.nf4:.4f} bytes each, {held / layout.shard / 2**30:.2f} GiB per device), "
             f"{'gathered in 4 bits, ' if sharded else ''}each dequantized to the compute dtype for its product")
     if cfg.train.precision == "fp8" and low.fp8:
         fp8_gathers = sharded and cfg.train.fp8_scaling == "tensorwise"
@@ -143,7 +165,7 @@ def gather_saving(cfg: JobConfig, low: LowBit, gather: int, frozen: int) -> floa
     saved = 0.0
     if cfg.model.quantize == "nf4":
         dense = low.nf4 - low.nf4_experts
-        saved += dense * gather - nf4_gathered_bytes(dense, frozen)
+        saved += dense * gather - nf4_gathered_bytes(dense, low.nf4_scalers - low.nf4_experts_scalers, frozen)
     if cfg.train.precision == "fp8" and cfg.train.fp8_scaling == "tensorwise":
         saved += low.fp8 * (gather - 1)
     return saved

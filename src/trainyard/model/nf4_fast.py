@@ -10,6 +10,10 @@ every scaled value lies).
 A weight's double-quantized scales need the mean of all its blocks' absmax, but a block's absmax and codes only
 its own 64 values: `quantize_rows` streams the whole tensor in row chunks for the absmax (1/64 of its values kept)
 and quantizes only the rows asked for; the mean is taken over the same full vector torchao takes it over.
+
+torchao quantizes the blocks' scales in scaler blocks of a size it takes as an argument, which must divide the
+weight's blocks: each weight takes the largest power of two up to 256 that does (`scaler_block`), so any weight of
+whole blocks is quantized (SmolLM2's 576 x 576 attention: 5184 blocks, scaler blocks of 64).
 """
 
 from __future__ import annotations
@@ -27,7 +31,13 @@ from trainyard.errors import ModelError
 BLOCK = 64
 SCALER_BLOCK = 256
 UNIT = BLOCK * SCALER_BLOCK
-"""Values per NF4 scaler block: a quantized weight's size must be a multiple of it, and each shard's too."""
+"""Values per NF4 scaler block of the largest size (the levels are made from one)."""
+
+
+def scaler_block(blocks: int) -> int:
+    """The scaler block (blocks per second-level scale) of a weight of `blocks` NF4 blocks: the largest power of two
+    up to SCALER_BLOCK dividing them, as torchao's double quantization wants a whole number of scaler blocks."""
+    return math.gcd(blocks, SCALER_BLOCK)
 
 
 def nf4_module() -> ModuleType:
@@ -116,11 +126,11 @@ def _packed(values: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
     return quantized[::2] << 4 | quantized[1::2]
 
 
-def _scalers(absmax: torch.Tensor, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks' absmax double-quantized around the whole tensor's mean: int8 scalers and their blocks' factors, in
-    torchao's operations (one scaler block never needs another)."""
-    blocks = (absmax - mean).view(-1, SCALER_BLOCK)
-    factor = 256 / (2 * _absmax(blocks.flatten(), SCALER_BLOCK))
+def _scalers(absmax: torch.Tensor, mean: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks' absmax double-quantized around the whole tensor's mean in scaler blocks of `size`: int8 scalers and
+    their blocks' factors, in torchao's operations (one scaler block never needs another)."""
+    blocks = (absmax - mean).view(-1, size)
+    factor = 256 / (2 * _absmax(blocks.flatten(), size))
     scalers = (blocks * factor.unsqueeze(-1)).round().clamp(-128, 127)
     return scalers.flatten().to(torch.int8), factor.contiguous()
 
@@ -133,9 +143,10 @@ def chunk_rows(columns: int) -> int:
 
 @torch.no_grad()
 def quantize_rows(read: Callable[[int, int], torch.Tensor], shape: tuple[int, int], start: int, stop: int,
-                  dtype: torch.dtype) -> Parts:
+                  dtype: torch.dtype, size: int) -> Parts:
     """Rows [start, stop) of a tensor of `shape`, read by `read(a, b)` in row chunks and cast to `dtype`, quantized
-    as the whole tensor: every chunk's absmax, only the asked rows' codes. The rows must hold whole scaler blocks."""
+    as the whole tensor in scaler blocks of `size`: every chunk's absmax, only the asked rows' codes. The rows must
+    hold whole scaler blocks."""
     absmax, data, own = [], [], []
     for a, b in _chunks(shape, start, stop):
         values = read(a, b).to(dtype).flatten()
@@ -145,22 +156,23 @@ def quantize_rows(read: Callable[[int, int], torch.Tensor], shape: tuple[int, in
             data.append(_packed(values, scales))
             own.append(scales)
     mean = torch.cat(absmax).mean()
-    scalers, factor = _scalers(torch.cat(own), mean)
+    scalers, factor = _scalers(torch.cat(own), mean, size)
     return Parts(torch.cat(data), scalers, factor, mean, levels(dtype))
 
 
-def to_nf4(tensor: torch.Tensor) -> torch.Tensor:
-    """torchao's `to_nf4(tensor, BLOCK, SCALER_BLOCK)` of a 2-D CPU tensor, bit for bit."""
-    rows = tensor.shape[0]
-    parts = quantize_rows(lambda a, b: tensor[a:b], tuple(tensor.shape), 0, rows, tensor.dtype)
-    return as_nf4(parts, tensor.shape, tensor.dtype)
+def to_nf4(tensor: torch.Tensor, size: int | None = None) -> torch.Tensor:
+    """torchao's `to_nf4(tensor, BLOCK, size)` of a 2-D CPU tensor, bit for bit; `size` the tensor's own
+    `scaler_block` unless given."""
+    rows, size = tensor.shape[0], size or scaler_block(tensor.numel() // BLOCK)
+    parts = quantize_rows(lambda a, b: tensor[a:b], tuple(tensor.shape), 0, rows, tensor.dtype, size)
+    return as_nf4(parts, tensor.shape, tensor.dtype, size)
 
 
-def as_nf4(parts: Parts, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """An NF4Tensor of `shape` holding `parts` (its blocks counted from the shape)."""
+def as_nf4(parts: Parts, shape: torch.Size, dtype: torch.dtype, size: int) -> torch.Tensor:
+    """An NF4Tensor of `shape` holding `parts` in scaler blocks of `size` (its blocks counted from the shape)."""
     nf4 = nf4_module()
     meta = nf4.SubclassTensorArgs(torch.Size(shape), (shape[1], 1), 0, dtype, parts.quantized_data.device, False)
-    return nf4.NF4Tensor(meta, BLOCK, math.prod(shape) // BLOCK, SCALER_BLOCK, parts.quantized_scalers,
+    return nf4.NF4Tensor(meta, BLOCK, math.prod(shape) // BLOCK, size, parts.quantized_scalers,
                          parts.quantization_factor, parts.scaler_mean, parts.quantized_data, parts.nf4)
 
 

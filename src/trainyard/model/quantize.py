@@ -8,29 +8,43 @@ streams each weight in row chunks and quantizes only this rank's rows (nf4_fast)
 the whole tensor's block absmax, which every rank takes from the stream, so each holds what torchao's quantization
 of the whole tensor would give it, and gathers the same weight as the others.
 
-NF4 takes blocks of 64 values, whose scales are quantized in blocks of 256: a weight whose size 16384 does not
-divide stays in model.dtype (said in the log); under FSDP2 each rank's rows must hold whole blocks too. MoE experts
-fused in 3-D stay in model.dtype for now (NF4Tensor is 2-D only; said in the log).
+NF4 takes blocks of 64 values, whose scales are quantized in scaler blocks of up to 256 (the largest power of two
+dividing the weight's blocks: nf4_fast.scaler_block): a weight whose size 64 does not divide stays in model.dtype
+(said in the log); under FSDP2 each rank's rows must hold whole scaler blocks too. MoE experts fused in 3-D stay in
+model.dtype for now (NF4Tensor is 2-D only; said in the log).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
 from trainyard.errors import ModelError
 from trainyard.model import nf4_fast
-from trainyard.model.nf4_fast import BLOCK, SCALER_BLOCK, UNIT, nf4_module
+from trainyard.model.nf4_fast import BLOCK, nf4_module, scaler_block
+
+NF4_LEVELS = 16
+
+
+class Targets(NamedTuple):
+    """What model.quantize nf4 stores in 4 bits, by checkpoint name, and what it leaves in the model's dtype."""
+
+    quantized: list[str]
+    left: list[str]
+    nbytes: int
+    """What the quantized weights hold as NF4Tensors, scales and their scales included."""
+    values: int
 
 def is_nf4(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is an NF4Tensor (False without importing torchao where nothing has)."""
     return type(tensor).__name__ == "NF4Tensor"
 
 
-def nf4_targets(model: torch.nn.Module, dtype: torch.dtype) -> tuple[list[str], list[str]]:
-    """The weights NF4 stores, and those it leaves in `dtype` (a linear one whose size is not a multiple of UNIT;
+def nf4_targets(model: torch.nn.Module, dtype: torch.dtype) -> Targets:
+    """The weights NF4 stores, and those it leaves in `dtype` (a linear one whose size is not a multiple of BLOCK;
     fused 3-D expert stacks, not quantized yet), by checkpoint name, on the plain model (before LoRA): linear layers'
     weights but the head's, fp32-kept ones, and those a parent reads past the layer's forward."""
     from trainyard.model.build import kept_in_fp32  # both only where a job quantizes: weights.py imports this
@@ -39,16 +53,27 @@ def nf4_targets(model: torch.nn.Module, dtype: torch.dtype) -> tuple[list[str], 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     kept = kept_in_fp32(model, dtype)
     not_plain = not_plain_linear(model)
-    quantized, left = [], []
+    quantized, left, nbytes, values = [], [], 0, 0
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or module is head or name in not_plain:
             continue
         key = f"{name}.weight"
         if kept(key) or module.weight.dim() != 2:
             continue
-        (quantized if module.weight.numel() % UNIT == 0 else left).append(key)
+        numel = module.weight.numel()
+        (quantized if numel % BLOCK == 0 else left).append(key)
+        if numel % BLOCK == 0:
+            nbytes, values = nbytes + nf4_nbytes(numel, scaler_block(numel // BLOCK), dtype), values + numel
     left += [name for name, param in model.named_parameters() if param.dim() == 3 and "experts" in name]
-    return quantized, left
+    return Targets(quantized, left, nbytes, values)
+
+
+def nf4_nbytes(numel: int, size: int, dtype: torch.dtype) -> int:
+    """What an NF4Tensor of `numel` values in scaler blocks of `size` holds: two codes a byte, an int8 scale a
+    block; a factor a scaler block, NF4's 16 levels and the scales' mean in the weight's `dtype`."""
+    blocks = numel // BLOCK
+    item = torch.empty(0, dtype=dtype).element_size()
+    return numel // 2 + blocks + blocks // size * item + (NF4_LEVELS + 1) * item
 
 
 def quantize_meta(model: torch.nn.Module, targets: set[str], shards: int, device: torch.device,
@@ -62,20 +87,22 @@ def quantize_meta(model: torch.nn.Module, targets: set[str], shards: int, device
         weight = getattr(module, "weight", None)
         if not isinstance(module, torch.nn.Linear) or checkpoint_key(f"{name}.weight") not in targets:
             continue
-        _check_shards(checkpoint_key(f"{name}.weight"), weight.shape, shards)
-        module.weight = torch.nn.Parameter(_meta_nf4(nf4, weight.shape, weight.dtype, device),
+        size = scaler_block(weight.numel() // BLOCK)
+        _check_shards(checkpoint_key(f"{name}.weight"), weight.shape, size, shards)
+        module.weight = torch.nn.Parameter(_meta_nf4(nf4, weight.shape, weight.dtype, device, size),
                                            requires_grad=False)
         done += 1
     return done
 
 
-def _meta_nf4(nf4: ModuleType, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An NF4Tensor of `shape` on the meta device (torchao quantizes only real tensors): one block of UNIT zeros
-    quantized, its sharded parts grown to the weight's size on meta. Its scales' mean and NF4's 16 levels, which
-    torchao never shards nor moves when FSDP2 or materialising does, are real on `device` at once (the load
-    copies the mean into them)."""
-    probe = nf4.to_nf4(torch.zeros(UNIT, dtype=dtype), BLOCK, SCALER_BLOCK)
-    grow = shape.numel() // UNIT
+def _meta_nf4(nf4: ModuleType, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+              size: int) -> torch.Tensor:
+    """An NF4Tensor of `shape` in scaler blocks of `size` on the meta device (torchao quantizes only real tensors):
+    one scaler block of zeros quantized, its sharded parts grown to the weight's size on meta. Its scales' mean and
+    NF4's 16 levels, which torchao never shards nor moves when FSDP2 or materialising does, are real on `device` at
+    once (the load copies the mean into them)."""
+    probe = nf4.to_nf4(torch.zeros(BLOCK * size, dtype=dtype), BLOCK, size)
+    grow = shape.numel() // (BLOCK * size)
     parts = {name: torch.empty(getattr(probe, name).numel() * grow, dtype=getattr(probe, name).dtype, device="meta")
              for name in nf4._INNER_TENSOR_NAMES_FOR_SHARDING}
     return nf4.NF4Tensor(*nf4.construct_nf4_args(probe, {
@@ -83,12 +110,12 @@ def _meta_nf4(nf4: ModuleType, shape: torch.Size, dtype: torch.dtype, device: to
         "n_blocks": shape.numel() // BLOCK, "scaler_mean": probe.scaler_mean.to(device), "nf4": probe.nf4.to(device)}))
 
 
-def _check_shards(name: str, shape: torch.Size, shards: int) -> None:
+def _check_shards(name: str, shape: torch.Size, size: int, shards: int) -> None:
     rows, numel = shape[0], shape.numel()
-    if shards > 1 and (rows % shards or numel % (UNIT * shards)):
+    if shards > 1 and (rows % shards or numel % (BLOCK * size * shards)):
         raise ModelError(
-            f"model.quantize nf4: {name} {tuple(shape)} cannot be split into {shards} shards of whole NF4 blocks "
-            f"(each rank's rows must hold a multiple of {UNIT} values)",
+            f"model.quantize nf4: {name} {tuple(shape)} cannot be split into {shards} shards of whole NF4 scaler "
+            f"blocks (each rank's rows must hold a multiple of {BLOCK * size} values)",
             fix="shard over fewer ranks (dist.strategy ddp, or hsdp with a smaller dist.shard_size), "
             "or set model.quantize: none",
         )
@@ -101,7 +128,7 @@ def fill_own_rows(local: torch.Tensor, read: Callable[[int, int], torch.Tensor],
     whole tensor (bit for bit torchao's `to_nf4` of it, then split) into the NF4 `local` (its shard, or all of it).
     """
 
-    parts = nf4_fast.quantize_rows(read, (shape[0], shape[1]), start, stop, local.dtype)
+    parts = nf4_fast.quantize_rows(read, (shape[0], shape[1]), start, stop, local.dtype, local.scaler_block_size)
     nf4 = nf4_module()
     local.copy_(nf4.NF4Tensor(*nf4.construct_nf4_args(local, {**vars(parts), "device": torch.device("cpu")})))
 
@@ -118,10 +145,14 @@ def round_trip(model: torch.nn.Module, targets: list[str]) -> int:
     return len(targets)
 
 
-def describe(quantized: list[str], left: list[str]) -> str:
-    """'14 linear weights in NF4; left in the model's dtype (size not a multiple of 16384): lm_head.weight'."""
+def describe(quantized: list[str], left: list[str], nbytes: int, values: int) -> str:
+    """'14 linear weights in NF4 (1.05M values in 0.52 MiB with their scales, 0.5159 bytes a value); left in the
+    model's dtype (...): ...'."""
     words = f"{len(quantized)} linear weights in NF4"
+    if values:
+        words += (f" ({values / 1e6:.3g}M values in {nbytes / 2**20:.3g} MiB with their scales, "
+                  f"{nbytes / values:.4f} bytes a value)")
     if left:
         shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
-        words += f"; left in the model's dtype (size not a multiple of {UNIT}, or fused experts): {shown}"
+        words += f"; left in the model's dtype (size not a multiple of {BLOCK}, or fused experts): {shown}"
     return words

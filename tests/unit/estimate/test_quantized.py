@@ -22,7 +22,7 @@ from trainyard.model import source as source_room
 
 MISTRAL = str(REPO / "configs" / "mistral7b-lora-ddp.yaml")
 GLM = str(REPO / "configs" / "glm45air-fsdp-lora.yaml")
-# hidden 128: q/o/gate/up/down hold multiples of NF4's 16,384-value unit; k/v (64 x 128) do not and stay bf16
+# hidden 128: q/o/gate/up/down hold whole scaler blocks of 256; k/v (64 x 128: 128 blocks) take scaler blocks of 128
 WIDE = ["model.config.hidden_size=128", "model.config.intermediate_size=256", "lora.enabled=true",
         "model.dtype=bfloat16"]
 LONG_ROWS = ["data.max_length=16384", "train.micro_batch_size=1", "train.global_batch_size=16"]
@@ -31,7 +31,8 @@ LONG_ROWS = ["data.max_length=16384", "train.micro_batch_size=1", "train.global_
 def nf4(tensor: torch.Tensor) -> torch.Tensor:
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
-    return to_nf4(tensor, quantized.NF4_BLOCK, quantized.NF4_SCALER_BLOCK)
+    blocks = tensor.numel() // quantized.NF4_BLOCK
+    return to_nf4(tensor, quantized.NF4_BLOCK, blocks // quantized.scaler_blocks(tensor.numel()))
 
 
 def held_bytes(tensor: torch.Tensor) -> int:
@@ -43,11 +44,14 @@ def held_bytes(tensor: torch.Tensor) -> int:
 
 
 def test_nf4_bytes_are_torchaos_layout_exactly() -> None:
-    for shape, dtype in [((256, 128), torch.bfloat16), ((1024, 48), torch.float32)]:
+    for shape, dtype in [((256, 128), torch.bfloat16), ((1024, 48), torch.float32), ((576, 576), torch.bfloat16),
+                         ((3, 64), torch.float32)]:  # scaler blocks of 256, 256, 64 and 1
         weight = torch.randn(shape, dtype=dtype)
         size = weight.element_size()
-        assert quantized.nf4_bytes(weight.numel(), 1, size) == held_bytes(nf4(weight))
-    assert quantized.nf4_bytes(4096 * 4096, 1, 2) / (4096 * 4096) == pytest.approx(0.5 + 1 / 64 + 2 / 16384, abs=1e-5)
+        held = held_bytes(nf4(weight))
+        assert quantized.nf4_bytes(weight.numel(), quantized.scaler_blocks(weight.numel()), 1, size) == held
+    assert quantized.nf4_bytes(4096 * 4096, 4096 * 4096 / 16384, 1, 2) / (4096 * 4096) == pytest.approx(
+        0.5 + 1 / 64 + 2 / 16384, abs=1e-5)
 
 
 def test_lora_weights_are_the_real_nf4_models_bytes() -> None:
@@ -59,13 +63,13 @@ def test_lora_weights_are_the_real_nf4_models_bytes() -> None:
     head = model.get_output_embeddings()
     for module in model.modules():
         if type(module) is torch.nn.Linear and module is not head and not module.weight.requires_grad:
-            if module.weight.numel() % quantized.NF4_UNIT == 0:
+            if module.weight.numel() % quantized.NF4_BLOCK == 0:
                 module.weight = torch.nn.Parameter(nf4(module.weight.detach()), requires_grad=False)
     held = sum(held_bytes(p) for p in model.parameters() if not p.requires_grad)
     result = estimate.estimate(cfg, estimate.Hardware("h100-80gb"))
     assert result.memory.weights == pytest.approx(held, rel=1e-9)
     plain = estimate.estimate(load_config(TINY, WIDE), estimate.Hardware("h100-80gb"))
-    assert result.memory.weights < 0.6 * plain.memory.weights  # k/v stay bf16, embeddings and norms too
+    assert result.memory.weights < 0.6 * plain.memory.weights  # embeddings and norms stay bf16
 
 
 def test_under_fsdp_nf4_is_sharded_and_gathered_in_4_bits() -> None:
@@ -75,7 +79,7 @@ def test_under_fsdp_nf4_is_sharded_and_gathered_in_4_bits() -> None:
     low = four.memory
     block = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 4096 * 14336  # q, o; k, v (1,024 rows); the MLP
     assert low.fsdp_buffers == pytest.approx(
-        plain.memory.fsdp_buffers - 2 * (2 * block - quantized.nf4_gathered_bytes(block, 2)))
+        plain.memory.fsdp_buffers - 2 * (2 * block - quantized.nf4_gathered_bytes(block, block / 16384, 2)))
     assert low.weights == pytest.approx(plain.memory.weights - (2 * 6.98e9 - 0.5158 * 6.98e9) / 8, rel=2e-3)
     assert four.timing.within_node_bytes < 0.35 * plain.timing.within_node_bytes  # gathers in 4 bits, not bf16
     assert any(note.startswith("nf4: 6.98B frozen weights in 4 bits") for note in low.notes)

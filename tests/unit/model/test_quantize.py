@@ -38,12 +38,37 @@ def _meta_llama(hidden: int) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
-def test_nf4_takes_the_linear_weights_whose_size_divides_and_never_the_head_or_embeddings() -> None:
-    quantized, left = quantize.nf4_targets(_meta_llama(128), torch.float32)
+def test_nf4_takes_every_linear_weight_of_whole_blocks_and_never_the_head_or_embeddings() -> None:
+    quantized, left, _, _ = quantize.nf4_targets(_meta_llama(128), torch.float32)
     assert sorted(name.split(".")[-2] for name in quantized) == sorted(
-        ["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    assert sorted(name.split(".")[-2] for name in left) == ["k_proj", "v_proj"]  # 64 x 128 values: half a unit
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])  # k/v: 128 blocks
+    assert not left
     assert not any("embed" in name or "lm_head" in name or "norm" in name for name in quantized + left)
+
+
+def test_smollm2_s_attention_is_quantized_and_the_log_counts_its_scales_exactly() -> None:
+    """SmolLM2-135M's shapes (576 x 576, 192 x 576: scaler blocks of 64) are torchao's to_nf4 with that scaler
+    block, bit for bit, and the log's bytes are what the NF4Tensors hold."""
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=1, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=300)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    targets = quantize.nf4_targets(model, torch.bfloat16)
+    assert len(targets.quantized) == 7 and not targets.left
+    held = 0
+    for name in targets.quantized:
+        shape = model.get_parameter(name).shape
+        whole = torch.randn(shape, generator=torch.Generator().manual_seed(len(name))).to(torch.bfloat16)
+        size = nf4_fast.scaler_block(whole.numel() // quantize.BLOCK)
+        got = nf4_fast.to_nf4(whole)
+        _assert_bit_identical(got, quantize.nf4_module().to_nf4(whole, quantize.BLOCK, size))
+        assert got.scaler_block_size == size == (64 if "self_attn" in name else 256)  # MLP: 13824 blocks
+        held += sum(getattr(got, inner).nbytes for inner in _INNER)
+    assert held == targets.nbytes
+    assert f"{targets.nbytes / 2**20:.3g} MiB with their scales" in quantize.describe(*targets)
+    quantize.quantize_meta(model, set(targets.quantized), 3, torch.device("cpu"), weights.checkpoint_key)
+    attention = model.model.layers[0].self_attn
+    assert attention.q_proj.weight.scaler_block_size == attention.k_proj.weight.scaler_block_size == 64
 
 
 _INNER = ["quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4"]
@@ -76,7 +101,7 @@ def _adversarial(dtype: torch.dtype) -> torch.Tensor:
 def test_the_fast_nf4_is_torchao_s_bit_for_bit_on_random_and_adversarial_weights(dtype: torch.dtype) -> None:
     nf4 = quantize.nf4_module()
     for whole in (_adversarial(dtype), torch.randn(512, 4096).to(dtype)):  # the second: a parallel mean
-        _assert_bit_identical(nf4_fast.to_nf4(whole), nf4.to_nf4(whole, quantize.BLOCK, quantize.SCALER_BLOCK))
+        _assert_bit_identical(nf4_fast.to_nf4(whole), nf4.to_nf4(whole, quantize.BLOCK, nf4_fast.SCALER_BLOCK))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -110,8 +135,8 @@ def test_each_rank_s_rows_streamed_in_chunks_are_the_whole_tensor_quantized_then
     monkeypatch.setattr(nf4_fast, "CHUNK_VALUES", 64 * 256)
     nf4 = quantize.nf4_module()
     whole = torch.randn(512, 256, generator=torch.Generator().manual_seed(0)).to(source)
-    expected = nf4.to_nf4(whole.to(torch.bfloat16), quantize.BLOCK, quantize.SCALER_BLOCK)
-    meta = quantize._meta_nf4(nf4, whole.shape, torch.bfloat16, torch.device("cpu"))
+    expected = nf4.to_nf4(whole.to(torch.bfloat16), quantize.BLOCK, nf4_fast.SCALER_BLOCK)
+    meta = quantize._meta_nf4(nf4, whole.shape, torch.bfloat16, torch.device("cpu"), nf4_fast.SCALER_BLOCK)
     for start, stop in ((0, 512), (0, 256), (256, 512), (128, 192)):
         local = torch.empty_like(meta.split(stop - start)[0], device="cpu")
         reads: list[tuple[int, int]] = []
@@ -122,9 +147,26 @@ def test_each_rank_s_rows_streamed_in_chunks_are_the_whole_tensor_quantized_then
         assert sum(b - a for a, b in reads) == 512
 
 
+@pytest.mark.parametrize("size", [64, 8])
+def test_rows_of_a_small_scaler_block_streamed_per_rank_are_the_whole_tensor_quantized_then_split(size: int) -> None:
+    """576 x 576 takes scaler blocks of 64: each of 3 ranks' rows (and of 2 at scaler blocks of 8) quantized from
+    the stream is torchao's to_nf4 of the whole tensor with that scaler block, then split."""
+    nf4 = quantize.nf4_module()
+    whole = torch.randn(576, 576, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    expected = nf4.to_nf4(whole, quantize.BLOCK, size)
+    meta = quantize._meta_nf4(nf4, whole.shape, torch.bfloat16, torch.device("cpu"), size)
+    assert meta.scaler_block_size == size
+    ranks = 3 if size == 64 else 2
+    rows = 576 // ranks
+    for rank in range(ranks):
+        local = torch.empty_like(meta.split(rows)[0], device="cpu")
+        quantize.fill_own_rows(local, lambda a, b: whole[a:b], whole.shape, rank * rows, (rank + 1) * rows)
+        _assert_bit_identical(local, expected.split(rows)[rank])
+
+
 def test_a_weight_that_shards_do_not_split_into_whole_blocks_is_refused_naming_it() -> None:
     model = _meta_llama(256)
-    quantized, _ = quantize.nf4_targets(model, torch.float32)
+    quantized = quantize.nf4_targets(model, torch.float32).quantized
     with pytest.raises(ModelError, match=r"q_proj.weight \(256, 256\) cannot be split into 8 shards"):
         quantize.quantize_meta(model, set(quantized), 8, torch.device("cpu"), weights.checkpoint_key)
     done = quantize.quantize_meta(model, set(quantized), 2, torch.device("cpu"), weights.checkpoint_key)
@@ -139,8 +181,8 @@ def test_fused_expert_stacks_stay_in_the_model_s_dtype_and_the_log_says_so() -> 
                                   num_key_value_heads=2, vocab_size=300)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config)
-    quantized, left = quantize.nf4_targets(model, torch.float32)
+    quantized, left, nbytes, values = quantize.nf4_targets(model, torch.float32)
     assert "model.layers.1.mlp.experts.gate_up_proj" in left and "model.layers.1.mlp.experts.down_proj" in left
     assert "model.layers.1.mlp.shared_experts.down_proj.weight" in quantized
     assert not any(".gate." in name or name.endswith("gate.weight") for name in quantized)  # the router
-    assert "or fused experts" in quantize.describe(quantized, left)
+    assert "or fused experts" in quantize.describe(quantized, left, nbytes, values)
