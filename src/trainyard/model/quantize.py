@@ -37,6 +37,8 @@ class Targets(NamedTuple):
     nbytes: int
     """What the quantized weights hold as NF4Tensors, scales and their scales included."""
     values: int
+    """The quantized weights' values."""
+
 
 def is_nf4(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is an NF4Tensor (False without importing torchao where nothing has)."""
@@ -61,9 +63,11 @@ def nf4_targets(model: torch.nn.Module, dtype: torch.dtype) -> Targets:
         if kept(key) or module.weight.dim() != 2:
             continue
         numel = module.weight.numel()
-        (quantized if numel % BLOCK == 0 else left).append(key)
-        if numel % BLOCK == 0:
-            nbytes, values = nbytes + nf4_nbytes(numel, scaler_block(numel // BLOCK), dtype), values + numel
+        if numel % BLOCK:
+            left.append(key)
+            continue
+        quantized.append(key)
+        nbytes, values = nbytes + nf4_nbytes(numel, scaler_block(numel // BLOCK), dtype), values + numel
     left += [name for name, param in model.named_parameters() if param.dim() == 3 and "experts" in name]
     return Targets(quantized, left, nbytes, values)
 

@@ -46,6 +46,14 @@ def test_nf4_takes_every_linear_weight_of_whole_blocks_and_never_the_head_or_emb
     assert not any("embed" in name or "lm_head" in name or "norm" in name for name in quantized + left)
 
 
+def test_a_linear_weight_of_no_whole_blocks_stays_in_the_model_s_dtype_and_the_log_names_it() -> None:
+    targets = quantize.nf4_targets(_meta_llama(40), torch.float32)  # k/v 20 x 40: 12.5 blocks
+    assert sorted(name.split(".")[-2] for name in targets.left) == ["k_proj", "v_proj"]
+    assert sorted(name.split(".")[-2] for name in targets.quantized) == sorted(
+        ["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])  # 25 blocks (scaler blocks of 1), 50 (of 2)
+    assert "size not a multiple of 64" in quantize.describe(*targets)
+
+
 def test_smollm2_s_attention_is_quantized_and_the_log_counts_its_scales_exactly() -> None:
     """SmolLM2-135M's shapes (576 x 576, 192 x 576: scaler blocks of 64) are torchao's to_nf4 with that scaler
     block, bit for bit, and the log's bytes are what the NF4Tensors hold."""
@@ -100,8 +108,12 @@ def _adversarial(dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_fast_nf4_is_torchao_s_bit_for_bit_on_random_and_adversarial_weights(dtype: torch.dtype) -> None:
     nf4 = quantize.nf4_module()
-    for whole in (_adversarial(dtype), torch.randn(512, 4096).to(dtype)):  # the second: a parallel mean
-        _assert_bit_identical(nf4_fast.to_nf4(whole), nf4.to_nf4(whole, quantize.BLOCK, nf4_fast.SCALER_BLOCK))
+    # the second: a parallel mean; then scaler blocks of 1 (25 blocks), 2 and 64 (SmolLM2's attention)
+    for whole in (_adversarial(dtype), torch.randn(512, 4096), torch.randn(40, 40), torch.randn(80, 40),
+                  torch.randn(192, 576)):
+        whole = whole.to(dtype)
+        size = nf4_fast.scaler_block(whole.numel() // quantize.BLOCK)
+        _assert_bit_identical(nf4_fast.to_nf4(whole), nf4.to_nf4(whole, quantize.BLOCK, size))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
