@@ -12,8 +12,9 @@ its own 64 values: `quantize_rows` streams the whole tensor in row chunks for th
 and quantizes only the rows asked for; the mean is taken over the same full vector torchao takes it over.
 
 torchao quantizes the blocks' scales in scaler blocks of a size it takes as an argument, which must divide the
-weight's blocks: each weight takes the largest power of two up to 256 that does (`scaler_block`), so any weight of
-whole blocks is quantized (SmolLM2's 576 x 576 attention: 5184 blocks, scaler blocks of 64).
+weight's blocks: each weight takes the largest power of two up to 256 that does and leaves a multiple of 8 scaler
+blocks, so that FSDP2 can split it into 2, 4 or 8 shards (`scaler_block`): any weight of whole blocks is quantized
+(SmolLM2's 576 x 576 attention: 5184 blocks, scaler blocks of 8; 4096 x 4096: 256).
 """
 
 from __future__ import annotations
@@ -32,12 +33,20 @@ BLOCK = 64
 SCALER_BLOCK = 256
 UNIT = BLOCK * SCALER_BLOCK
 """Values per NF4 scaler block of the largest size (the levels are made from one)."""
+SPLITS = 8
+"""The shard counts (its divisors) every weight's scaler blocks split into where its size allows."""
 
 
 def scaler_block(blocks: int) -> int:
     """The scaler block (blocks per second-level scale) of a weight of `blocks` NF4 blocks: the largest power of two
-    up to SCALER_BLOCK dividing them, as torchao's double quantization wants a whole number of scaler blocks."""
-    return math.gcd(blocks, SCALER_BLOCK)
+    up to SCALER_BLOCK dividing them (torchao's double quantization wants whole scaler blocks) that leaves a number
+    of scaler blocks SPLITS divides, so the weight shards over up to a node's 8 ranks whatever the job's shard count
+    (the export quantizes as training did without knowing it); the largest dividing them where none does."""
+    largest = math.gcd(blocks, SCALER_BLOCK)
+    size = largest
+    while size > 1 and (blocks // size) % SPLITS:
+        size //= 2
+    return size if (blocks // size) % SPLITS == 0 else largest
 
 
 def nf4_module() -> ModuleType:

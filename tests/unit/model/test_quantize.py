@@ -55,7 +55,7 @@ def test_a_linear_weight_of_no_whole_blocks_stays_in_the_model_s_dtype_and_the_l
 
 
 def test_smollm2_s_attention_is_quantized_and_the_log_counts_its_scales_exactly() -> None:
-    """SmolLM2-135M's shapes (576 x 576, 192 x 576: scaler blocks of 64) are torchao's to_nf4 with that scaler
+    """SmolLM2-135M's shapes (576 x 576, 192 x 576: scaler blocks of 8) are torchao's to_nf4 with that scaler
     block, bit for bit, and the log's bytes are what the NF4Tensors hold."""
     config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=1, num_attention_heads=9,
                          num_key_value_heads=3, vocab_size=300)
@@ -70,13 +70,15 @@ def test_smollm2_s_attention_is_quantized_and_the_log_counts_its_scales_exactly(
         size = nf4_fast.scaler_block(whole.numel() // quantize.BLOCK)
         got = nf4_fast.to_nf4(whole)
         _assert_bit_identical(got, quantize.nf4_module().to_nf4(whole, quantize.BLOCK, size))
-        assert got.scaler_block_size == size == (64 if "self_attn" in name else 256)  # MLP: 13824 blocks
+        # attention 5184 or 1728 blocks, MLP 13824: the largest scaler blocks that split over 8 shards
+        assert got.scaler_block_size == size == (8 if "self_attn" in name else 64)
+        assert (whole.numel() // quantize.BLOCK // size) % 8 == 0
         held += sum(getattr(got, inner).nbytes for inner in _INNER)
     assert held == targets.nbytes
     assert f"{targets.nbytes / 2**20:.3g} MiB with their scales" in quantize.describe(*targets)
     quantize.quantize_meta(model, set(targets.quantized), 3, torch.device("cpu"), weights.checkpoint_key)
     attention = model.model.layers[0].self_attn
-    assert attention.q_proj.weight.scaler_block_size == attention.k_proj.weight.scaler_block_size == 64
+    assert attention.q_proj.weight.scaler_block_size == attention.k_proj.weight.scaler_block_size == 8
 
 
 _INNER = ["quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4"]
@@ -161,7 +163,7 @@ def test_each_rank_s_rows_streamed_in_chunks_are_the_whole_tensor_quantized_then
 
 @pytest.mark.parametrize("size", [64, 8])
 def test_rows_of_a_small_scaler_block_streamed_per_rank_are_the_whole_tensor_quantized_then_split(size: int) -> None:
-    """576 x 576 takes scaler blocks of 64: each of 3 ranks' rows (and of 2 at scaler blocks of 8) quantized from
+    """576 x 576 at scaler blocks of 64: each of 3 ranks' rows (and of 2 at scaler blocks of 8) quantized from
     the stream is torchao's to_nf4 of the whole tensor with that scaler block, then split."""
     nf4 = quantize.nf4_module()
     whole = torch.randn(576, 576, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
@@ -179,8 +181,8 @@ def test_rows_of_a_small_scaler_block_streamed_per_rank_are_the_whole_tensor_qua
 def test_a_weight_that_shards_do_not_split_into_whole_blocks_is_refused_naming_it() -> None:
     model = _meta_llama(256)
     quantized = quantize.nf4_targets(model, torch.float32).quantized
-    with pytest.raises(ModelError, match=r"q_proj.weight \(256, 256\) cannot be split into 8 shards"):
-        quantize.quantize_meta(model, set(quantized), 8, torch.device("cpu"), weights.checkpoint_key)
+    with pytest.raises(ModelError, match=r"q_proj.weight \(256, 256\) cannot be split into 16 shards"):
+        quantize.quantize_meta(model, set(quantized), 16, torch.device("cpu"), weights.checkpoint_key)
     done = quantize.quantize_meta(model, set(quantized), 2, torch.device("cpu"), weights.checkpoint_key)
     assert done == len(quantized)
     assert quantize.is_nf4(model.model.layers[0].mlp.down_proj.weight)
