@@ -14,7 +14,6 @@ from dataclasses import replace
 
 from trainyard.batch import MicroBatch
 from trainyard.config import JobConfig
-from trainyard.errors import ConfigError
 from trainyard.estimate.arch import Shape
 
 
@@ -78,14 +77,3 @@ def note(size: int, rank: MicroBatch) -> str:
     return (f"context parallel {size}: each rank holds {rank.tokens:,} tokens of the micro-batch through the block "
             f"and whole documents (up to {rank.longest:,} tokens) for heads / {size} inside attention")
 
-
-def refuse_trace(cfg: JobConfig, size: int) -> None:
-    """`estimate --trace` steps on whole rows with every position a target (train/trace.py): it neither slices them
-    for a CP group's ranks nor runs the all-to-alls, so it cannot check this formula."""
-    if size > 1:
-        raise ConfigError(
-            f"estimate --trace does not model dist.context_parallel {size} yet: its step runs whole rows, not a CP "
-            "rank's slice with the all-to-alls around attention", where=cfg.where("dist.context_parallel"),
-            fix="run `trainyard estimate` without --trace (its formula counts CP), or trace with "
-            "dist.context_parallel: 1",
-        )

@@ -10,6 +10,7 @@ counted until it is freed or resized, as FSDP2 frees its unsharded weights), the
 peak, and every collective with the mesh dimension it runs on and its bytes.
 
 The step traced is a steady one: AdamW's moments are created before it, as every step after the first holds them.
+Under dist.context_parallel it is one CP rank's step (trace_context.py): its slice of each row, its all-to-alls.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from trainyard.config import JobConfig
 from trainyard.diloco import outer as diloco
 from trainyard.errors import ConfigError
 from trainyard.estimate import arch as estimate_arch
-from trainyard.estimate import context as estimate_context
 from trainyard.estimate import memory as estimate_memory
 from trainyard.estimate.memory import Layout, Memory
 from trainyard.estimate.timing import Lengths
@@ -50,8 +50,9 @@ from trainyard.model import lora as lora_room
 from trainyard.model import weights
 from trainyard.parallel import parallelize as parallel
 from trainyard.plan import batching
+from trainyard.train import trace_context
 from trainyard.train.optim import build_optimizer, grad_norm_and_clip
-from trainyard.train.trace_batch import documents, micro_batch_loss, micro_batches
+from trainyard.train.trace_batch import documents, micro_batches
 from trainyard.train.trace_kernels import FUSED, GroupedMmInAnyDtype, balanced_exchanges, hooked, traced_attention
 
 CPU = torch.device("cpu")
@@ -359,7 +360,7 @@ def optimizer_step(
     for index in range(micro_batches):
         with parallel.gradient_sync(model, last=index == micro_batches - 1, defer=cfg.dist.defer_grad_sync):
             with precision_room.autocast(precision, CPU, enabled=not isinstance(model, FSDPModule)):
-                loss = micro_batch_loss(model, cfg)
+                loss = trace_context.rank_loss(model, cfg)
             loss.backward()
     grad_norm_and_clip(model, cfg.train.max_grad_norm)
     optimizer.step()
@@ -381,22 +382,25 @@ def trace(cfg: JobConfig, hardware: estimate.Hardware, layers: int | None = None
 def _trace(cfg: JobConfig, hardware: estimate.Hardware, layers: int | None) -> Trace:
     config = architecture(cfg, layers)
     layout, planned = formula(cfg, config, hardware)
-    estimate_context.refuse_trace(cfg, layout.context_parallel)
     precision = estimate_memory.resolve_precision(cfg, layout.gpu)
-    model = meta_model(cfg, config, precision, "cpu" if layout.gpu.device_name is None else "cuda")
+    device, context = "cpu" if layout.gpu.device_name is None else "cuda", layout.context_parallel
+    model = meta_model(cfg, config, precision, device)
+    if context > 1:
+        trace_context.check(cfg, model, context, layout.shard, device)
     info = dist.DistInfo(0, layout.world, 0, layout.gpus_per_node, CPU, "fake")
     with fake_world(layout.world):
         sites = diloco.site_count(cfg, info) if layout.strategy == "diloco" else None
         mesh = dist.build_mesh(info, layout.strategy, cfg.dist.shard_size, sites, cfg.diloco.inner,
-                               layout.expert_parallel)
+                               layout.expert_parallel, context)
         memory, log = LiveBytes(), CollectiveLog(group_names(mesh))
         # buffers stay real: a few small tensors
         with FakeTensorMode(allow_non_fake_inputs=True), GroupedMmInAnyDtype(), memory, log:
             _step_on_fake_tensors(cfg, model, layout, precision, info, mesh, memory)
     return Trace(
-        mesh=dist.describe_mesh(mesh) if mesh is not None else f"the world of {layout.world}",
+        mesh=(dist.describe_mesh(mesh) + (f" (cp {context})" if context > 1 else "") if mesh is not None
+              else f"the world of {layout.world}"),
         layers=config.num_hidden_layers,
-        accumulation=micro_batches(cfg, layout.world),
+        accumulation=micro_batches(cfg, layout.world // context),
         static_bytes=memory.window_start,
         peak_bytes=memory.peak,
         gathered_peak_bytes=memory.gathered_peak,
@@ -415,19 +419,21 @@ def _step_on_fake_tensors(
     adapters_in_memory(model)
     wrapped = hooked(parallel.apply(model, layout.strategy, info, precision, FakeWeights.of(model), mesh,
                                     cfg.diloco.inner, cfg.model.gradient_checkpointing, compile_blocks=False,
-                                    expert_parallel_size=layout.expert_parallel))
+                                    expert_parallel_size=layout.expert_parallel,
+                                    context_parallel_size=layout.context_parallel))
     balanced_exchanges(wrapped)
     optimizer, _ = build_optimizer(wrapped, cfg)
     diloco_mesh = mesh if layout.strategy == "diloco" else None
     outer = diloco.OuterSync(wrapped, cfg.diloco, diloco_mesh, info) if diloco_mesh is not None else None
     hold_optimizer_state(optimizer)
     memory.start_window()
-    optimizer_step(wrapped, optimizer, cfg, precision, micro_batches(cfg, layout.world), outer)
+    data_ranks = layout.world // layout.context_parallel  # each CP group reads one rank's rows
+    optimizer_step(wrapped, optimizer, cfg, precision, micro_batches(cfg, data_ranks), outer)
 
 
 def _notes(cfg: JobConfig, model: torch.nn.Module, layout: Layout) -> list[str]:
     """What the traced step does differently from the job's on its GPUs."""
-    strategy, traced = layout.strategy, model.config._attn_implementation
+    strategy, traced = layout.strategy, trace_context.attention_of(model)
     fused = " (sdpa's fused kernel: what flash-attention and flex_attention save)" if traced == FUSED else ""
     notes = [f"attention: the job's {cfg.model.attn_implementation}, traced as {traced}{fused}"]
     if isinstance(cfg.train.micro_batch_tokens, int):
@@ -439,6 +445,8 @@ def _notes(cfg: JobConfig, model: torch.nn.Module, layout: Layout) -> list[str]:
     if layout.expert_parallel > 1:
         notes.append(f"expert parallel {layout.expert_parallel}: rank 0 holds its experts only; routing is taken "
                      "as balanced (each rank sends every other rank 1 / N of its routed rows), as the formula does")
+    if layout.context_parallel > 1:
+        notes.append(trace_context.note(cfg, layout.context_parallel))
     if strategy == "ddp" or (strategy == "diloco" and cfg.diloco.inner == "ddp"):
         notes.append("DDP reduces its first step's gradients in one bucket, later ones in 25 MB buckets: the same "
                      "bytes in more calls")
