@@ -112,7 +112,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """`ranks`: the tests that start ranks, share a world or bind a fixed port. `make test` (tests/suite.py) runs
     them one at a time in two lanes (`either_lane`: SHARED_LANE's, which either may run), the modules marked `worlds`
     (tasks on the shared worlds only: no launch, no fixed port, no reference run) in a third process, the
-    single-process tests in a fourth."""
+    single-process tests in a fourth and a fifth."""
     for item in items:
         folder = item.path.relative_to(REPO / "tests").parts[0]
         if item.get_closest_marker("worlds"):

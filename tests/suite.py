@@ -1,12 +1,12 @@
-"""`make test`: the whole suite as four pytest processes side by side, then one report.
+"""`make test`: the whole suite as five pytest processes side by side, then one report.
 
 Every test that starts ranks, shares a world or binds a fixed port is marked `ranks` (tests/conftest.py); those run
 one at a time in two lanes, each with shared worlds of its own: the first runs the `ranks` tests that must not run
 beside another (fixed ports, namespace hosts, a cluster), then the tests/dist modules of SHARED_LANE (marked
 `either_lane`) in file order; the second runs those from the last module back, and each module goes to the lane that
 reaches it first, so the lanes end together. Modules marked `worlds` (tasks on the shared worlds
-only) run in a third process with worlds of their own, and the single-process tests in a fourth: on the cores a
-launch leaves idle while it waits on start-up, rendezvous and timeouts. (pytest-xdist's `loadgroup` would do this,
+only) run in a third process with worlds of their own, and the single-process tests in a fourth and a fifth: on the
+cores a launch leaves idle while it waits on start-up, rendezvous and timeouts. (pytest-xdist's `loadgroup` would do this,
 but its groups are lost under pytest 9.2: it renames items through an attribute pytest no longer reads.)
 
 Usage: python tests/suite.py [pytest arguments, e.g. -x or tests/unit]
@@ -26,14 +26,19 @@ from pathlib import Path
 SLOWEST = 40
 
 
+SECOND_HALF = ("tests/unit/model", "tests/unit/train", "tests/unit/estimate")
+"""The single-process tests' folders a second process takes: half their time (4 of 8 minutes, alone). With one
+process for them all, it ran on alone for the suite's last two minutes, with a core idle."""
 SIDES = {
     "ranks": "ranks", "ranks-lane-2": "either_lane", "worlds": "worlds",
-    "single-process": "not ranks and not worlds",
+    "single-process": "not ranks and not worlds", "single-process-2": "not ranks and not worlds",
 }
 """Each process's name and its marker expression; the first prints as it goes, the others when all have ended."""
 SCOPES = {
     "ranks": ["tests"], "ranks-lane-2": ["tests/dist"], "worlds": ["tests/dist"],
-    "single-process": ["tests", "--ignore=tests/dist", "--ignore=tests/e2e", "--ignore=tests/gpu"],
+    "single-process": ["tests", "--ignore=tests/dist", "--ignore=tests/e2e", "--ignore=tests/gpu",
+                       *(f"--ignore={folder}" for folder in SECOND_HALF)],
+    "single-process-2": list(SECOND_HALF),
 }
 """What each process collects when `make test` names no tests: only the folders its marker can select. Every test of
 tests/dist, e2e and gpu is `ranks` or `worlds`, and only tests/dist holds `worlds` and `either_lane` tests
@@ -113,9 +118,12 @@ def main(extra: list[str]) -> int:
         shutil.rmtree(work / "claims", ignore_errors=True)  # a kept folder's claims are an earlier run's
         (work / "claims").mkdir(parents=True)
         logs = {side: work / f"{side}.log" for side in list(SIDES)[1:]}
-        processes = {side: pytest(side, work, extra or SCOPES[side], logs.get(side)) for side in reversed(SIDES)}
-        codes = {side: processes[side].wait() for side in SIDES}
+        sides = [side for side in SIDES if not (extra and side == "single-process-2")]  # named tests: one process
+        processes = {side: pytest(side, work, extra or SCOPES[side], logs.get(side)) for side in reversed(sides)}
+        codes = {side: processes[side].wait() for side in sides}
         for side, log in logs.items():
+            if side not in processes:
+                continue
             print(f"\n===== the {side} tests (run beside the ones above) =====\n{log.read_text()}")
         for cpu, what in ((False, "slowest tests of all (setup + call + teardown)"),
                           (True, "tests that used the most CPU (their process and its children)")):
