@@ -4,10 +4,10 @@ Every test that starts ranks, shares a world or binds a fixed port is marked `ra
 one at a time in two lanes, each with shared worlds of its own: the first runs the `ranks` tests that must not run
 beside another (fixed ports, namespace hosts, a cluster), then the tests/dist modules of SHARED_LANE (marked
 `either_lane`) in file order; the second runs those from the last module back, and each module goes to the lane that
-reaches it first, so the lanes end together. Modules marked `worlds` (tasks on the shared worlds
-only) run in a third process with worlds of their own, and the single-process tests in a fourth and a fifth: on the
-cores a launch leaves idle while it waits on start-up, rendezvous and timeouts. (pytest-xdist's `loadgroup` would do this,
-but its groups are lost under pytest 9.2: it renames items through an attribute pytest no longer reads.)
+reaches it first, so the lanes end together. Modules marked `worlds` (tasks on the shared worlds only) run in a
+third process with worlds of their own, and the single-process tests in a fourth and a fifth: on the cores a launch
+leaves idle while it waits on start-up, rendezvous and timeouts. (pytest-xdist's `loadgroup` would do this, but its
+groups are lost under pytest 9.2: it renames items through an attribute pytest no longer reads.)
 
 Usage: python tests/suite.py [pytest arguments, e.g. -x or tests/unit]
 TRAINYARD_SUITE_REPORTS=DIR keeps each process's junit report and log in DIR (each test's seconds, CPU and order)."""
