@@ -54,33 +54,38 @@ def _paths(requested: str, shape: Shape, counts: Counts, kind: Gpu, document: in
     return [path(requested, shape, counts, kind, document, window) for window in windows]
 
 
-def saved_per_token(requested: str, shape: Shape, counts: Counts, kind: Gpu, document: int, a: int, w: int) -> float:
+def saved_per_token(requested: str, shape: Shape, counts: Counts, kind: Gpu, document: int, a: int, w: int,
+                    context: int = 1) -> float:
     """Bytes one layer's attention keeps per token for backward, averaged over the layers; `a`: the compute dtype's
-    bytes, `w`: the weights' as ops outside autocast meet them. The o_proj input and rotated q, k and v are the
-    caller's."""
+    bytes, `w`: the weights' as ops outside autocast meet them; per token a rank holds under context parallelism
+    `context`. The o_proj input and rotated q, k and v are the caller's."""
     paths = _paths(requested, shape, counts, kind, document)
-    return sum(_saved(one, shape, document, a, w) for one in paths) / len(paths)
+    return sum(_saved(one, shape, document, a, w, context) for one in paths) / len(paths)
 
 
 def saved_in_layer(requested: str, shape: Shape, counts: Counts, kind: Gpu, document: int, a: int, w: int,
-                   window: int | None) -> float:
+                   window: int | None, context: int = 1) -> float:
     """Bytes per token one layer's attention under `window` keeps for backward (`saved_per_token`'s, for one layer)."""
-    return _saved(path(requested, shape, counts, kind, document, window), shape, document, a, w)
+    return _saved(path(requested, shape, counts, kind, document, window), shape, document, a, w, context)
 
 
-def workspace(requested: str, shape: Shape, counts: Counts, kind: Gpu, document: int, a: int, w: int) -> float:
+def workspace(requested: str, shape: Shape, counts: Counts, kind: Gpu, document: int, a: int, w: int,
+              context: int = 1) -> float:
     """Bytes beside every layer's saved tensors at attention's worst moment in one layer (the largest over the
-    layers): its [heads, L, L] gradients in backward, or the forward's chain of score tensors (sinks)."""
+    layers): its [heads, L, L] gradients in backward, or the forward's chain of score tensors (sinks); under
+    context parallelism `context` a rank's heads / N of them."""
     paths = _paths(requested, shape, counts, kind, document)
-    return max(_workspace(one, shape, document, a, w) for one in paths)
+    return max(_workspace(one, shape, document, a, w, context) for one in paths)
 
 
-def _saved(kernel: str, shape: Shape, document: int, a: int, w: int) -> float:
+def _saved(kernel: str, shape: Shape, document: int, a: int, w: int, context: int) -> float:
     """Per token. fused: the output and its fp32 log-sum-exp; masked: and the mask, [L, L] in the compute dtype;
     math: the fp32 softmax (sdpa's math path upcasts); short and eager: the fp32 softmax and its cast; softcap: the
     tanh besides; sinks: the softmax over the keys and the sink, in the query's dtype (`_workspace`), and its cast
     to the compute dtype; eager on a GPU its softmax in the compute dtype (its backward workspace not counted
-    there). Every score path also keeps k and v repeated to all heads."""
+    there). Every score path also keeps k and v repeated to all heads. Under context parallelism a rank holds
+    heads / N over the whole document (the same bytes per token it holds), but the mask is the whole document's, one
+    for all heads: N times its share of the rank's tokens."""
     q, heads = shape.heads * shape.head_dim, shape.heads
     fused = q * a + heads * 4
     cast = a if a != 4 else 0
@@ -90,17 +95,17 @@ def _saved(kernel: str, shape: Shape, document: int, a: int, w: int) -> float:
     if kernel == FUSED:
         return fused
     if kernel == MASKED:
-        return fused + document * a
+        return fused + document * a * context
     return heads * document * per_score[kernel] + repeated
 
 
-def _workspace(kernel: str, shape: Shape, document: int, a: int, w: int) -> float:
+def _workspace(kernel: str, shape: Shape, document: int, a: int, w: int, context: int) -> float:
     """One layer, bytes: the softmax's backward (its fp32 input gradient beside the arriving gradient); sinks
     (gpt-oss): the forward's masked scores and their max-shifted concatenation with the sink alive at the softmax,
     and the additive mask, in the query's dtype (the weights': rotary's fp32 cos and sin promote an autocast query
     over fp32 weights), which the mask's sum promotes the scores to. The fused kernel's backward makes no [L, L]
     tensor."""
-    scores = shape.heads * document * document
+    scores = shape.heads / context * document * document
     if kernel in (FUSED, MASKED, GPU_EAGER):
         return 0.0
     if kernel == MATH:

@@ -49,6 +49,13 @@ def workspace_per_token(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtyp
     return max(0.0, *(extra - sum(saved[i + 1:]) for i, extra in enumerate(widest)))
 
 
+def context_size(cfg: JobConfig) -> int:
+    """The CP size whose ranks each hold 1/N of a row's tokens: dist.context_parallel, which the plan resolves
+    before the memory formula runs (estimate.context_parallel_auto); DistConfig refuses it where it cannot run."""
+    size = cfg.dist.context_parallel
+    return size if isinstance(size, int) else 1
+
+
 def _mlp_bytes_of(shape: Shape, size: Dtypes, block: Block) -> float:
     """A block's MLP: gate, up, silu(gate) and the product (or up and its activation, ungated); an MoE block's
     experts with its shared expert as the block holds it (Qwen3-Next's is shared_expert_intermediate_size wide)."""
@@ -87,7 +94,7 @@ def block_bytes_per_token(cfg: JobConfig, shape: Shape, counts: Counts, size: Dt
     total += readers * h * a if size.residual != a else block.norms * h * size.residual
     if block.attention:
         total += attention_memory.saved_in_layer(cfg.model.attn_implementation, shape, counts, kind, document, a,
-                                                 size.residual, block.window)
+                                                 size.residual, block.window, context_size(cfg))
         total += (2 * q + 2 * kv + 2 * q * block.gated_attention) * a
     total += sum(state_memory.saved_per_token(m, document, size, full) for m in block.mixers)
     total += _mlp_bytes_of(shape, size, block)
@@ -111,7 +118,7 @@ def layer_bytes_per_token(cfg: JobConfig, shape: Shape, counts: Counts, size: Dt
     norms = norm_bytes(counts.norm_inputs_per_block or 2 * h, size, trainable=full)
     inputs = (3 + 2) * h * a if casts else 2 * h * size.residual
     attention = attention_memory.saved_per_token(cfg.model.attn_implementation, shape, counts, kind, document, a,
-                                                 size.residual)
+                                                 size.residual, context_size(cfg))
     attention += q * a  # o_proj's input
     total = norms + inputs + attention + (q + 2 * kv) * a + _mlp_bytes(shape, size)
     if cfg.lora.enabled:

@@ -256,7 +256,8 @@ def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_ro
         layer_workspace=batch.tokens * layer_memory.workspace_per_token(cfg, model.shape, counts, size, layout.gpu,
                                                                         batch.longest),
         attention_workspace=attention_memory.workspace(cfg.model.attn_implementation, model.shape, counts,
-                                                       layout.gpu, batch.longest, size.compute, size.residual),
+                                                       layout.gpu, batch.longest, size.compute, size.residual,
+                                                       layout.context_parallel),
         tied_gradient=_tied_gradient(counts, size, shard),
         head_gradient=counts.head_trainable * (size.compute if sharded and size.mixed else size.master),
     )

@@ -69,3 +69,15 @@ def test_the_trace_refuses_what_train_refuses_under_cp(tmp_path) -> None:
     with pytest.raises(ConfigError, match="not proven exact for qwen2") as err:
         _traced(tmp_path, "qwen2", 2, 4)
     assert err.value.where is not None
+
+
+@pytest.mark.parametrize(("family", "size", "gpus"), [("mistral", 4, 8), ("gemma2", 2, 2)])
+def test_on_cpu_a_window_s_mask_and_soft_capping_s_scores_are_counted_per_rank(tmp_path, family: str, size: int,
+                                                                               gpus: int) -> None:
+    """On a CPU a rank attends whole documents for heads / N: mistral's sliding window makes one [L, L] mask for
+    all heads, the whole document's on every rank (the formula once divided it by N with the tokens: 3.42x), and
+    gemma2's eager soft-capping keeps [heads / N, L, L] scores (once counted for all heads: 0.75x); both within
+    10% (1.08 and 0.99)."""
+    result = _traced(tmp_path, family, size, gpus, "cpu")
+    assert result.layout.context_parallel == size
+    assert abs(result.peak_bytes / result.formula.peak_tensor_bytes - 1) <= 0.10
