@@ -60,3 +60,7 @@ def test_the_dry_run_plans_cp_inside_diloco_sites() -> None:
     assert "2 data ranks (context-parallel groups of 2 ranks)" in flat, flat
     assert "2 sites x 2 ranks (hsdp: replicate 1 x shard 2 within a site)" in flat, flat
     assert "context parallel 2: each rank holds 1/2 of every row's tokens" in flat, flat
+    # the first step's largest micro-batch, and each CP rank's share of it (its row padded to a multiple of 2)
+    first = flat.split("every rank's largest micro-batch: ", 1)[1]
+    tokens = int(first.split(" tokens", 1)[0].replace(",", ""))
+    assert f"each rank of a context-parallel group {-(-tokens // 2):,} of them" in first, first

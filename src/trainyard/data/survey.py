@@ -159,6 +159,9 @@ def _worst_batch_line(found: Survey, cfg: JobConfig) -> str:
     tokens, longest = largest_micro_batch(found.lengths, cfg)
     read = "" if found.encoded >= found.rows else f" of the {found.encoded:,} rows read"
     shape = f"{tokens:,} tokens, rows up to {longest:,}{read}"
+    context = cfg.dist.context_parallel
+    if isinstance(context, int) and context > 1:  # the collator pads each row to a multiple of N: ceil
+        shape += f", each rank of a context-parallel group {-(-tokens // context):,} of them"
     if cfg.train.worst_batch_first:
         return f"first step       every rank's largest micro-batch: {shape} (train.worst_batch_first)"
     return f"first step       in the sampler's order; the largest micro-batch, {shape}, comes when it comes"
