@@ -54,9 +54,10 @@ def estimate_command(
     if trace:
         from trainyard.plan import context_parallel
         from trainyard.train import trace as step_trace
+        from trainyard.train import trace_words
 
         traced = step_trace.trace(context_parallel(cfg, hardware)[0], hardware)  # auto: the size the plan takes
-        print(json.dumps(step_trace.to_json(traced), indent=2) if as_json else step_trace.render(traced))
+        print(json.dumps(trace_words.to_json(traced), indent=2) if as_json else trace_words.render(traced))
         return
     from trainyard.plan.reading import data_lengths
 
