@@ -5,13 +5,12 @@ memory.py counts every weight at its dtype; `adjust` then corrects the parts the
 what FSDP2 gathers of a block, the one weight at a time a product dequantizes or casts, autocast's copies of the
 weights FP8 casts itself. Which weights: model.quantize's rule (frozen linear weights but the head's, fp32-kept ones
 and those a fused kernel reads, whose size NF4's blocks divide; routed experts per expert) and precision's FP8 rule.
-Each weight's block scales are quantized in scaler blocks of the largest power of two up to 256 dividing its blocks
-(model.nf4_fast.scaler_block): the estimate counts each weight's second-level scales from it.
+Each weight's block scales are quantized in scaler blocks model.nf4_fast.scaler_block chooses (a power of two up to
+256 dividing its blocks): the estimate counts each weight's second-level scales from it.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +21,6 @@ from trainyard.precision import fp8_linears
 
 NF4_BLOCK = 64
 """Values per NF4 block: each has an int8 scale."""
-NF4_SCALER_BLOCK = 256
-"""Blocks per second-level scale at most, stored in the weight's dtype (double quantization)."""
 NF4_LEVELS = 16
 """NF4's lookup table, one per tensor, in the weight's dtype (with the scales' mean, one value)."""
 
@@ -69,10 +66,12 @@ def nf4_gathered_bytes(elements: float, scalers: float, element_bytes: int) -> f
 
 
 def scaler_blocks(elements: int) -> int:
-    """A weight's second-level scales: its blocks over the largest power of two up to NF4_SCALER_BLOCK dividing
-    them (model.nf4_fast.scaler_block, which needs torchao)."""
+    """A weight's second-level scales: its blocks over its scaler block, as model.nf4_fast.scaler_block chooses it
+    (the quantization's own rule; it imports no torchao)."""
+    from trainyard.model.nf4_fast import scaler_block
+
     blocks = elements // NF4_BLOCK
-    return blocks // math.gcd(blocks, NF4_SCALER_BLOCK)
+    return blocks // scaler_block(blocks)
 
 
 def count(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> LowBit:

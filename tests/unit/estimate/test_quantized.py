@@ -132,3 +132,13 @@ def test_fp8_gathers_in_fp8_with_tensorwise_scales_and_names_what_stays_bf16() -
     assert sorted(name.rsplit(".", 1)[-1] for name in model.counts.low_bit.fp8_kept) == \
         sorted(["gate_proj", "up_proj", "down_proj"] * 2)
     assert any("3 stay bf16" not in note and "6 stay bf16" in note for note in tensorwise.memory.notes)
+
+
+def test_the_estimate_counts_the_second_level_scales_the_quantization_makes() -> None:
+    """SmolLM2-135M's 576 x 576 and 192 x 576 (scaler blocks of 8, so that 8 shards split them), its MLP's 1536 x
+    576 (64) and 4096 x 4096 (256): the estimate's count of a weight's second-level scales is what NF4 stores."""
+    from trainyard.model import nf4_fast
+
+    for shape in [(576, 576), (192, 576), (1536, 576), (4096, 4096)]:
+        weight = torch.zeros(shape, dtype=torch.bfloat16)
+        assert quantized.scaler_blocks(weight.numel()) == nf4_fast.to_nf4(weight).quantization_factor.numel(), shape
