@@ -10,12 +10,15 @@ expert stack is made for the adapter, forward or backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from peft.tuners.lora import ParamWrapper
 from torch._subclasses.fake_tensor import FakeTensor
 from transformers.integrations.moe import _can_use_grouped_mm
+
+from trainyard.model import nf4_experts
 
 PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
 """The fused expert parameters the grouped path adapts (transformers' names for every family with 3-D experts)."""
@@ -123,9 +126,9 @@ def _compiles_per_shape(experts: torch.nn.Module, tokens: torch.Tensor) -> bool:
     """bf16 products on a CPU go to oneDNN, which compiles a kernel for each new shape: every expert's row count
     changes every step, so unpadded they compile all the time (a tiny-moe step 4x slower than fp32's). Not for the
     fake tensors of `estimate --trace`: the padding depends on the routing, which they do not hold."""
-    weight = experts.down_proj
+    dtype, device = nf4_experts.dtype_and_device(experts, "down_proj")
     real = not isinstance(tokens, FakeTensor)
-    return real and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+    return real and device.type == "cpu" and dtype == torch.bfloat16
 
 
 def _bucketed(
@@ -179,9 +182,16 @@ def _project(
     offsets: torch.Tensor,
 ) -> torch.Tensor:
     """One fused projection on expert-sorted rows: the frozen base as one grouped product, plus the adapter as two
-    grouped products through rank r (never forming W + delta)."""
-    weight = getattr(experts, name)
-    out = grouped_mm(x, weight if experts.is_transposed else weight.mT, offsets)
+    grouped products through rank r (never forming W + delta). A stack held in NF4 is dequantized for its product
+    and again for its backward, not kept between them."""
+    def base() -> torch.Tensor:
+        weight = getattr(experts, name)
+        return weight if experts.is_transposed else weight.mT
+
+    if nf4_experts.quantized_stack(experts, name) is not None:
+        out = _RebuiltWeightProduct.apply(x, offsets, base)
+    else:
+        out = grouped_mm(x, base(), offsets)
     if experts.has_bias:
         out = out + getattr(experts, f"{name}_bias")[expert_ids]
     if adapter is not None:
@@ -202,6 +212,24 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
             weight = without_idle_expert_grads(weight, offsets)
         return torch.nn.functional.grouped_mm(x, weight, offs=offsets)
     return torch.ops.transformers.grouped_mm_fallback(x, weight, offsets)
+
+
+class _RebuiltWeightProduct(torch.autograd.Function):
+    """x @ weight[g] per group for a frozen `weight` rebuilt by a function (an NF4 stack dequantized) in the forward
+    and again in the backward, so autograd keeps no layer's dense stack between them."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, offsets: torch.Tensor, weight: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        ctx.weight, ctx.dtype = weight, x.dtype
+        ctx.save_for_backward(offsets)
+        return grouped_mm(x, weight(), offsets)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        (offsets,) = ctx.saved_tensors
+        return grouped_mm(grad, ctx.weight().mT, offsets).to(ctx.dtype), None, None
 
 
 def without_idle_expert_grads(weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -46,29 +46,30 @@ def is_nf4(tensor: torch.Tensor) -> bool:
 
 
 def nf4_targets(model: torch.nn.Module, dtype: torch.dtype) -> Targets:
-    """The weights NF4 stores, and those it leaves in `dtype` (a linear one whose size is not a multiple of BLOCK;
-    fused 3-D expert stacks, not quantized yet), by checkpoint name, on the plain model (before LoRA): linear layers'
-    weights but the head's, fp32-kept ones, and those a parent reads past the layer's forward."""
+    """The weights NF4 stores, and those it leaves in `dtype` (one whose size, or each expert's, is not a multiple
+    of BLOCK), by checkpoint name, on the plain model (before LoRA): linear layers' weights but the head's,
+    fp32-kept ones, and those a parent reads past the layer's forward; fused 3-D expert stacks, per expert."""
     from trainyard.model.build import kept_in_fp32  # both only where a job quantizes: weights.py imports this
     from trainyard.model.layers import not_plain_linear
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     kept = kept_in_fp32(model, dtype)
     not_plain = not_plain_linear(model)
+    weights = [(f"{name}.weight", 1, module.weight.numel()) for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear) and module is not head and name not in not_plain
+               and module.weight.dim() == 2]
+    weights += [(name, param.shape[0], param[0].numel()) for name, param in model.named_parameters()
+                if param.dim() == 3 and "experts" in name]
     quantized, left, nbytes, values = [], [], 0, 0
-    for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear) or module is head or name in not_plain:
+    for key, experts, numel in weights:
+        if kept(key):
             continue
-        key = f"{name}.weight"
-        if kept(key) or module.weight.dim() != 2:
-            continue
-        numel = module.weight.numel()
         if numel % BLOCK:
             left.append(key)
             continue
         quantized.append(key)
-        nbytes, values = nbytes + nf4_nbytes(numel, scaler_block(numel // BLOCK), dtype), values + numel
-    left += [name for name, param in model.named_parameters() if param.dim() == 3 and "experts" in name]
+        nbytes += experts * nf4_nbytes(numel, scaler_block(numel // BLOCK), dtype)
+        values += experts * numel
     return Targets(quantized, left, nbytes, values)
 
 
@@ -81,26 +82,29 @@ def nf4_nbytes(numel: int, size: int, dtype: torch.dtype) -> int:
 
 
 def quantize_meta(model: torch.nn.Module, targets: set[str], shards: int, device: torch.device,
-                  checkpoint_key: Callable[[str], str]) -> int:
+                  checkpoint_key: Callable[[str], str], expert_parallel: int = 1) -> int:
     """Each target weight (still on meta; found by `checkpoint_key` of its name in the model) as a meta NF4Tensor,
     before the model is sharded over `shards` ranks; returns how many. A weight whose rows or blocks `shards` does
-    not divide is refused, naming it."""
+    not divide is refused, naming it. Fused expert stacks become one NF4Tensor per expert (nf4_experts), sharded
+    over `shards` / `expert_parallel` ranks."""
+    from trainyard.model import nf4_experts  # it imports this module
+
     nf4 = nf4_module()
-    done = 0
+    done = nf4_experts.quantize_experts_meta(model, targets, shards, device, checkpoint_key, expert_parallel)
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if not isinstance(module, torch.nn.Linear) or checkpoint_key(f"{name}.weight") not in targets:
             continue
         size = scaler_block(weight.numel() // BLOCK)
-        _check_shards(checkpoint_key(f"{name}.weight"), weight.shape, size, shards)
-        module.weight = torch.nn.Parameter(_meta_nf4(nf4, weight.shape, weight.dtype, device, size),
+        check_shards(checkpoint_key(f"{name}.weight"), weight.shape, size, shards)
+        module.weight = torch.nn.Parameter(meta_nf4(nf4, weight.shape, weight.dtype, device, size),
                                            requires_grad=False)
         done += 1
     return done
 
 
-def _meta_nf4(nf4: ModuleType, shape: torch.Size, dtype: torch.dtype, device: torch.device,
-              size: int) -> torch.Tensor:
+def meta_nf4(nf4: ModuleType, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+             size: int) -> torch.Tensor:
     """An NF4Tensor of `shape` in scaler blocks of `size` on the meta device (torchao quantizes only real tensors):
     one scaler block of zeros quantized, its sharded parts grown to the weight's size on meta. Its scales' mean and
     NF4's 16 levels, which torchao never shards nor moves when FSDP2 or materialising does, are real on `device` at
@@ -114,7 +118,7 @@ def _meta_nf4(nf4: ModuleType, shape: torch.Size, dtype: torch.dtype, device: to
         "n_blocks": shape.numel() // BLOCK, "scaler_mean": probe.scaler_mean.to(device), "nf4": probe.nf4.to(device)}))
 
 
-def _check_shards(name: str, shape: torch.Size, size: int, shards: int) -> None:
+def check_shards(name: str, shape: torch.Size, size: int, shards: int) -> None:
     rows, numel = shape[0], shape.numel()
     if shards > 1 and (rows % shards or numel % (BLOCK * size * shards)):
         raise ModelError(
@@ -139,24 +143,27 @@ def fill_own_rows(local: torch.Tensor, read: Callable[[int, int], torch.Tensor],
 
 @torch.no_grad()
 def round_trip(model: torch.nn.Module, targets: list[str]) -> int:
-    """Each target weight of a whole plain model replaced by its NF4 value dequantized: the base training saw, for
-    an export to merge the adapter into. Returns how many."""
+    """Each target weight of a whole plain model replaced by its NF4 value dequantized (a fused expert stack's, each
+    expert's own): the base training saw, for an export to merge the adapter into. Returns how many."""
 
     params = dict(model.named_parameters())
     for name in targets:
         weight = params[name]
-        weight.copy_(nf4_fast.to_nf4(weight.detach().cpu().contiguous()).get_original_weight())
+        for matrix in (weight.unbind(0) if weight.dim() == 3 else (weight,)):
+            matrix.copy_(nf4_fast.to_nf4(matrix.detach().cpu().contiguous()).get_original_weight())
     return len(targets)
 
 
 def describe(quantized: list[str], left: list[str], nbytes: int, values: int) -> str:
     """'14 linear weights in NF4 (1.05M values in 0.52 MiB with their scales, 0.5159 bytes a value); left in the
-    model's dtype (...): ...'."""
-    words = f"{len(quantized)} linear weights in NF4"
+    model's dtype (...): ...'; '26 linear weights and 4 expert stacks (per expert) in NF4 (...)' with experts."""
+    stacks = sum(".experts." in f".{name}" and not name.endswith(".weight") for name in quantized)
+    words = f"{len(quantized) - stacks} linear weights"
+    words += f" and {stacks} expert stacks (per expert) in NF4" if stacks else " in NF4"
     if values:
         words += (f" ({values / 1e6:.3g}M values in {nbytes / 2**20:.3g} MiB with their scales, "
                   f"{nbytes / values:.4f} bytes a value)")
     if left:
         shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
-        words += f"; left in the model's dtype (size not a multiple of {BLOCK}, or fused experts): {shown}"
+        words += f"; left in the model's dtype (size not a multiple of {BLOCK}; a stack's, each expert's): {shown}"
     return words

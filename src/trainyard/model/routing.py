@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from trainyard.model import nf4_experts
+
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 ROUTER_NAMES = ("gate", "router")
 EXPERT_PARALLEL_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss",
@@ -36,7 +38,8 @@ def find_routers(model: torch.nn.Module) -> list[Router]:
     found = []
     for name, block in model.named_modules():
         experts = getattr(block, "experts", None)
-        if not isinstance(experts, torch.nn.Module) or not any(p.dim() == 3 for p in experts.parameters()):
+        held = _stacked_experts(experts)
+        if held is None:
             continue
         router = next((getattr(block, n) for n in ROUTER_NAMES if isinstance(getattr(block, n, None), torch.nn.Module)),
                       None)
@@ -44,9 +47,18 @@ def find_routers(model: torch.nn.Module) -> list[Router]:
         if router is not None and layer is not None:
             # expert parallelism: this rank holds some of the experts, the router chooses among all
             exchange = next((m.token_exchange for m in experts.modules() if hasattr(m, "token_exchange")), None)
-            count = exchange.experts if exchange else next(p.shape[0] for p in experts.parameters() if p.dim() == 3)
+            count = exchange.experts if exchange else held
             found.append(Router(int(layer[1]), router, count))
     return sorted(found, key=lambda r: r.layer)
+
+
+def _stacked_experts(experts: Any) -> int | None:
+    """The experts a module of 3-D expert stacks holds (stacks model.quantize nf4 holds per expert too); None for
+    anything else."""
+    if not isinstance(experts, torch.nn.Module):
+        return None
+    stacked = next((p.shape[0] for p in experts.parameters() if p.dim() == 3), None)
+    return stacked if stacked is not None else nf4_experts.expert_count(experts)
 
 
 def _in_backward() -> bool:

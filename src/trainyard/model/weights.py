@@ -8,7 +8,9 @@ reads or holds the whole model; a replicated one (DDP, or no wrapper) asks for a
 A hub checkpoint may store a tensor under another name or in pieces (Mixtral's per-expert
 `block_sparse_moe.experts.N.w1/w3/w2`, Qwen-MoE's and GLM's per-expert projections, renamed legacy
 keys): the folder applies transformers' own conversion table for the family (`conversion_mapping`),
-as `from_pretrained` does. A fused expert stack is built from the rows' experts alone.
+as `from_pretrained` does. A fused expert stack is built from the rows' experts alone. A stack that
+model.quantize nf4 holds per expert (nf4_experts.py) fills each expert's weight from the stack's rows of
+that expert, one expert in memory at a time.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from transformers.core_model_loading import (
 )
 
 from trainyard.errors import ModelError
-from trainyard.model import quantize
+from trainyard.model import nf4_experts, quantize
 
 RowReader = Callable[[int, int], torch.Tensor]
 """Rows [start, stop) along dim 0 of one full tensor, in the source's dtype."""
@@ -275,7 +277,7 @@ def load(
     for name, tensor in tensors_to_load(model):
         if skip(name):
             continue
-        reader = source.rows(key(name))
+        reader = source.rows(key(name)) or _expert_of_stack(source, key(name))
         if reader is None:
             missing.append(key(name))
         else:
@@ -289,6 +291,32 @@ def load(
     for name, tensor, reader in plan:
         copy_own_rows(tensor, reader, name)
     return len(plan)
+
+
+def _expert_of_stack(source: SafetensorsFolder | InMemory, key: str) -> RowReader | None:
+    """The rows of one expert's weight of a fused stack held per expert (nf4_experts), where the source has the
+    stack (an expert-parallel source counts the experts from this rank's first)."""
+    found = nf4_experts.stack_expert(key)
+    stack = source.rows(found[0]) if found else None
+    return None if stack is None or found is None else _OneExpert(stack, found[1])
+
+
+@dataclass
+class _OneExpert:
+    """Rows of expert `expert` of a fused stack: the expert is read once and held until its last row is asked
+    for (the load streams each weight's rows in order), so no more than one expert's copy is ever held."""
+
+    stack: RowReader
+    expert: int
+    held: torch.Tensor | None = None
+
+    def __call__(self, start: int, stop: int) -> torch.Tensor:
+        if self.held is None:
+            self.held = self.stack(self.expert, self.expert + 1)[0]
+        rows = self.held[start:stop]
+        if stop >= self.held.shape[0]:
+            self.held = None
+        return rows
 
 
 def adapter_key(name: str) -> str:

@@ -31,6 +31,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from trainyard import dist
 from trainyard.errors import ConfigError
+from trainyard.model import nf4_experts
 from trainyard.model.routing import EXPERT_PARALLEL_FAMILIES
 from trainyard.model.weights import InMemory, RowReader, SafetensorsFolder, checkpoint_key
 
@@ -86,7 +87,8 @@ def _adapter_chains(model: torch.nn.Module) -> dict[int, tuple[torch.nn.Module, 
 
 
 def _has_stack(module: torch.nn.Module) -> bool:
-    return any(param.dim() == 3 for param in module.parameters(recurse=False))
+    """3-D expert stacks, or stacks model.quantize nf4 holds per expert."""
+    return any(param.dim() == 3 for param in module.parameters(recurse=False)) or bool(nf4_experts.stacks_of(module))
 
 
 def check(model: torch.nn.Module, expert_parallel: int, strategy: str, shard: int, where: str | None) -> None:
@@ -280,6 +282,8 @@ def shard_experts(model: torch.nn.Module, meshes: ExpertMeshes) -> dict[str, int
             stack.experts._parameters[name] = torch.nn.Parameter(
                 kept if kept.is_meta else kept.clone(), requires_grad=param.requires_grad
             )
+            first_rows[checkpoint_key(f"{stack.name}.{name}")] = start
+        for name in nf4_experts.keep_experts(stack.experts, start, local):  # expert i here: the stack's start + i
             first_rows[checkpoint_key(f"{stack.name}.{name}")] = start
         for wrapper in stack.wrappers:
             _keep_adapter_experts(wrapper, start, local)
