@@ -1,15 +1,22 @@
-"""Run under torchrun (2 ranks): DPO under context parallelism (dist.context_parallel 2, fsdp, fp32) against one
+"""Run under torchrun (2 or 4 ranks): DPO under context parallelism (dist.context_parallel 2, fsdp, fp32) against one
 process. For each job, build the model as training does, collate one padding-free row of two pairs through the
 training collator (each rank its slice; the second pair's chosen reply crosses the halves' boundary, the row's odd
 length is padded), run the DPO loss with the loop's scale (world / global pairs), and compare the ranks' summed loss,
 DPO's figures (summed over the ranks, divided by their pairs, as the log window does) and every trainable
-parameter's gradient with a 1-process build on rank 0 that takes the whole row. Full fine-tuning's reference is
-computed by reference.py's pass on each build (the CP build: each rank its rows, whole), compared, and stored on the
-rows; LoRA's is the adapters-off forward, summed over the CP group.
+parameter's gradient with a 1-process build on rank 0 that takes the whole row. On 4 ranks there are two CP groups
+(CP 2 x FSDP 2: the weights sharded over all four); both take the same row, so the ranks' sums are twice the row's,
+and so are their pairs. Full fine-tuning's reference is computed by reference.py's pass on each build (the CP build:
+each rank its rows, whole), compared, and stored on the rows; LoRA's is the adapters-off forward, summed over the CP
+group.
 
-argv: result file, a JSON object {job: [overrides]}. Rank 0 writes one JSON line per job: job, loss_rel, grad_rel,
-worst, figures_rel, reference_rel, targets (each rank's target tokens), pairs (each rank's count: the pairs
-it owns), ok_error."""
+With "eval", each job's evaluation too: evaluate.py on the CP build (each rank its share of the three eval pairs,
+whole, one at a time: rank 1's second batch is padding only) against evaluate.py on the 1-process build. Its one
+all-reduce is the world's, so every rank runs that 1-process evaluation alone and the world sums as many copies of
+the same sums: the figures (sums / pairs) are one process's, its pairs the world's copies.
+
+argv: result file, a JSON object {job: [overrides]}, optionally "eval". Rank 0 writes one JSON line per job: job,
+loss_rel, grad_rel, worst, figures_rel, reference_rel, targets (each rank's target tokens), pairs (each rank's
+count: the pairs it owns), want_pairs, eval_rel, eval_pairs ([CP's, one process's]), ok_error."""
 
 from __future__ import annotations
 
@@ -26,9 +33,12 @@ import torch.distributed as torch_dist
 from context_parallel import TINY, build_model  # beside this script
 from expert_parallel import full_grads  # beside this script
 from trainyard import dist
+from trainyard.config import JobConfig
 from trainyard.config_file import load_config
 from trainyard.data.collate import collate
 from trainyard.data.formats import IGNORE_INDEX
+from trainyard.evaluate import evaluate
+from trainyard.model import source as source_room
 from trainyard.parallel import context_parallel
 from trainyard.preference import reference as reference_pass
 from trainyard.preference.loss import count_pairs, pair_logps, pair_loss_sum, target_logps
@@ -36,9 +46,11 @@ from trainyard.preference.loss import count_pairs, pair_logps, pair_loss_sum, ta
 SHIFT = (-0.3, 0.2)
 """Added to the stored reference's [chosen, rejected] in both builds, so that full fine-tuning's rewards at its initial
 weights are not zero."""
-PAIRS = ((12, 5, 9, 5), (15, 4, 13, 4))
-"""(chosen, its prompt, rejected, its prompt) per pair: 49 tokens, padded to 50, each rank 25; the second chosen
-document holds tokens 21-35, its reply 25-35 across the boundary."""
+PAIRS = ((12, 5, 9, 5), (15, 4, 13, 4), (10, 3, 14, 6))
+"""(chosen, its prompt, rejected, its prompt) per pair. Training takes the first two: 49 tokens, padded to 50, each
+rank 25; the second chosen document holds tokens 21-35, its reply 25-35 across the boundary. Evaluation takes all
+three."""
+TRAINED = 2
 
 
 def rows() -> list[dict[str, list[int]]]:
@@ -71,23 +83,39 @@ def one_process_reference(model: torch.nn.Module, pad_id: int, device: torch.dev
     return found
 
 
-def shifted(values: list[float]) -> list[float]:
-    return [value + shift for value, shift in zip(values, SHIFT)]
+def with_reference(stored: list[list[float]] | None) -> list[dict]:
+    """The rows, each with its stored reference shifted (full fine-tuning), or as they are (LoRA's is computed)."""
+    if stored is None:
+        return rows()
+    return [{**row, "ref_logps": [value + shift for value, shift in zip(values, SHIFT)]}
+            for row, values in zip(rows(), stored)]
 
 
-def compare(overrides: list[str], info: dist.DistInfo) -> dict:
+def evaluated(model: torch.nn.Module, examples: list[dict], cfg: JobConfig, info: dist.DistInfo) -> dict[str, float]:
+    """evaluate.py's DPO figures over every row, one pair a batch, as a job's eval runs them on `info`'s ranks."""
+    tokenizer = source_room.load_tokenizer(cfg.model, None)
+    return evaluate(model, datasets.Dataset.from_list(examples), subset_size=len(examples), seed=0, batch_size=1,
+                    info=info, tokenizer=tokenizer, dpo=cfg.dpo)
+
+
+def eval_difference(got: dict[str, float], want: dict[str, float], copies: int) -> dict:
+    """The worst relative difference of the CP job's eval figures from one process's, and both pair counts."""
+    assert sorted(got) == sorted(want), f"eval figures differ: {sorted(set(got) ^ set(want))}"
+    figures = [name for name in got if name != "eval_pairs"]
+    worst = max(abs(got[name] - want[name]) / max(abs(want[name]), 1e-6) for name in figures)
+    return {"eval_rel": worst, "eval_pairs": [got["eval_pairs"], want["eval_pairs"] / copies],
+            "eval": got}
+
+
+def compare(overrides: list[str], info: dist.DistInfo, with_eval: bool) -> dict:
     common = ["model.tokenizer=builtin:bytes", "train.precision=fp32", "model.attn_implementation=auto",
               "data.padding_free=true", "train.objective=dpo", "train.micro_batch_size=2", *overrides]
     sharded_overrides = [*common, "dist.strategy=fsdp", "dist.context_parallel=2"]
     cfg = load_config(TINY, sharded_overrides)
     sharded, pad_id = build_model(sharded_overrides, info, 1)
-    examples = rows()
-    stored = None
-    if not cfg.lora.enabled:
-        stored = stored_reference(sharded, sharded_overrides, info)
-        sharded.train()
-        examples = [{**row, "ref_logps": shifted(values)} for row, values in zip(examples, stored)]
-    batch = collate(examples, pad_id, True, context_parallel.slice_of(sharded))
+    stored = None if cfg.lora.enabled else stored_reference(sharded, sharded_overrides, info)
+    got_eval = evaluated(sharded, with_reference(stored), cfg, info) if with_eval else {}
+    batch = collate(with_reference(stored)[:TRAINED], pad_id, True, context_parallel.slice_of(sharded))
     pairs = torch.tensor([float(count_pairs(batch))])
     dist.all_reduce_sum(pairs)
     loss_sum, stats = pair_loss_sum(sharded, batch, info.device, cfg.dpo)
@@ -97,17 +125,21 @@ def compare(overrides: list[str], info: dist.DistInfo) -> dict:
     torch_dist.all_gather_object(facts, [int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()), count_pairs(batch)])
     grads = full_grads(sharded, 1)
     del sharded
-    if not info.is_main:
+    if not (info.is_main or with_eval):
         return {}
     alone = dist.DistInfo(0, 1, 0, 1, info.device, None)
     reference, _ = build_model([*common, "dist.strategy=none"], alone, 1)
-    examples = rows()
+    want_stored = None if stored is None else one_process_reference(reference, pad_id, info.device)
+    found = {}
+    if with_eval:  # on every rank: the world's all-reduce
+        found = eval_difference(got_eval, evaluated(reference, with_reference(want_stored), cfg, alone),
+                                info.world_size)
+    if not info.is_main:
+        return {}
     reference_rel = 0.0
     if stored is not None:
-        want_stored = one_process_reference(reference, pad_id, info.device)
         reference_rel = max(abs(g - w) / abs(w) for got, want in zip(stored, want_stored) for g, w in zip(got, want))
-        examples = [{**row, "ref_logps": shifted(values)} for row, values in zip(examples, want_stored)]
-    whole = collate(examples, pad_id, True)
+    whole = collate(with_reference(want_stored)[:TRAINED], pad_id, True)
     want_pairs = count_pairs(whole)
     want_loss, want_stats = pair_loss_sum(reference, whole, info.device, cfg.dpo)
     (want_loss / want_pairs).backward()
@@ -126,17 +158,18 @@ def compare(overrides: list[str], info: dist.DistInfo) -> dict:
     return {"loss_rel": abs(got_loss - want_loss.item() / want_pairs) / abs(want_loss.item() / want_pairs),
             "grad_rel": grad_rel, "worst": worst, "figures_rel": figures_rel, "reference_rel": reference_rel,
             "targets": [f[0] for f in facts if f], "pairs": [f[1] for f in facts if f], "want_pairs": want_pairs,
-            "figures": got_figures.tolist()}
+            "figures": got_figures.tolist(), **found}
 
 
 def main() -> None:
     result_file, jobs = Path(sys.argv[1]), json.loads(sys.argv[2])
+    with_eval = sys.argv[3:] == ["eval"]
     info = dist.init(load_config(TINY, ["dist.timeout_s=120"]).dist)
     if info.is_main:
         result_file.write_text("")
     for job, overrides in jobs.items():
         try:
-            figures, error = compare(overrides, info), None
+            figures, error = compare(overrides, info, with_eval), None
         except Exception:  # whatever it is, reported for this job alone
             figures, error = {}, traceback.format_exc()
         errors: list[str | None] = [None] * info.world_size
