@@ -110,8 +110,8 @@ def count(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> LowBit:
 
 def _nf4_weights(model: torch.nn.Module) -> tuple[dict[int, int], dict[int, tuple[int, int, int, int]]]:
     """By module id: the frozen linear weights NF4 takes (their size), and the frozen routed-expert stacks it takes
-    (size, experts, the largest stack's size, scaler blocks): none yet, as model.quantize.nf4_targets leaves fused
-    3-D experts in model.dtype (NF4Tensor is 2-D only). A linear's size must be a multiple of NF4_BLOCK."""
+    per expert, as model.quantize.nf4_targets does (their size, NF4 tensors: one an expert, the largest stack's
+    size, scaler blocks). A linear's size, or an expert's, must be a multiple of NF4_BLOCK."""
     from trainyard.model.build import kept_in_fp32
     from trainyard.model.layers import not_plain_linear
 
@@ -125,6 +125,13 @@ def _nf4_weights(model: torch.nn.Module) -> tuple[dict[int, int], dict[int, tupl
             if not (module is head or weight.requires_grad or fp32(f"{name}.weight") or name in skipped
                     or weight.numel() % NF4_BLOCK):
                 linears[id(module)] = weight.numel()
+        found = [param for key, param in module.named_parameters(recurse=False)
+                 if param.dim() == 3 and "experts" in f"{name}.{key}" and not param.requires_grad
+                 and not fp32(f"{name}.{key}") and param[0].numel() % NF4_BLOCK == 0]
+        if found:
+            stacks[id(module)] = (sum(p.numel() for p in found), sum(p.shape[0] for p in found),
+                                  max(p.numel() for p in found),
+                                  sum(p.shape[0] * scaler_blocks(p[0].numel()) for p in found))
     return linears, stacks
 
 

@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, TINY, run_cli
+from tests.conftest import REPO, TINY, TINY_MOE, run_cli
 from tests.unit.test_plan_dry_run import dry_run, llama_8b
-from trainyard import estimate
+from trainyard import dist, estimate, precision
 from trainyard.config_file import load_config
 from trainyard.estimate import quantized
 from trainyard.model import build as model_room
 from trainyard.model import lora as lora_room
 from trainyard.model import source as source_room
+from trainyard.train.build import build_and_wrap
 
 MISTRAL = str(REPO / "configs" / "mistral7b-lora-ddp.yaml")
 GLM = str(REPO / "configs" / "glm45air-fsdp-lora.yaml")
@@ -26,6 +27,7 @@ GLM = str(REPO / "configs" / "glm45air-fsdp-lora.yaml")
 WIDE = ["model.config.hidden_size=128", "model.config.intermediate_size=256", "lora.enabled=true",
         "model.dtype=bfloat16"]
 LONG_ROWS = ["data.max_length=16384", "train.micro_batch_size=1", "train.global_batch_size=16"]
+CPU = torch.device("cpu")
 
 
 def nf4(tensor: torch.Tensor) -> torch.Tensor:
@@ -72,6 +74,23 @@ def test_lora_weights_are_the_real_nf4_models_bytes() -> None:
     assert result.memory.weights < 0.6 * plain.memory.weights  # embeddings and norms stay bf16
 
 
+def test_moe_expert_stacks_count_the_bytes_of_their_per_expert_nf4_weights() -> None:
+    """The tiny MoE built as training builds it (each routed expert its own NF4Tensor): what nf4 takes off the
+    frozen weights is what the estimate takes off, byte for byte, most of it the experts'."""
+    def frozen_and_estimated(quantize: str) -> tuple[int, float]:
+        cfg = load_config(TINY_MOE, [f"model.quantize={quantize}", "model.dtype=bfloat16", "dist.strategy=none"])
+        tokenizer = source_room.load_tokenizer(cfg.model, None)
+        model, _, _ = build_and_wrap(cfg, dist.DistInfo(0, 1, 0, 1, CPU, None), precision.resolve(cfg, CPU), None,
+                                     tokenizer)
+        held = sum(held_bytes(p) for p in model.parameters() if not p.requires_grad)
+        return held, estimate.estimate(cfg, estimate.Hardware("h100-80gb")).memory.weights
+
+    (plain, plain_estimate), (four, four_estimate) = frozen_and_estimated("none"), frozen_and_estimated("nf4")
+    assert plain - four == pytest.approx(plain_estimate - four_estimate, abs=1e-6)
+    experts = 2 * 4 * (96 * 64 + 64 * 48)  # two MoE layers of 4 experts: gate_up, down
+    assert plain - four > 2 * experts * (2 - 0.54)
+
+
 def test_under_fsdp_nf4_is_sharded_and_gathered_in_4_bits() -> None:
     hardware = estimate.Hardware("h100-80gb", 8)
     plain = estimate.estimate(load_config(MISTRAL, ["dist.strategy=fsdp"]), hardware)
@@ -106,15 +125,16 @@ def test_the_dry_run_says_nf4_is_what_makes_it_fit(tmp_path: Path) -> None:
 
 def test_the_seed_jobs_fit_with_nf4() -> None:
     """Seed 000 (GLM-4.5-Air, 108B) LoRA on one node of 8 H200 instead of two, and seed 002's Mistral-7B LoRA on one
-    24 GB GPU, as `trainyard estimate` prints them. GLM's routed experts (most of its weights) stay in bf16 until
-    nf4 quantizes fused 3-D experts: it fits one node by expert parallelism, nf4 taking its dense layers only."""
+    24 GB GPU, as `trainyard estimate` prints them. GLM's routed experts (most of its weights) are in 4 bits too,
+    each expert its own NF4 weight."""
     glm = run_cli("estimate", GLM, "model.quantize=nf4", "--gpu", "h200", "--gpus-per-node", "8", "--json")
     assert glm.returncode == 0, glm.stderr
     mistral = run_cli("estimate", MISTRAL, "model.quantize=nf4", "--gpu", "l4", "--json")
     assert mistral.returncode == 0, mistral.stderr
-    for result, most in ((json.loads(glm.stdout), 40 * 2**30), (json.loads(mistral.stdout), 12 * 2**30)):
+    for result, most in ((json.loads(glm.stdout), 24 * 2**30), (json.loads(mistral.stdout), 12 * 2**30)):
         assert result["fits"] and result["peak_bytes_per_device"] < most
         assert any(note.startswith("nf4: ") for note in result["notes"])
+    assert any(note.startswith("nf4: 106B frozen weights") for note in json.loads(glm.stdout)["notes"])
 
 
 def test_fp8_gathers_in_fp8_with_tensorwise_scales_and_names_what_stays_bf16() -> None:

@@ -7,9 +7,16 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from tests.conftest import TINY, run_cli
+from tests.conftest import TINY, TINY_MOE, run_cli
+from trainyard import dist, precision
+from trainyard.config_file import load_config
 from trainyard.errors import ModelError
-from trainyard.model import nf4_fast, quantize, weights
+from trainyard.model import build as model_room
+from trainyard.model import nf4_experts, nf4_fast, quantize, weights
+from trainyard.model import source as source_room
+from trainyard.train.build import build_and_wrap
+
+CPU = torch.device("cpu")
 
 
 def test_nf4_without_lora_is_refused_naming_the_field_and_the_fix() -> None:
@@ -150,7 +157,7 @@ def test_each_rank_s_rows_streamed_in_chunks_are_the_whole_tensor_quantized_then
     nf4 = quantize.nf4_module()
     whole = torch.randn(512, 256, generator=torch.Generator().manual_seed(0)).to(source)
     expected = nf4.to_nf4(whole.to(torch.bfloat16), quantize.BLOCK, nf4_fast.SCALER_BLOCK)
-    meta = quantize._meta_nf4(nf4, whole.shape, torch.bfloat16, torch.device("cpu"), nf4_fast.SCALER_BLOCK)
+    meta = quantize.meta_nf4(nf4, whole.shape, torch.bfloat16, torch.device("cpu"), nf4_fast.SCALER_BLOCK)
     for start, stop in ((0, 512), (0, 256), (256, 512), (128, 192)):
         local = torch.empty_like(meta.split(stop - start)[0], device="cpu")
         reads: list[tuple[int, int]] = []
@@ -168,7 +175,7 @@ def test_rows_of_a_small_scaler_block_streamed_per_rank_are_the_whole_tensor_qua
     nf4 = quantize.nf4_module()
     whole = torch.randn(576, 576, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     expected = nf4.to_nf4(whole, quantize.BLOCK, size)
-    meta = quantize._meta_nf4(nf4, whole.shape, torch.bfloat16, torch.device("cpu"), size)
+    meta = quantize.meta_nf4(nf4, whole.shape, torch.bfloat16, torch.device("cpu"), size)
     assert meta.scaler_block_size == size
     ranks = 3 if size == 64 else 2
     rows = 576 // ranks
@@ -188,15 +195,92 @@ def test_a_weight_that_shards_do_not_split_into_whole_blocks_is_refused_naming_i
     assert quantize.is_nf4(model.model.layers[0].mlp.down_proj.weight)
 
 
-def test_fused_expert_stacks_stay_in_the_model_s_dtype_and_the_log_says_so() -> None:
-    config = AutoConfig.for_model("glm4_moe", hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
-                                  num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4,
-                                  num_experts_per_tok=2, n_group=1, topk_group=1, num_attention_heads=4,
-                                  num_key_value_heads=2, vocab_size=300)
+def _meta_glm_moe(moe_intermediate: int, hidden: int = 128) -> torch.nn.Module:
+    config = AutoConfig.for_model("glm4_moe", hidden_size=hidden, intermediate_size=256,
+                                  moe_intermediate_size=moe_intermediate, num_hidden_layers=2, first_k_dense_replace=1,
+                                  n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
     with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config)
+
+
+def test_fused_expert_stacks_are_quantized_per_expert_and_the_log_counts_their_bytes() -> None:
+    """gate_up [4, 256, 128] and down [4, 128, 128]: each expert is torchao's to_nf4 of it alone (its own scales'
+    mean), and the log's bytes are what the per-expert NF4Tensors hold."""
+    model = _meta_glm_moe(128)
     quantized, left, nbytes, values = quantize.nf4_targets(model, torch.float32)
-    assert "model.layers.1.mlp.experts.gate_up_proj" in left and "model.layers.1.mlp.experts.down_proj" in left
+    stacks = ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"]
+    assert set(stacks) <= set(quantized) and not left
     assert "model.layers.1.mlp.shared_experts.down_proj.weight" in quantized
     assert not any(".gate." in name or name.endswith("gate.weight") for name in quantized)  # the router
-    assert "or fused experts" in quantize.describe(quantized, left, nbytes, values)
+    assert "linear weights and 2 expert stacks (per expert) in NF4" in quantize.describe(quantized, left, nbytes,
+                                                                                          values)
+    dense = [name for name in quantized if name not in stacks]
+    held = sum(_held(nf4_fast.to_nf4(torch.randn(model.get_parameter(name).shape))) for name in dense)
+    held += 4 * (_held(nf4_fast.to_nf4(torch.randn(256, 128))) + _held(nf4_fast.to_nf4(torch.randn(128, 128))))
+    assert nbytes == held and values == sum(model.get_parameter(name).numel() for name in quantized)
+
+
+def test_a_stack_whose_experts_hold_no_whole_blocks_stays_in_the_model_s_dtype_and_the_log_names_it() -> None:
+    targets = quantize.nf4_targets(_meta_glm_moe(12, hidden=40), torch.float32)  # down 40 x 12: 7.5 blocks
+    assert "model.layers.1.mlp.experts.down_proj" in targets.left
+    assert "model.layers.1.mlp.experts.gate_up_proj" in targets.quantized  # 24 x 40: 15 blocks an expert
+    assert "a stack's, each expert's" in quantize.describe(*targets)
+
+
+def _held(tensor: torch.Tensor) -> int:
+    return sum(getattr(tensor, inner).nbytes for inner in _INNER)
+
+
+def test_nf4_experts_under_expert_parallelism_with_one_rank_per_expert_shard_are_refused() -> None:
+    """torch's FSDP2 copies a lone rank's shard as one tensor, which an NF4Tensor is not: EP 2 over a shard
+    dimension of 2 would fail at the first gather; over 4 each expert's rows split over 2 ranks."""
+    model = _meta_glm_moe(128)
+    targets = set(quantize.nf4_targets(model, torch.float32).quantized)
+    with pytest.raises(ModelError, match="model.quantize nf4: under dist.expert_parallel 2") as refused:
+        quantize.quantize_meta(model, targets, 2, torch.device("cpu"), weights.checkpoint_key, expert_parallel=2)
+    assert "dist.expert_parallel: 1, or model.quantize: none" in refused.value.fix
+    quantize.quantize_meta(model, targets, 4, torch.device("cpu"), weights.checkpoint_key, expert_parallel=2)
+    experts = model.model.layers[1].mlp.experts
+    assert sorted(nf4_experts.stacks_of(experts)) == ["down_proj", "gate_up_proj"]
+    assert all(quantize.is_nf4(weight) and weight.shape == (256, 128) for weight in experts.gate_up_proj_nf4)
+
+
+def _tiny_moe(quantized: bool) -> tuple[torch.nn.Module, torch.nn.Module, dict[str, torch.Tensor]]:
+    """The tiny MoE in fp32 (experts: gate_up 96 x 64, down 64 x 48, whole blocks), with LoRA as training builds
+    it; the plain model of the same random init; the init by checkpoint name."""
+    cfg = load_config(TINY_MOE, [f"model.quantize={'nf4' if quantized else 'none'}", "train.precision=fp32",
+                                 "dist.strategy=none"])
+    tokenizer = source_room.load_tokenizer(cfg.model, None)
+    built, _, _ = build_and_wrap(cfg, dist.DistInfo(0, 1, 0, 1, CPU, None), precision.resolve(cfg, CPU), None,
+                                 tokenizer)
+    config = source_room.architecture(cfg.model, tokenizer, None)
+    init = model_room.random_init(cfg.model, config, cfg.train.seed)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(init)
+    return built.eval(), plain.eval(), init
+
+
+def test_each_expert_is_its_own_to_nf4_and_the_moe_computes_what_each_expert_s_round_trip_computes() -> None:
+    """The grouped expert path on per-expert NF4 weights gives the logits of the plain model with each expert's
+    weight replaced by its NF4 round trip (LoRA's B starts at zero), not those of the unquantized model."""
+    model, plain, init = _tiny_moe(quantized=True)
+    experts = model.base_model.model.model.layers[1].mlp.experts.get_base_layer()
+    nf4 = quantize.nf4_module()
+    for name in ("gate_up_proj", "down_proj"):
+        stack = init[f"model.layers.1.mlp.experts.{name}"]
+        held = nf4_experts.quantized_stack(experts, name)
+        assert held is not None and len(held) == stack.shape[0] == 4
+        for expert, weight in zip(stack, held, strict=True):
+            size = nf4_fast.scaler_block(expert.numel() // quantize.BLOCK)
+            _assert_bit_identical(weight, nf4.to_nf4(expert, quantize.BLOCK, size))
+    ids = torch.randint(3, 200, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        unquantized = plain(input_ids=ids).logits
+        targets = quantize.nf4_targets(plain, torch.float32).quantized
+        assert "model.layers.1.mlp.experts.gate_up_proj" in targets
+        quantize.round_trip(plain, targets)
+        assert torch.equal(experts.gate_up_proj, plain.model.layers[1].mlp.experts.gate_up_proj)
+        want, got = plain(input_ids=ids).logits, model(input_ids=ids).logits
+    assert (got - want).abs().max() < 1e-5 * want.abs().max()
+    assert (unquantized - want).abs().max() > 100 * (got - want).abs().max()
