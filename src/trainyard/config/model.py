@@ -31,13 +31,13 @@ class ModelConfig(Section):
     a dense mask; flex_attention with a block mask per document read from the positions. A choice that would drop a
     feature of the family is refused."""
     quantize: Literal["none", "nf4"] = "none"
-    """nf4: LoRA's frozen base linears (attention, MLP, per-expert linears) stored in 4-bit NF4 with torchao
-    (install trainyard[quant]); embeddings, norms, the head and MoE experts fused in 3-D stacks (not yet: the log
-    names them) stay in model.dtype, as does a tensor whose size NF4's blocks (64 values, scales in blocks of 256)
-    do not divide. About 0.53 bytes per weight instead
-    of 2. torchao, not bitsandbytes: its NF4Tensor gathers under FSDP2 as its own type, while bitsandbytes' NF4
-    packed in bf16 is corrupted by FSDP2 (bitsandbytes#1945) and its uint8 storage trains to loss 0 / grad nan
-    (accelerate#3983). LoRA only: full fine-tuning would update the 4-bit weights."""
+    """nf4: LoRA's frozen base linears (attention, MLP, per-expert linears) and MoE experts fused in 3-D stacks
+    (each expert quantized alone) stored in 4-bit NF4 with torchao (install trainyard[quant]); embeddings, norms and
+    the head stay in model.dtype, as does a tensor (or a stack's expert) whose size NF4's blocks (64 values, scales
+    in blocks of 256) do not divide: the log names them. About 0.53 bytes per weight instead of 2. torchao, not
+    bitsandbytes: its NF4Tensor gathers under FSDP2 as its own type, while bitsandbytes' NF4 packed in bf16 is
+    corrupted by FSDP2 (bitsandbytes#1945) and its uint8 storage trains to loss 0 / grad nan (accelerate#3983).
+    LoRA only: full fine-tuning would update the 4-bit weights."""
     trust_remote_code: bool = False
     cache_dir: str | None = None
     """Where GGUF files are converted to safetensors once, and a model.config job's random init is drawn once per

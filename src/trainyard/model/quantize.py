@@ -11,7 +11,8 @@ of the whole tensor would give it, and gathers the same weight as the others.
 NF4 takes blocks of 64 values, whose scales are quantized in scaler blocks of up to 256 (the largest power of two
 dividing the weight's blocks in a multiple of 8 scaler blocks: nf4_fast.scaler_block): a weight whose size 64 does
 not divide stays in model.dtype (said in the log); under FSDP2 each rank's rows must hold whole scaler blocks too.
-MoE experts fused in 3-D stay in model.dtype for now (NF4Tensor is 2-D only; said in the log).
+MoE experts fused in 3-D are quantized per expert, each expert's [out, in] an NF4Tensor of its own (nf4_experts.py),
+under the same rules for each expert's size and rows.
 """
 
 from __future__ import annotations
