@@ -202,8 +202,12 @@ def test_two_rank_fsdp_checkpoint_resumes_in_one_process(tmp_path: Path, full_re
     np.testing.assert_allclose([losses[s] for s in losses], [reference[s] for s in losses], rtol=5e-4, atol=1e-5)
     got = model_tensors(step_dir(run_dir / "checkpoints", STEPS))
     want = model_tensors(step_dir(full_reference / "checkpoints", STEPS))
+    # Per tensor, not per element: where a gradient is near zero, AdamW's normalised update amplifies the products'
+    # rounding, so on a CPU with bf16 units a single weight can land 1e-5 off (1 of 4,096 seen); a step on other rows
+    # or a lost optimizer state moves whole tensors.
     for name in want:
-        np.testing.assert_allclose(got[name].numpy(), want[name].numpy(), rtol=1e-3, atol=1e-5, err_msg=name)
+        error = float((got[name].float() - want[name].float()).norm() / want[name].float().norm())
+        assert error < 1e-4, (name, error)
 
 
 def test_resuming_with_another_lora_rank_or_data_fails_naming_both(tmp_path: Path, lora_reference: Path) -> None:

@@ -4,8 +4,8 @@ in each layer, and what its worst moment adds beside that (its workspace), per f
 On a GPU auto runs flash-attention or flex_attention (output and log-sum-exp, no scores), or eager where asked. On a
 CPU auto runs trainyard's varlen, each document on its own (model/attention.py), and the kernel depends on the
 document: a short one (SHORT_DOCUMENT) as two matmuls around an fp32 softmax; a longer one through sdpa, whose fused
-CPU kernel keeps no scores but keeps the [L, L] mask a window shorter than the document makes (in the compute dtype),
-and whose math path (values narrower than keys: MLA) keeps the fp32 softmax; soft-capping (Gemma 2) and sinks
+CPU kernel keeps no scores, and a window shorter than the document its [L, L] mask in the compute dtype, one for all
+layers, and whose math path (values narrower than keys: MLA) keeps the fp32 softmax; soft-capping (Gemma 2) and sinks
 (gpt-oss) through the family's own eager attention, whose [heads, L, L] tensors differ by family. Measured on
 `estimate --trace` (train/trace.py) for each path at 4,096 tokens, in fp32 and bf16-mixed.
 """
@@ -16,8 +16,8 @@ from trainyard.estimate.arch import Counts, Shape
 from trainyard.hardware import Gpu
 from trainyard.model import attention as attention_room
 
-FUSED, MASKED, MATH, SHORT, SOFTCAP, SINKS, EAGER, GPU_EAGER = (
-    "fused", "masked", "math", "short", "softcap", "sinks", "eager", "gpu eager")
+FUSED, MASKED, WINDOWED, MATH, SHORT, SOFTCAP, SINKS, EAGER, GPU_EAGER = (
+    "fused", "masked", "windowed", "math", "short", "softcap", "sinks", "eager", "gpu eager")
 
 
 def path(requested: str, shape: Shape, counts: Counts, kind: Gpu, document: int, window: int | None) -> str:
@@ -35,8 +35,9 @@ def path(requested: str, shape: Shape, counts: Counts, kind: Gpu, document: int,
     narrow_values = bool(shape.value_head_dim) and shape.value_head_dim != shape.head_dim
     if narrow_values or counts.attention_dropout:
         return MATH
-    windowed = window is not None and window < document
-    return MASKED if windowed or requested == "sdpa" else FUSED
+    if requested == "sdpa":
+        return MASKED
+    return WINDOWED if window is not None and window < document else FUSED
 
 
 def _gpu_eager(requested: str, found: list[str], counts: Counts) -> bool:
@@ -78,8 +79,20 @@ def workspace(requested: str, shape: Shape, counts: Counts, kind: Gpu, document:
     return max(_workspace(one, shape, document, a, w, context) for one in paths)
 
 
+def window_masks(requested: str, shape: Shape, counts: Counts, kind: Gpu, document: int, tokens: int, a: int,
+                 context: int = 1) -> float:
+    """Bytes of the windows' additive masks a micro-batch of `tokens` a rank keeps, its longest document `document`
+    tokens: varlen makes each window's [L, L] mask once per forward for every layer (model/attention.py) in the
+    compute dtype, one a document length (bounded here by the longest's); under context parallelism each rank the
+    whole documents'."""
+    windows = counts.attention_windows or (None,) * shape.layers
+    shared = {window for window in windows if path(requested, shape, counts, kind, document, window) == WINDOWED}
+    return float(len(shared) * tokens * context * document * a)
+
+
 def _saved(kernel: str, shape: Shape, document: int, a: int, w: int, context: int) -> float:
-    """Per token. fused: the output and its fp32 log-sum-exp; masked: and the mask, [L, L] in the compute dtype;
+    """Per token. fused and windowed: the output and its fp32 log-sum-exp (a window's mask is `window_masks`', one
+    for all layers); masked (transformers' sdpa): and its mask, [L, L] in the compute dtype, sdpa's own in each layer;
     math: the fp32 softmax (sdpa's math path upcasts); short and eager: the fp32 softmax and its cast; softcap: the
     tanh besides; sinks: the softmax over the keys and the sink, in the query's dtype (`_workspace`), and its cast
     to the compute dtype; eager on a GPU its softmax in the compute dtype (its backward workspace not counted
@@ -92,7 +105,7 @@ def _saved(kernel: str, shape: Shape, document: int, a: int, w: int, context: in
     repeated = 2 * q * a if shape.heads != shape.kv_heads else 0
     per_score = {MATH: 4, SHORT: 4 + cast, EAGER: 4 + cast, SOFTCAP: a + 4 + cast, SINKS: w + (a if w != a else 0),
                  GPU_EAGER: a}
-    if kernel == FUSED:
+    if kernel in (FUSED, WINDOWED):
         return fused
     if kernel == MASKED:
         return fused + document * a * context
@@ -106,7 +119,7 @@ def _workspace(kernel: str, shape: Shape, document: int, a: int, w: int, context
     over fp32 weights), which the mask's sum promotes the scores to. The fused kernel's backward makes no [L, L]
     tensor."""
     scores = shape.heads / context * document * document
-    if kernel in (FUSED, MASKED, GPU_EAGER):
+    if kernel in (FUSED, MASKED, WINDOWED, GPU_EAGER):
         return 0.0
     if kernel == MATH:
         return scores * 8.0

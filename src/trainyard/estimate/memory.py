@@ -393,13 +393,17 @@ def activation_bytes(cfg: JobConfig, shape: Shape, counts: Counts, size: Dtypes,
     head = _head_bytes_per_token(cfg, shape, size)
     # The first whole-stack gradient of a folded expert weight, while the layer's folded weights are still saved.
     folded_gradient = counts.lora_largest_parameter * size.residual
+    # The windows' masks: made once per forward, kept (saved, or cached for the recompute) until the next.
+    masks = attention_memory.window_masks(cfg.model.attn_implementation, shape, counts, kind, batch.longest, tokens,
+                                          size.compute, layer_memory.context_size(cfg))
     if cfg.model.gradient_checkpointing:
         inputs = tokens * shape.layers * shape.hidden * size.residual
-        return inputs + tokens * head + recomputed_layer_bytes(cfg, shape, counts, size, kind, batch) + folded_gradient
+        return (inputs + tokens * head + recomputed_layer_bytes(cfg, shape, counts, size, kind, batch) + folded_gradient
+                + masks)
     # The folded expert weights (peft) or B copies (grouped) of every MoE layer stay saved until its backward.
     folded = (shape.layers - shape.dense_layers) * _expert_lora_layer_bytes(counts, size)
     per_token = head + layer_memory.stack_per_token(cfg, shape, counts, size, kind, batch.longest)
-    return tokens * per_token + folded + folded_gradient
+    return tokens * per_token + folded + folded_gradient + masks
 
 
 def _head_bytes_per_token(cfg: JobConfig, shape: Shape, size: Dtypes) -> float:

@@ -237,7 +237,8 @@ documents.HOST_BOUNDS.update({VARLEN, TORCH_VARLEN})  # they read the collator's
 
 _last_bounds: tuple[torch.Tensor | None, list[list[tuple[int, int]]]] = (None, [])
 _masks: dict[tuple[Any, ...], torch.Tensor] = {}
-"""The stretches' masks of the forward whose bounds _bounds_of holds (it empties this when they change)."""
+"""The stretches' and windows' masks of the forward whose bounds _bounds_of holds (it empties this when they
+change)."""
 
 
 def _bounds_of(position_ids: torch.Tensor, cu_seq_lens: torch.Tensor | None) -> list[list[tuple[int, int]]]:
@@ -382,8 +383,8 @@ def _document_attention(
     if query.device.type != "cpu" or length > SHORT_DOCUMENT or kwargs.get("dropout", 0.0) > 0:
         if window is None:
             return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)[0]
-        keep = _keep(length, window, query.device)
-        return sdpa_attention_forward(module, query, key, value, keep, is_causal=False, **kwargs)[0]
+        mask = _window_mask(length, window, query)
+        return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kwargs)[0]
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -394,6 +395,33 @@ def _document_attention(
     scores = torch.baddbmm(mask, query[0], key[0].transpose(-1, -2), alpha=scaling)
     weights = scores.float().softmax(dim=-1)
     return torch.matmul(weights.to(value.dtype), value[0]).transpose(0, 1)[None]
+
+
+def _window_mask(length: int, window: int, query: torch.Tensor) -> torch.Tensor:
+    """A window's additive [1, 1, L, L] mask in the query's dtype, made once per forward for every layer: given the
+    boolean one, sdpa would make this itself in each layer (-inf where masked, as here), and autograd keep each copy
+    (a 4,096-token document: 32 MiB a layer in bf16)."""
+    key = ("window", length, window, query.dtype, query.device)
+    if key not in _masks:
+        _masks[key] = _additive_window(length, window, query.dtype, query.device)
+    return _masks[key]
+
+
+def _additive_window(length: int, window: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`_additive(_keep(length, window))` with -inf, filled a stretch of rows at a time: the whole boolean masks
+    beside it would double its size at the moment it is made, which is a rank's peak where its tokens are few (one
+    context-parallel rank's share of a long document)."""
+    mask = torch.zeros((length, length), dtype=dtype, device=device)
+    key = torch.arange(length, device=device)[None, :]
+    rows = max(1, MASK_FILL_ELEMENTS // length)
+    for start in range(0, length, rows):
+        query = torch.arange(start, min(start + rows, length), device=device)[:, None]
+        mask[start : start + rows].masked_fill_((key > query) | (key <= query - window), float("-inf"))
+    return mask[None, None]
+
+
+MASK_FILL_ELEMENTS = 1 << 20
+"""Rows of a window's mask filled at once (`_additive_window`): about this many values, a MiB of booleans."""
 
 
 def _keep(length: int, window: int | None, device: torch.device) -> torch.Tensor:

@@ -106,8 +106,15 @@ def test_default_attention_gives_the_family_s_losses_and_gradients(
     assert loss_rel < TOLERANCE and grad_rel < TOLERANCE, (loss_rel, grad_rel)
     sdpa_keeps_it = not {attention.SOFTCAP, attention.SINKS} & set(attention.features(ref))
     side = MASKS_MADE.get(path) if sdpa_keeps_it else None
-    windows = {key[1] for key in attention._masks}  # a family with windows on some layers makes a mask for each
-    assert [mask.shape for mask in attention._masks.values()] == ([(1, 1, side, side)] * len(windows) if side else [])
+    made = {key: mask for key, mask in attention._masks.items() if key[0] != "window"}
+    windows = {key[1] for key in made}  # a family with windows on some layers makes a mask for each
+    assert [mask.shape for mask in made.values()] == ([(1, 1, side, side)] * len(windows) if side else [])
+    # sdpa's kernel on a document longer than its window: one additive mask a length and window for every layer
+    shared = {key: mask for key, mask in attention._masks.items() if key[0] == "window"}
+    assert not shared or path == "sdpa-kernel"
+    for (_, length, window, dtype, _), mask in shared.items():
+        assert length in DOCUMENTS and window < length
+        assert torch.equal(mask, attention._additive(attention._keep(length, window, CPU), dtype, float("-inf")))
     if attention.features(ref):  # the check can fail: dropping what the family adds changes the function
         assert max(differences(family, PLAIN, ref, ref_loss)) > 20 * TOLERANCE
 
