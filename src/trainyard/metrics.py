@@ -82,7 +82,21 @@ def memory_reading(device: torch.device) -> MemoryReading:
         return cuda_reading(torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device),
                             free + torch.cuda.memory_reserved(device))
     memory = psutil.Process().memory_info()
-    return MemoryReading(memory.rss, memory.rss - memory.shared, psutil.virtual_memory().available)
+    return MemoryReading(cpu_window_peak(memory.rss), memory.rss - memory.shared, psutil.virtual_memory().available)
+
+
+def cpu_window_peak(rss: int, status: Path = Path("/proc/self/status"),
+                    clear_refs: Path = Path("/proc/self/clear_refs")) -> int:
+    """The process's RSS high-water mark since the last reading (Linux's VmHWM, reset after each read, as CUDA's
+    peak is each log window's), so a CPU window's peak is its steps' and not the RSS between them, which is lower by
+    the step's activations and gradients; `rss` where /proc has none."""
+    try:
+        peak = next(int(line.split()[1]) * 1024 for line in status.read_text().splitlines()
+                    if line.startswith("VmHWM:"))
+        clear_refs.write_text("5")  # 5: reset the high-water mark to the current RSS (proc(5)), nothing else
+    except (OSError, StopIteration, ValueError):
+        return rss
+    return max(peak, rss)
 
 
 def cuda_reading(peak: float, allocated: float, capacity: float) -> MemoryReading:
@@ -311,6 +325,8 @@ class MetricsSink:
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / run_layout.TENSORBOARD))
         self._wandb = start_wandb(cfg) if info.is_main and cfg.log.wandb is not None else None
+        self.peak_memory_bytes = 0
+        """The highest peak_memory_bytes of the train events so far (every rank's), for summary.json."""
 
     @property
     def max_steps(self) -> int:
@@ -321,6 +337,8 @@ class MetricsSink:
         if not self.info.is_main:
             return
         fields = json_safe(fields)
+        if kind == "train":
+            self.peak_memory_bytes = max(self.peak_memory_bytes, fields.get("peak_memory_bytes") or 0)
         event = {"kind": kind, "time": round(time.time(), 3), **fields}
         assert self._jsonl is not None
         self._jsonl.write(json.dumps(redact(event), allow_nan=False) + "\n")

@@ -165,6 +165,11 @@ def check_fits(
     problem = does_not_fit(result)
     if problem:
         raise ConfigError(problem, where=where, fix="see `trainyard train CONFIG --dry-run` for the whole plan")
+    batch = result.micro_batch
+    logging.getLogger("trainyard").info(
+        "planned peak %s MiB a rank (%s)%s: the train events' peak_memory_bytes say what ran",
+        f"{result.memory.peak / 2**20:,.0f}", "RSS" if info.device.type == "cpu" else "device memory",
+        f", for a micro-batch of {batch.tokens:,} tokens ({batch.source})" if batch else "")
 
 
 def this_hardware(info: DistInfo) -> estimate.Hardware | None:

@@ -41,6 +41,7 @@ from trainyard.metrics import (
     LogWindow,
     MetricsSink,
     environment_record,
+    memory_reading,
     setup_logging,
     write_json,
 )
@@ -433,6 +434,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         "trainable_params": trainable_params,
         "first_train_loss": state.first_loss,
         "final_train_loss": state.last_loss,
+        # the train events' (every rank's), and rank 0's since the last of them (the end's evaluation and save)
+        "peak_memory_bytes": max(job.sink.peak_memory_bytes, int(memory_reading(info.device).peak)),
         "final_eval_loss": state.last_eval.get("eval_loss"),
         "final_eval_accuracy": state.last_eval.get("eval_accuracy"),
         "baseline_eval_loss": state.baseline_eval.get("eval_loss"),
