@@ -63,6 +63,7 @@ from trainyard.checkpoint.failure import DISK_FIX, plain, save_error, state_byte
 from trainyard.config import CheckpointConfig
 from trainyard.dist import DistInfo, all_reduce_sum, broadcast_text
 from trainyard.errors import CheckpointError
+from trainyard.model import nf4_experts
 from trainyard.model.build import is_peft
 from trainyard.parallel import expert_parallel
 from trainyard.parallel.parallelize import unwrap
@@ -112,10 +113,13 @@ def save_adapter(model: torch.nn.Module, out_dir: Path, info: DistInfo, tokenize
 
 def model_signature(model: torch.nn.Module) -> str:
     """Names and shapes of every parameter: a resumed job must build the same model. An expert stack held apart
-    by expert parallelism counts with its whole shape (an evaluation without EP reads the same checkpoint)."""
+    by expert parallelism counts with its whole shape (an evaluation without EP reads the same checkpoint), and so
+    does one model.quantize nf4 holds per expert."""
     model = unwrap(model)
     whole = expert_parallel.whole_shapes(model)
-    shapes = [f"{name}:{whole.get(name, tuple(getattr(p, 'shape', ())))}" for name, p in model.named_parameters()]
+    entries = [(name, whole.get(name, tuple(getattr(p, "shape", ())))) for name, p in model.named_parameters()]
+    entries = nf4_experts.as_whole_stacks(entries, expert_parallel.size_of(model) or 1)
+    shapes = [f"{name}:{shape}" for name, shape in entries]
     return hashlib.sha256("\n".join(shapes).encode()).hexdigest()[:16]
 
 

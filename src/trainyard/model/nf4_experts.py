@@ -51,6 +51,21 @@ def stack_expert(key: str) -> tuple[str, int] | None:
     return (found[1], int(found[2])) if found else None
 
 
+def as_whole_stacks(entries: list[tuple[str, tuple[int, ...]]], ranks: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Parameters' (name, shape), each quantized stack's per-expert weights as the one [experts, out, in] stack they
+    stand for (this rank's experts on each of `ranks` EP ranks), in place of the first: the same at any EP size."""
+    merged: dict[str, tuple[int, ...]] = {}
+    experts: dict[str, int] = {}
+    for name, shape in entries:
+        found = _STACK_EXPERT.fullmatch(name)
+        if found is None:
+            merged[name] = shape
+            continue
+        experts[found[1]] = experts.get(found[1], 0) + 1
+        merged[found[1]] = (experts[found[1]] * ranks, *shape)
+    return list(merged.items())
+
+
 def _read_dense(self: torch.nn.Module, name: str) -> Any:
     stack = self._modules.get(f"{name}{SUFFIX}")
     return stack.dequantized() if isinstance(stack, NF4ExpertStack) else torch.nn.Module.__getattr__(self, name)

@@ -240,14 +240,15 @@ def _apart(value: Any, experts: int | None, names: dict[str, int]) -> Any:
 
 
 def whole_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
-    """Each parameter EP ranks hold apart, by name: its shape in the same model without EP."""
+    """Each parameter EP ranks hold apart, by name: its shape in the same model without EP (but the per-expert NF4
+    weights of a quantized stack, which stand for the stack: nf4_experts.as_whole_stacks)."""
     found = meshes_of(model)
     if found is None:
         return {}
     ranks, apart = found[0].ep.size(), expert_parallel_groups(model)
     shapes = {}
     for name, param in model.named_parameters():
-        if id(param) in apart:
+        if id(param) in apart and nf4_experts.stack_expert(name) is None:
             shape = list(param.shape)
             shape[1 if ".lora_B." in name else 0] *= ranks
             shapes[name] = tuple(shape)
