@@ -84,7 +84,9 @@ def test_lora_on_nf4_experts_trains_and_checkpoints_no_base_weight(worlds: Calla
 
 def test_the_merged_export_computes_what_the_nf4_model_with_its_adapter_computes(world: World,
                                                                                  tmp_path: Path) -> None:
-    train_in(world, TINY, f"output_dir={tmp_path}", "dist.strategy=fsdp", *NF4)
+    # fp32 on every CPU: where auto picks bf16-mixed, both compute in bf16 and the merged W + B·A is stored rounded to
+    # bf16, 5% of the largest logit apart; the check is of the merge, not of bf16
+    train_in(world, TINY, f"output_dir={tmp_path}", "dist.strategy=fsdp", *NF4, "train.precision=fp32")
     run_dir = tmp_path / "tiny"
     _assert_the_merged_export_computes_the_nf4_model(run_dir, tmp_path)
 
