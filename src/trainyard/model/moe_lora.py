@@ -74,11 +74,25 @@ def low_rank_factors(chain: list[ParamWrapper]) -> dict[str, LowRank] | None:
         if len(active) > 1:
             return None
         if active:
-            lhs, rhs, scale = wrapper.get_delta_factors(active[0])
+            lhs, rhs, scale = delta_factors(wrapper, active[0])
             transposed = not wrapper._did_swap_in_out_features  # stored [E, in, out]: delta = lhs @ rhs
             first, second = (lhs, rhs) if transposed else (rhs.mT, lhs.mT)
             factors[wrapper.parameter_name] = (_grouped_layout(first), _grouped_layout(second), scale)
     return factors
+
+
+def delta_factors(wrapper: ParamWrapper, adapter: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """PEFT's `get_delta_factors`, which reads the wrapped parameter only for its dtype: for a stack held in NF4
+    that read would dequantize the whole stack, so its dtype comes from the NF4 weights (PEFT's steps otherwise)."""
+    base = wrapper.get_base_layer()
+    if nf4_experts.quantized_stack(base, wrapper.parameter_name) is None:
+        return wrapper.get_delta_factors(adapter)
+    dtype, _ = nf4_experts.dtype_and_device(base, wrapper.parameter_name)
+    experts, weight_a, weight_b = wrapper.num_experts, wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight
+    weight_a = weight_a.reshape(experts, -1, weight_a.shape[-1])  # [E, r, in]
+    weight_b = weight_b.reshape(weight_b.shape[0], -1, experts).permute(2, 0, 1)  # [E, out, r]
+    lhs, rhs = (weight_b, weight_a) if wrapper._did_swap_in_out_features else (weight_a.mT, weight_b.mT)
+    return lhs.to(dtype), rhs.to(dtype), wrapper.scaling[adapter]
 
 
 def grouped_experts_forward(

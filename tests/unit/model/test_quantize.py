@@ -12,7 +12,7 @@ from trainyard import dist, precision
 from trainyard.config_file import load_config
 from trainyard.errors import ModelError
 from trainyard.model import build as model_room
-from trainyard.model import nf4_experts, nf4_fast, quantize, weights
+from trainyard.model import moe_lora, nf4_experts, nf4_fast, quantize, weights
 from trainyard.model import source as source_room
 from trainyard.train.build import build_and_wrap
 
@@ -284,3 +284,24 @@ def test_each_expert_is_its_own_to_nf4_and_the_moe_computes_what_each_expert_s_r
         want, got = plain(input_ids=ids).logits, model(input_ids=ids).logits
     assert (got - want).abs().max() < 1e-5 * want.abs().max()
     assert (unquantized - want).abs().max() > 100 * (got - want).abs().max()
+
+
+def test_the_grouped_path_takes_peft_s_adapter_factors_without_dequantizing_a_stack() -> None:
+    """PEFT's get_delta_factors reads the wrapped stack for its dtype alone: moe_lora takes the same factors from
+    the NF4 weights' dtype, and reads no stack."""
+    model, _, _ = _tiny_moe(quantized=True)
+    outer = model.base_model.model.model.layers[1].mlp.experts
+    chain = moe_lora.wrapper_chain(outer)
+    assert sorted(wrapper.parameter_name for wrapper in chain) == ["down_proj", "gate_up_proj"]
+    experts = chain[-1].get_base_layer()
+    reads: list[str] = []
+    stacks = nf4_experts.stacks_of(experts).values()
+    for stack in stacks:
+        stack.dequantized = lambda stack=stack: reads.append("read") or nf4_experts.NF4ExpertStack.dequantized(stack)
+    for wrapper in chain:
+        torch.nn.init.normal_(wrapper.lora_B["default"].weight, generator=torch.Generator().manual_seed(3))
+        got = moe_lora.delta_factors(wrapper, "default")
+        assert not reads
+        want = wrapper.get_delta_factors("default")
+        assert reads and all(torch.equal(a, b) for a, b in zip(got[:2], want[:2], strict=True)) and got[2] == want[2]
+        reads.clear()
