@@ -45,6 +45,11 @@ def planned_peak(run_dir: Path) -> float:
     return float(match[1].replace(",", "")) * 2**20
 
 
+def train_events(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [event for event in map(json.loads, lines) if event["kind"] == "train"]
+
+
 def high_water(pid: int) -> int:
     """VmHWM of a live process in bytes (0 once it is gone)."""
     try:
@@ -99,7 +104,10 @@ def main() -> None:
                 "planned_gib": round(planned / GIB, 3), "measured_gib": [round(p / GIB, 3) for p in peaks],
                 "measured_over_planned": [round(p / planned, 3) for p in peaks],
                 "summary_peak_over_planned": round(summary["peak_memory_bytes"] / planned, 3),
+                "losses": [round(e["loss"], 4) for e in train_events(run_dir)],
+                "tokens_per_s": summary["tokens_per_s"],
                 "seconds": round(time.perf_counter() - started, 1)}), flush=True)
+
 
 if __name__ == "__main__":
     main()
