@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from tests.conftest import TINY, TINY_MOE, events, train_in
 from tests.world import World
 from trainyard import dist, precision
-from trainyard.checkpoint.export import adapter_dir, export, job_of
+from trainyard.checkpoint.export import adapter_dir, export, frozen_dtype, job_of
 from trainyard.checkpoint.layout import read_trainer_state
 from trainyard.checkpoint.save import model_signature
 from trainyard.model import quantize, weights
@@ -84,10 +84,10 @@ def test_lora_on_nf4_experts_trains_and_checkpoints_no_base_weight(worlds: Calla
 
 def test_the_merged_export_computes_what_the_nf4_model_with_its_adapter_computes(world: World,
                                                                                  tmp_path: Path) -> None:
-    # fp32 on every CPU: where auto picks bf16-mixed, both compute in bf16 and the merged W + B·A is stored rounded to
-    # bf16, 5% of the largest logit apart; the check is of the merge, not of bf16
+    # fp32 on every CPU: where auto picks bf16-mixed, both sides compute in bf16; the check is of the merge
     train_in(world, TINY, f"output_dir={tmp_path}", "dist.strategy=fsdp", *NF4, "train.precision=fp32")
     run_dir = tmp_path / "tiny"
+    assert frozen_dtype(run_dir) == torch.float32  # env.json's: what the export quantizes the base in again
     _assert_the_merged_export_computes_the_nf4_model(run_dir, tmp_path)
 
     unmerged = export(run_dir, tmp_path / "unmerged")

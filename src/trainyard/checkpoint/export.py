@@ -89,13 +89,26 @@ def training_dtype(cfg: JobConfig, run_dir: Path) -> torch.dtype:
     return source_room.resolve_dtype(cfg.model, torch.device(device))
 
 
-def build_base(cfg: JobConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
-    """The job's base model and tokenizer, as `trainer.run` builds them before LoRA."""
+def frozen_dtype(run_dir: Path) -> torch.dtype | None:
+    """The dtype training held its frozen base in (env.json; bf16 under bf16-mixed LoRA on a CPU, whose model dtype
+    is fp32), None where the run did not record it."""
+    try:
+        name = json.loads((run_dir / run_layout.ENV).read_text()).get("frozen_dtype")
+    except (OSError, ValueError):
+        return None
+    found = getattr(torch, name, None) if isinstance(name, str) else None
+    return found if isinstance(found, torch.dtype) else None
+
+
+def build_base(cfg: JobConfig, dtype: torch.dtype, quantized: torch.dtype | None = None) -> tuple[torch.nn.Module,
+                                                                                                   object]:
+    """The job's base model and tokenizer, as `trainer.run` builds them before LoRA; an NF4 base as training
+    quantized it, in `quantized` (its frozen dtype) where given."""
     model_path = source_room.resolve_model_path(cfg.model) if cfg.model.path is not None else None
     tokenizer = source_room.load_tokenizer(cfg.model, model_path)
     model = model_room.load_model(cfg.model, model_path, tokenizer, dtype, cfg.train.seed)
     if cfg.model.quantize == "nf4":  # the base the adapter trained on: each NF4 weight as training dequantized it
-        quantize.round_trip(model, quantize.nf4_targets(model, dtype)[0])
+        quantize.round_trip(model, quantize.nf4_targets(model, dtype)[0], quantized)
     return model, tokenizer
 
 
@@ -172,7 +185,8 @@ def export(ckpt: Path, out: Path, merge_lora: bool = False) -> Path:
         )
     tmp = _prepare_out(out)
     try:
-        model, tokenizer = build_base(cfg, training_dtype(cfg, step.parent.parent))
+        run_dir = step.parent.parent
+        model, tokenizer = build_base(cfg, training_dtype(cfg, run_dir), frozen_dtype(run_dir))
         if cfg.lora.enabled:
             _export_lora(model, step, tmp, merge_lora, with_base=cfg.model.quantize == "none")
         else:

@@ -143,15 +143,18 @@ def fill_own_rows(local: torch.Tensor, read: Callable[[int, int], torch.Tensor],
 
 
 @torch.no_grad()
-def round_trip(model: torch.nn.Module, targets: list[str]) -> int:
+def round_trip(model: torch.nn.Module, targets: list[str], dtype: torch.dtype | None = None) -> int:
     """Each target weight of a whole plain model replaced by its NF4 value dequantized (a fused expert stack's, each
-    expert's own): the base training saw, for an export to merge the adapter into. Returns how many."""
+    expert's own): the base training saw, for an export to merge the adapter into. `dtype`: the one training
+    quantized the weights in (its frozen base's: the scales are computed in it), where it is not the model's.
+    Returns how many."""
 
     params = dict(model.named_parameters())
     for name in targets:
         weight = params[name]
         for matrix in (weight.unbind(0) if weight.dim() == 3 else (weight,)):
-            matrix.copy_(nf4_fast.to_nf4(matrix.detach().cpu().contiguous()).get_original_weight())
+            values = matrix.detach().cpu().to(dtype or matrix.dtype).contiguous()
+            matrix.copy_(nf4_fast.to_nf4(values).get_original_weight())
     return len(targets)
 
 

@@ -322,7 +322,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         )
     for note in cfg._notes if info.is_main else ():
         logger.info("%s", note)
-    environment = environment_record(info)
+    # the frozen base's dtype: an export quantizes an NF4 base in it again, as the load did
+    environment = {**environment_record(info), "frozen_dtype": str(precision.frozen_dtype).removeprefix("torch.")}
     if info.is_main:
         write_json(run_dir / run_layout.ENV, environment)
 

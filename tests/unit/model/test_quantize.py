@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from accelerate import init_empty_weights
@@ -246,10 +248,11 @@ def test_nf4_experts_under_expert_parallelism_with_one_rank_per_expert_shard_are
     assert all(quantize.is_nf4(weight) and weight.shape == (256, 128) for weight in experts.gate_up_proj_nf4)
 
 
-def _tiny_moe(quantized: bool) -> tuple[torch.nn.Module, torch.nn.Module, dict[str, torch.Tensor]]:
+def _tiny_moe(quantized: bool, training: str = "fp32") -> tuple[torch.nn.Module, torch.nn.Module,
+                                                                dict[str, torch.Tensor]]:
     """The tiny MoE in fp32 (experts: gate_up 96 x 64, down 64 x 48, whole blocks), with LoRA as training builds
-    it; the plain model of the same random init; the init by checkpoint name."""
-    cfg = load_config(TINY_MOE, [f"model.quantize={'nf4' if quantized else 'none'}", "train.precision=fp32",
+    it at train.precision `training`; the plain model of the same random init; the init by checkpoint name."""
+    cfg = load_config(TINY_MOE, [f"model.quantize={'nf4' if quantized else 'none'}", f"train.precision={training}",
                                  "dist.strategy=none"])
     tokenizer = source_room.load_tokenizer(cfg.model, None)
     built, _, _ = build_and_wrap(cfg, dist.DistInfo(0, 1, 0, 1, CPU, None), precision.resolve(cfg, CPU), None,
@@ -284,6 +287,24 @@ def test_each_expert_is_its_own_to_nf4_and_the_moe_computes_what_each_expert_s_r
         want, got = plain(input_ids=ids).logits, model(input_ids=ids).logits
     assert (got - want).abs().max() < 1e-5 * want.abs().max()
     assert (unquantized - want).abs().max() > 100 * (got - want).abs().max()
+
+
+def test_an_export_quantizes_the_base_again_in_the_dtype_training_held_it_in() -> None:
+    """Under bf16-mixed LoRA training quantizes the frozen base from its bf16 values (the scales computed in bf16),
+    while an export loads the base in fp32 on a CPU: its round trip in that frozen dtype (env.json's) gives the
+    base training saw, bit for bit, a linear layer's and each expert's; in fp32 it gives another."""
+    model, plain, _ = _tiny_moe(quantized=True, training="bf16-mixed")
+    layer = model.base_model.model.model.layers[1]
+    trained = {"experts": layer.mlp.experts.get_base_layer().gate_up_proj.float(),
+               "q_proj": layer.self_attn.q_proj.base_layer.weight.get_original_weight().float()}
+    other = copy.deepcopy(plain)
+    targets = quantize.nf4_targets(plain, torch.float32).quantized
+    quantize.round_trip(plain, targets, torch.bfloat16)
+    quantize.round_trip(other, targets)
+    for base, same in ((plain, True), (other, False)):
+        found = {"experts": base.model.layers[1].mlp.experts.gate_up_proj,
+                 "q_proj": base.model.layers[1].self_attn.q_proj.weight}
+        assert all(torch.equal(found[name], trained[name]) == same for name in trained)
 
 
 def test_the_grouped_path_takes_peft_s_adapter_factors_without_dequantizing_a_stack() -> None:
