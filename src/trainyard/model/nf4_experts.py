@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from trainyard.errors import ModelError
-from trainyard.model import quantize
+from trainyard.model import nf4_fast
 from trainyard.model.nf4_fast import BLOCK, nf4_module, scaler_block
 
 
@@ -125,9 +125,9 @@ def quantize_experts_meta(model: torch.nn.Module, targets: set[str], shards: int
             param = module._parameters.pop(key)
             experts, shape = param.shape[0], param.shape[1:]
             size = scaler_block(shape.numel() // BLOCK)
-            quantize.check_shards(f"{checkpoint_key(f'{name}.{key}')} (each expert)", shape, size, shards)
+            nf4_fast.check_shards(f"{checkpoint_key(f'{name}.{key}')} (each expert)", shape, size, shards)
             module.register_module(f"{key}{SUFFIX}", NF4ExpertStack([
-                torch.nn.Parameter(quantize.meta_nf4(nf4, shape, param.dtype, device, size), requires_grad=False)
+                torch.nn.Parameter(nf4_fast.meta_nf4(nf4, shape, param.dtype, device, size), requires_grad=False)
                 for _ in range(experts)]))
             done += 1
         if found and type(module).__getattr__ is not _read_dense:

@@ -190,3 +190,30 @@ def _chunks(shape: tuple[int, int], start: int, stop: int) -> list[tuple[int, in
     rows, columns = shape
     bounds = sorted({*range(0, rows, chunk_rows(columns)), start, stop, rows})
     return list(zip(bounds, bounds[1:]))
+
+
+def meta_nf4(nf4: ModuleType, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+             size: int) -> torch.Tensor:
+    """An NF4Tensor of `shape` in scaler blocks of `size` on the meta device (torchao quantizes only real tensors):
+    one scaler block of zeros quantized, its sharded parts grown to the weight's size on meta. Its scales' mean and
+    NF4's 16 levels, which torchao never shards nor moves when FSDP2 or materialising does, are real on `device` at
+    once (the load copies the mean into them)."""
+    probe = nf4.to_nf4(torch.zeros(BLOCK * size, dtype=dtype), BLOCK, size)
+    grow = shape.numel() // (BLOCK * size)
+    parts = {name: torch.empty(getattr(probe, name).numel() * grow, dtype=getattr(probe, name).dtype, device="meta")
+             for name in nf4._INNER_TENSOR_NAMES_FOR_SHARDING}
+    return nf4.NF4Tensor(*nf4.construct_nf4_args(probe, {
+        **parts, "size": shape, "stride": (shape[1], 1), "device": torch.device("meta"),
+        "n_blocks": shape.numel() // BLOCK, "scaler_mean": probe.scaler_mean.to(device), "nf4": probe.nf4.to(device)}))
+
+
+def check_shards(name: str, shape: torch.Size, size: int, shards: int) -> None:
+    """Refuse a weight FSDP2 cannot split into `shards` row shards of whole scaler blocks of `size`, naming it."""
+    rows, numel = shape[0], shape.numel()
+    if shards > 1 and (rows % shards or numel % (BLOCK * size * shards)):
+        raise ModelError(
+            f"model.quantize nf4: {name} {tuple(shape)} cannot be split into {shards} shards of whole NF4 scaler "
+            f"blocks (each rank's rows must hold a multiple of {BLOCK * size} values)",
+            fix="shard over fewer ranks (dist.strategy ddp, or hsdp with a smaller dist.shard_size), "
+            "or set model.quantize: none",
+        )

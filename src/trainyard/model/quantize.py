@@ -18,13 +18,11 @@ under the same rules for each expert's size and rows.
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 from typing import NamedTuple
 
 import torch
 
-from trainyard.errors import ModelError
-from trainyard.model import nf4_fast
+from trainyard.model import nf4_experts, nf4_fast
 from trainyard.model.nf4_fast import BLOCK, nf4_module, scaler_block
 
 NF4_LEVELS = 16
@@ -88,8 +86,6 @@ def quantize_meta(model: torch.nn.Module, targets: set[str], shards: int, device
     before the model is sharded over `shards` ranks; returns how many. A weight whose rows or blocks `shards` does
     not divide is refused, naming it. Fused expert stacks become one NF4Tensor per expert (nf4_experts), sharded
     over `shards` / `expert_parallel` ranks."""
-    from trainyard.model import nf4_experts  # it imports this module
-
     nf4 = nf4_module()
     done = nf4_experts.quantize_experts_meta(model, targets, shards, device, checkpoint_key, expert_parallel)
     for name, module in model.named_modules():
@@ -97,37 +93,11 @@ def quantize_meta(model: torch.nn.Module, targets: set[str], shards: int, device
         if not isinstance(module, torch.nn.Linear) or checkpoint_key(f"{name}.weight") not in targets:
             continue
         size = scaler_block(weight.numel() // BLOCK)
-        check_shards(checkpoint_key(f"{name}.weight"), weight.shape, size, shards)
-        module.weight = torch.nn.Parameter(meta_nf4(nf4, weight.shape, weight.dtype, device, size),
+        nf4_fast.check_shards(checkpoint_key(f"{name}.weight"), weight.shape, size, shards)
+        module.weight = torch.nn.Parameter(nf4_fast.meta_nf4(nf4, weight.shape, weight.dtype, device, size),
                                            requires_grad=False)
         done += 1
     return done
-
-
-def meta_nf4(nf4: ModuleType, shape: torch.Size, dtype: torch.dtype, device: torch.device,
-             size: int) -> torch.Tensor:
-    """An NF4Tensor of `shape` in scaler blocks of `size` on the meta device (torchao quantizes only real tensors):
-    one scaler block of zeros quantized, its sharded parts grown to the weight's size on meta. Its scales' mean and
-    NF4's 16 levels, which torchao never shards nor moves when FSDP2 or materialising does, are real on `device` at
-    once (the load copies the mean into them)."""
-    probe = nf4.to_nf4(torch.zeros(BLOCK * size, dtype=dtype), BLOCK, size)
-    grow = shape.numel() // (BLOCK * size)
-    parts = {name: torch.empty(getattr(probe, name).numel() * grow, dtype=getattr(probe, name).dtype, device="meta")
-             for name in nf4._INNER_TENSOR_NAMES_FOR_SHARDING}
-    return nf4.NF4Tensor(*nf4.construct_nf4_args(probe, {
-        **parts, "size": shape, "stride": (shape[1], 1), "device": torch.device("meta"),
-        "n_blocks": shape.numel() // BLOCK, "scaler_mean": probe.scaler_mean.to(device), "nf4": probe.nf4.to(device)}))
-
-
-def check_shards(name: str, shape: torch.Size, size: int, shards: int) -> None:
-    rows, numel = shape[0], shape.numel()
-    if shards > 1 and (rows % shards or numel % (BLOCK * size * shards)):
-        raise ModelError(
-            f"model.quantize nf4: {name} {tuple(shape)} cannot be split into {shards} shards of whole NF4 scaler "
-            f"blocks (each rank's rows must hold a multiple of {BLOCK * size} values)",
-            fix="shard over fewer ranks (dist.strategy ddp, or hsdp with a smaller dist.shard_size), "
-            "or set model.quantize: none",
-        )
 
 
 @torch.no_grad()

@@ -159,7 +159,7 @@ def test_each_rank_s_rows_streamed_in_chunks_are_the_whole_tensor_quantized_then
     nf4 = quantize.nf4_module()
     whole = torch.randn(512, 256, generator=torch.Generator().manual_seed(0)).to(source)
     expected = nf4.to_nf4(whole.to(torch.bfloat16), quantize.BLOCK, nf4_fast.SCALER_BLOCK)
-    meta = quantize.meta_nf4(nf4, whole.shape, torch.bfloat16, torch.device("cpu"), nf4_fast.SCALER_BLOCK)
+    meta = nf4_fast.meta_nf4(nf4, whole.shape, torch.bfloat16, torch.device("cpu"), nf4_fast.SCALER_BLOCK)
     for start, stop in ((0, 512), (0, 256), (256, 512), (128, 192)):
         local = torch.empty_like(meta.split(stop - start)[0], device="cpu")
         reads: list[tuple[int, int]] = []
@@ -177,7 +177,7 @@ def test_rows_of_a_small_scaler_block_streamed_per_rank_are_the_whole_tensor_qua
     nf4 = quantize.nf4_module()
     whole = torch.randn(576, 576, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     expected = nf4.to_nf4(whole, quantize.BLOCK, size)
-    meta = quantize.meta_nf4(nf4, whole.shape, torch.bfloat16, torch.device("cpu"), size)
+    meta = nf4_fast.meta_nf4(nf4, whole.shape, torch.bfloat16, torch.device("cpu"), size)
     assert meta.scaler_block_size == size
     ranks = 3 if size == 64 else 2
     rows = 576 // ranks
