@@ -73,30 +73,27 @@ class MemoryReading:
 
 
 def memory_reading(device: torch.device) -> MemoryReading:
-    """On CPU: the process's RSS; its anonymous pages (RSS less its file-backed pages, which the kernel drops and
-    reads back under pressure: RSS then falls while a leak goes on); the host's available memory (shared with the
-    node's other processes). On CUDA: `cuda_reading` of the allocator's figures (LogWindow.figures then starts the
+    """On CPU: the process's RSS high-water mark so far (`cpu_peak`); its anonymous pages (RSS less its file-backed
+    pages, which the kernel drops and reads back under pressure: RSS then falls while a leak goes on); the host's
+    available memory (shared with the node's other processes). On CUDA: `cuda_reading` of the allocator's figures (LogWindow.figures then starts the
     next window's peak)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return cuda_reading(torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device),
                             free + torch.cuda.memory_reserved(device))
     memory = psutil.Process().memory_info()
-    return MemoryReading(cpu_window_peak(memory.rss), memory.rss - memory.shared, psutil.virtual_memory().available)
+    return MemoryReading(cpu_peak(memory.rss), memory.rss - memory.shared, psutil.virtual_memory().available)
 
 
-def cpu_window_peak(rss: int, status: Path = Path("/proc/self/status"),
-                    clear_refs: Path = Path("/proc/self/clear_refs")) -> int:
-    """The process's RSS high-water mark since the last reading (Linux's VmHWM, reset after each read, as CUDA's
-    peak is each log window's), so a CPU window's peak is its steps' and not the RSS between them, which is lower by
-    the step's activations and gradients; `rss` where /proc has none."""
+def cpu_peak(rss: int, status: Path = Path("/proc/self/status")) -> int:
+    """The process's RSS high-water mark so far (Linux's VmHWM): a CPU log's peak is then at least its steps', not
+    the RSS between them, which is lower by a step's activations and gradients. Never reset: /proc/self/clear_refs
+    would also lower what `time`, wait4's rusage and a user's monitor read. `rss` where /proc has none."""
     try:
-        peak = next(int(line.split()[1]) * 1024 for line in status.read_text().splitlines()
-                    if line.startswith("VmHWM:"))
-        clear_refs.write_text("5")  # 5: reset the high-water mark to the current RSS (proc(5)), nothing else
+        return max(rss, next(int(line.split()[1]) * 1024 for line in status.read_text().splitlines()
+                             if line.startswith("VmHWM:")))
     except (OSError, StopIteration, ValueError):
         return rss
-    return max(peak, rss)
 
 
 def cuda_reading(peak: float, allocated: float, capacity: float) -> MemoryReading:

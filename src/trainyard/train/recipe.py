@@ -435,7 +435,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         "trainable_params": trainable_params,
         "first_train_loss": state.first_loss,
         "final_train_loss": state.last_loss,
-        # the train events' (every rank's), and rank 0's since the last of them (the end's evaluation and save)
+        # the train events' (every rank's), and rank 0's to the end (its evaluation and save)
         "peak_memory_bytes": max(job.sink.peak_memory_bytes, int(memory_reading(info.device).peak)),
         "final_eval_loss": state.last_eval.get("eval_loss"),
         "final_eval_accuracy": state.last_eval.get("eval_accuracy"),
