@@ -75,8 +75,8 @@ class MemoryReading:
 def memory_reading(device: torch.device) -> MemoryReading:
     """On CPU: the process's RSS high-water mark so far (`cpu_peak`); its anonymous pages (RSS less its file-backed
     pages, which the kernel drops and reads back under pressure: RSS then falls while a leak goes on); the host's
-    available memory (shared with the node's other processes). On CUDA: `cuda_reading` of the allocator's figures (LogWindow.figures then starts the
-    next window's peak)."""
+    available memory (shared with the node's other processes). On CUDA: `cuda_reading` of the allocator's figures
+    (LogWindow.figures then starts the next window's peak)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return cuda_reading(torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device),
