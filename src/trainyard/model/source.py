@@ -88,8 +88,33 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     with exclusive_lock(target.with_name(f"{target.name}.lock"), timeout_s=None,
                         done=lambda: (target / "config.json").exists()):
         if not (target / "config.json").exists():
-            _convert_into(gguf, target)
+            _convert_apart(gguf, target)
     return target
+
+
+def _convert_apart(gguf: Path, target: Path) -> None:
+    """The conversion in a process of its own: it holds the model twice in fp32, and in a rank that would stay its
+    peak (VmHWM) for the whole run, above what the plan allows a rank, and its heap after."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    errors = context.SimpleQueue()
+    child = context.Process(target=_convert_reporting, args=(gguf, target, errors), name="trainyard-gguf")
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        why = errors.get() if not errors.empty() else f"the converting process ended with exit code {child.exitcode}"
+        raise ModelError(f"model.path: GGUF file {gguf} could not be converted into safetensors: {why}",
+                         fix="check that the file is a whole GGUF model that transformers reads")
+
+
+def _convert_reporting(gguf: Path, target: Path, errors: Any) -> None:
+    """_convert_into in the child: its error goes back to the rank as one line, not a traceback."""
+    try:
+        _convert_into(gguf, target)
+    except Exception as err:  # noqa: BLE001 - any failure of transformers' reader is the file's
+        errors.put(f"{type(err).__name__}: {err}")
+        raise SystemExit(2) from None
 
 
 def _convert_into(gguf: Path, target: Path) -> None:

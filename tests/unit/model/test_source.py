@@ -128,7 +128,7 @@ def test_processes_converting_one_gguf_at_once_convert_it_once(tmp_path: Path, m
         target.mkdir()
         (target / "config.json").write_text("{}")
 
-    monkeypatch.setattr(source_room, "_convert_into", convert_into)
+    monkeypatch.setattr(source_room, "_convert_apart", convert_into)
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF" + bytes(4096))
     (tmp_path / "cache").mkdir()
@@ -141,3 +141,17 @@ def test_processes_converting_one_gguf_at_once_convert_it_once(tmp_path: Path, m
         thread.join()
     assert len(converted) == 1 and found == [converted[0], converted[0]]
     assert not list((tmp_path / "cache").glob("*.lock"))
+
+
+def test_a_gguf_file_transformers_cannot_read_is_refused_naming_it_and_leaves_nothing(tmp_path: Path) -> None:
+    """The conversion runs in a process of its own (its two fp32 copies of the model never count in a rank's peak):
+    its failure comes back to the rank as a ModelError with the reader's one line."""
+    gguf = tmp_path / "broken.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 16)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with pytest.raises(ModelError) as raised:
+        source_room.convert_gguf(gguf, cache)
+    assert f"GGUF file {gguf} could not be converted" in str(raised.value)
+    assert "the converting process ended" not in str(raised.value), "the reader's own error comes back"
+    assert gguf.read_bytes().startswith(b"GGUF") and not list(cache.iterdir())
