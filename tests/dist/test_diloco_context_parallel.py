@@ -11,6 +11,10 @@ own weights after step 4 (`site-<s>`) equal the run without CP's, with LoRA and 
 Tolerance: the ranks sum their halves' losses and gradients in another order (measured: losses within 1e-7 of their
 value, weights within 4e-7 of their largest, while a site's step 4 moves them by 0.2-1.4 of it).
 
+Fault-tolerant sites (torchft: each site its own `trainyard launch` of 2 processes, a lighthouse between them) at
+CP 2 train as the same sites in one world: each site's rows, its CP group and the outer sync across sites are the
+same, so each site's full checkpoint (the round-start weights and its own) equals the one-world run's.
+
 Also: the meshes (a site of one world, and a fault-tolerant site that is a world of its own) pair each rank with
 its counterparts in the other sites, keep its CP group within its site, and split the outer sync between the
 replicas of a shard; the CLI refuses a site that cannot carry CP (exit 2)."""
@@ -18,15 +22,19 @@ replicas of a shard; the CLI refuses a site that cannot carry CP (exit 2)."""
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
+from tests import warm
 from tests.conftest import TINY, events, run_cli, run_script, train_in
+from tests.dist.checkpoint_helpers import kill_tree
 from tests.dist.test_diloco import consolidated
-from tests.world import World
+from tests.world import World, free_port
 from trainyard.checkpoint.save import step_dir
 
 pytestmark = [pytest.mark.dist, pytest.mark.worlds]
@@ -77,6 +85,44 @@ def test_cp_in_a_site_trains_and_takes_the_outer_step_as_the_site_without_cp(run
     moved = [name for name, tensor in plain["site-0"]["model"].items()
              if not torch.equal(tensor, plain["site-1"]["model"][name])]
     assert moved, "the sites' step-4 weights must differ (each site's own step after the sync)"
+
+
+def test_fault_tolerant_sites_at_cp_2_train_as_the_same_sites_in_one_world(runs: dict[str, Path],
+                                                                             tmp_path: Path) -> None:
+    """Two sites of `trainyard launch --nproc 2`, each a torch world of its own (hsdp 1 x 2 at CP 2), synced through
+    torchft: the lighthouse wants both, so neither syncs alone."""
+    lighthouse = pytest.importorskip("torchft.coordination").LighthouseServer(
+        bind="[::]:0", min_replicas=2, join_timeout_ms=60_000)
+    lora = f"lora.enabled={str(yaml.safe_load((runs['cp'] / 'config.yaml').read_text())['lora']['enabled']).lower()}"
+    sites: list[warm.Command | subprocess.Popen[bytes]] = []
+    try:
+        for site in range(2):
+            with open(tmp_path / f"site-{site}.out", "wb") as sink:
+                sites.append(warm.start([
+                    "launch", TINY, "--nnodes", "1", "--node-rank", "0", "--master", f"127.0.0.1:{free_port()}",
+                    "--nproc", "2", f"output_dir={tmp_path}", *JOB, *WITH_CP, lora,
+                    "diloco.fault_tolerant=true", "diloco.sites=2", f"diloco.site={site}",
+                    f"diloco.lighthouse={lighthouse.address().removeprefix('http://')}", "dist.timeout_s=60",
+                ], new_session=True, output=sink.fileno()))
+        codes = [site.wait(timeout=300) for site in sites]
+    finally:
+        for site in sites:
+            kill_tree(site)
+        lighthouse.shutdown()
+    logs = "\n".join((tmp_path / f"site-{s}.out").read_text()[-3000:] for s in range(2))
+    assert codes == [0, 0], logs
+    want = consolidated(step_dir(runs["cp"] / "checkpoints", 4))
+    for site in range(2):
+        run = tmp_path / "tiny" / f"site-{site}"
+        synced = [e for e in events(run, "system") if e.get("event") == "outer_sync"]
+        assert [(e["step"], e["outer_sites"]) for e in synced] == [(3, 2)], synced
+        got = consolidated(step_dir(run / "checkpoints", 4))
+        # a fault-tolerant site is the one site of its own world: its own weights are its checkpoint's site-0
+        for part, mine, theirs in (("model", got["model"], want["model"]),
+                                   (f"site-{site}", got["site-0"]["model"], want[f"site-{site}"]["model"])):
+            assert mine.keys() == theirs.keys(), part
+            wrong = [name for name, tensor in theirs.items() if not close(mine[name], tensor)]
+            assert not wrong, f"site {site}, {part}: {wrong[:3]}"
 
 
 def test_meshes_pair_counterparts_and_keep_cp_groups_within_a_site(worlds: Callable[[int], World],
