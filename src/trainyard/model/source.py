@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import multiprocessing
 import os
 import shutil
 from pathlib import Path
@@ -95,8 +96,6 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
 def _convert_apart(gguf: Path, target: Path) -> None:
     """The conversion in a process of its own: it holds the model twice in fp32, and in a rank that would stay its
     peak (VmHWM) for the whole run, above what the plan allows a rank, and its heap after."""
-    import multiprocessing
-
     context = multiprocessing.get_context("spawn")
     errors = context.SimpleQueue()
     child = context.Process(target=_convert_reporting, args=(gguf, target, errors), name="trainyard-gguf")
@@ -108,7 +107,7 @@ def _convert_apart(gguf: Path, target: Path) -> None:
                          fix="check that the file is a whole GGUF model that transformers reads")
 
 
-def _convert_reporting(gguf: Path, target: Path, errors: Any) -> None:
+def _convert_reporting(gguf: Path, target: Path, errors: multiprocessing.SimpleQueue) -> None:
     """_convert_into in the child: its error goes back to the rank as one line, not a traceback."""
     try:
         _convert_into(gguf, target)
