@@ -199,7 +199,8 @@ def report(**kw: Any) -> None:
     body = [
         *table(rows),
         "",
-        "Rows: " + "; ".join(f"`{name}`: {WHAT[name]}" for name in rows),
+        "Rows: " + "; ".join(f"`{name}`: {WHAT[name]}" for name in rows)
+        + (f" (trainyard with {' '.join(args.trainyard_set)})" if getattr(args, "trainyard_set", None) else ""),
         "",
         "Targets for trainyard:",
         "",

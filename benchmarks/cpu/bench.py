@@ -81,6 +81,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quiet-load", type=float, default=1.0, help="start when the 1-minute load is below this")
     parser.add_argument("--max-wait-s", type=float, default=120.0, help="then start anyway, noting the load")
     parser.add_argument("--no-wait", action="store_true")
+    parser.add_argument("--trainyard-set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="overrides for the trainyard row (a lever tried against its defaults)")
     return parser.parse_args()
 
 
@@ -107,6 +109,7 @@ def command(run: Run, ctx: dict[str, Any]) -> list[str]:
         ]
         if nproc == 1:
             overrides.append("dist.strategy=auto")
+        overrides += ctx["trainyard_set"]
         return [sys.executable, "-m", "trainyard.cli", "train", CONFIG, "--nproc", str(nproc), *overrides]
     script = "benchmarks/cpu/trl_worker.py" if run.row == "trl" else "benchmarks/cpu/hf_trainer_baseline.py"
     tail = ["--data", ctx["train"], "--eval-data", ctx["eval"], "--steps", str(steps)]
@@ -305,7 +308,7 @@ def main() -> None:
     peak = roofline.roofline(nproc)
     print(json.dumps(peak), flush=True)
     ctx = {"out": out, "steps": args.steps, "nproc": nproc, "gpu": gpu, "eval_rows": args.eval_rows,
-           "train": f"{out}/train.jsonl", "eval": f"{out}/eval.jsonl"}
+           "train": f"{out}/train.jsonl", "eval": f"{out}/eval.jsonl", "trainyard_set": args.trainyard_set}
     rows = [row for row in ROWS if not args.only or row in args.only]
     executed: list[Run] = []
     chosen: dict[str, Any] = {}

@@ -28,7 +28,8 @@ STEPS, ROWS, BUDGET = 3, 8, 480  # 8 rows per rank per step: 4 x 2 accumulation 
 JOB = [f"train.max_steps={STEPS}", "train.micro_batch_size=4", "train.global_batch_size=16", "data.max_length=256",
        "train.precision=fp32", "log.every_steps=1", "log.tensorboard=false", "log.progress=false",
        "eval.every_steps=0", "eval.at_end=false", "checkpoint.at_end=false", "checkpoint.every_minutes=0",
-       "train.worst_batch_first=false"]  # the sampler's order from step 1, as uneven_rows deals it
+       "train.worst_batch_first=false",  # the sampler's order from step 1, as uneven_rows deals it
+       "data.balance_ranks=false"]  # the stream's round robin: test_balance_ranks.py deals the same rows by tokens
 STRATEGIES = {"ddp": ["dist.strategy=ddp"], "fsdp": ["dist.strategy=fsdp"]}
 
 

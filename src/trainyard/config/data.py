@@ -47,6 +47,10 @@ class DataConfig(Section):
     """Each micro-batch is one row of its documents back to back, attention kept per document: no padding is
     computed. false: rows padded to the longest in the micro-batch (for models whose attention ignores
     position_ids); packed rows still reach flash-attention as one row (model.collation.one_row)."""
+    balance_ranks: bool = True
+    """Deal each micro-batch's rows to the data-parallel ranks so each holds about as many tokens (padding-free rows):
+    a step waits for its slowest rank, and the loss is normalised over all ranks' tokens, so loss and gradient are the
+    same. false: rank r reads the shuffled stream's rows r, r + world, ... (a rank's row count stays fixed)."""
     train_on_prompt: bool = False
     chat_template: str | None = Field(None, min_length=1)
     """How chat rows are rendered: a known family template (gemma3, gpt-oss, llama3, mistral, qwen3: the

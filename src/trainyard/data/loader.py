@@ -56,13 +56,17 @@ class SampleRecord:
         self.handle.flush()
 
 
+def row_lengths(dataset: Any) -> numpy.ndarray:
+    """Every row's tokens, as the padding-free collator concatenates them."""
+    import pyarrow.compute  # only for an Arrow dataset: a mixture's stream never comes here
+
+    return pyarrow.compute.list_value_length(dataset.with_format("arrow")["input_ids"]).to_numpy()
+
+
 def largest_rows(dataset: Any, count: int) -> list[int]:
     """The `count` rows with the most tokens, most first (ties: the lower index): a micro-batch of the first of them
     is the epoch's largest, padded (the longest rows) or padding-free (the most tokens)."""
-    import pyarrow.compute  # only for an Arrow dataset: a mixture's stream never comes here
-
-    lengths = pyarrow.compute.list_value_length(dataset.with_format("arrow")["input_ids"]).to_numpy()
-    return numpy.argsort(-lengths, kind="stable")[:count].tolist()
+    return numpy.argsort(-row_lengths(dataset), kind="stable")[:count].tolist()
 
 
 def micro_batches(
@@ -73,9 +77,12 @@ def micro_batches(
     record: Path | None = None,
     padding_free: bool = True,
     context: tuple[int, int] = (0, 1),
+    balance: bool = True,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Collated micro-batches, forever; each one's rows ([epoch, position in epoch, dataset index]) appended to
-    `record` when given.
+    `record` when given. Padding-free, with `balance` (data.balance_ranks), each micro-batch's rows across the ranks
+    are dealt by their tokens (ResumableSampler.take); padded rows cost the longest row's length each, so they keep
+    the stream's round robin.
 
     Nothing is read ahead: after a micro-batch is yielded, `sampler.state_dict()` is exactly the
     point to resume from, so a checkpoint taken between steps replays no row and skips none. `context`: this rank's
@@ -84,11 +91,10 @@ def micro_batches(
     columns = [name for name in COLUMNS if name in dataset.column_names]
     rows_of = dataset.select_columns(columns)
     recorder = sample_recorder(record, sampler)
-    indices = iter(sampler)
+    lengths = row_lengths(dataset) if padding_free and balance else None
     try:
         while True:
-            positions = sampler.next_positions(micro_batch_size)
-            picked = list(islice(indices, micro_batch_size))
+            positions, picked = sampler.take(micro_batch_size, lengths)
             if recorder is not None:
                 epochs = [divmod(p, sampler.num_samples) for p in positions]
                 recorder.write({"rows": [[*at, i] for at, i in zip(epochs, picked, strict=True)]})

@@ -6,6 +6,7 @@ import hashlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy
 import torch
 
 from trainyard.errors import DataError
@@ -24,9 +25,10 @@ class ResumableSampler:
     nothing is dropped. Its position is global: how many rows all ranks together have taken,
     counted as if they move in lockstep, which they do between optimizer steps. From position g,
     rank r of world w takes stream[g + r], stream[g + r + w], ...: once every rank has taken k
-    rows, exactly stream[g : g + k*w] is consumed, whatever w is. Every rank takes the same
-    number of rows per step (a rank that ran out early would hang the others), and a job of
-    another world size that loads the position continues with no row skipped or repeated.
+    rows, exactly stream[g : g + k*w] is consumed, whatever w is (`take` may deal those k*w rows
+    otherwise, by their tokens). Every rank takes its share of every micro-batch's rows (a rank
+    that ran out early would hang the others), and a job of another world size that loads the
+    position continues with no row skipped or repeated.
 
     `first` rows lead epoch 0, in that order, and the rest of its permutation follows without them (the worst
     batch first: loader.largest_rows). They are part of the state, so a resume keeps the order the run began with.
@@ -85,11 +87,6 @@ class ResumableSampler:
         epoch, offset = divmod(stream_position, self.num_samples)
         return int(self._order(epoch)[offset])
 
-    def next_positions(self, count: int) -> list[int]:
-        """The stream positions of the next `count` rows this rank takes (nothing is consumed)."""
-        start = self.consumed + self.rank
-        return [start + k * self.world_size for k in range(count)]
-
     def upcoming(self, count: int) -> torch.Tensor:
         """The dataset indices at the next `count` global positions, every rank's (rank r's are [r::world_size]),
         nothing consumed: what lets each rank cut every rank's rows of a step alike without a collective."""
@@ -100,6 +97,28 @@ class ResumableSampler:
             pieces.append(self._order(epoch)[offset : offset + take])
             position += take
         return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
+
+    def shares(self, rows: int, lengths: numpy.ndarray | None = None) -> tuple[numpy.ndarray, list[list[int]]]:
+        """The next `rows` x world rows (dataset indices; nothing consumed) and every rank's offsets among them.
+        Without `lengths`, rank r's are the stream's r, r + w, ..., as `__iter__` takes them. With every row's token
+        count they are dealt so each rank holds about as many tokens (deal): a step waits for its slowest rank, and
+        the loss is normalised over every rank's tokens together, so the step's loss and gradient stay the same. The
+        rows that lead epoch 0 (the worst batch first) keep the stream's order, so the first step still holds the
+        largest micro-batch any rank sees."""
+        count = rows * self.world_size
+        slot = self.upcoming(count).numpy()  # host indices, read as numpy: no tensor is read back
+        if lengths is None or (self.epoch == 0 and self.consumed < len(self.first)):
+            return slot, [list(range(rank, count, self.world_size)) for rank in range(self.world_size)]
+        return slot, deal(lengths[slot].tolist(), self.world_size)
+
+    def take(self, rows: int, lengths: numpy.ndarray | None = None) -> tuple[list[int], list[int]]:
+        """This rank's share of the next `rows` x world rows (`shares`), consumed: their stream positions and
+        dataset indices."""
+        start = self.consumed
+        slot, shares = self.shares(rows, lengths)
+        self.consumed += len(slot)
+        mine = shares[self.rank]
+        return [start + offset for offset in mine], slot[mine].tolist()
 
     def __iter__(self) -> Iterator[int]:
         while True:
@@ -142,3 +161,18 @@ class ResumableSampler:
         first = [int(index) for index in state.get("first", [])]  # a checkpoint from before had none
         if first != self.first:
             self.first, self._cached = first, None
+
+
+def deal(lengths: Sequence[int], world: int) -> list[list[int]]:
+    """Offsets 0..n-1 of rows of `lengths` tokens dealt to `world` ranks, each rank's in stream order: the longest
+    row first to the rank holding the fewest tokens (ties: the lower rank), or the stream's round robin (rank r:
+    r, r + w, ...) where that leaves no rank with more. Every rank gets a row while n >= world; every rank computes
+    the same from the same lengths, so no collective is needed."""
+    robin = [list(range(rank, len(lengths), world)) for rank in range(world)]
+    held, greedy = [0] * world, [[] for _ in range(world)]
+    for offset in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        rank = min(range(world), key=lambda r: (held[r], r))
+        greedy[rank].append(offset)
+        held[rank] += lengths[offset]
+    most = max(sum(lengths[i] for i in share) for share in robin)
+    return robin if most <= max(held) else [sorted(share) for share in greedy]

@@ -15,7 +15,7 @@ import numpy
 import torch
 
 from trainyard.data.collate import collate
-from trainyard.data.loader import COLUMNS, sample_recorder
+from trainyard.data.loader import COLUMNS, row_lengths, sample_recorder
 from trainyard.data.sampler import ResumableSampler
 
 Window = list[dict[str, torch.Tensor]]
@@ -40,17 +40,11 @@ def token_groups(lengths: Sequence[int], budget: int, count: int = 0) -> list[li
     return groups
 
 
-def row_lengths(dataset: Any) -> numpy.ndarray:
-    """Every row's tokens, as the padding-free collator concatenates them."""
-    import pyarrow.compute  # only for an Arrow dataset: a mixture's stream never comes here
-
-    return pyarrow.compute.list_value_length(dataset.with_format("arrow")["input_ids"]).to_numpy()
-
-
-def step_count(lengths: numpy.ndarray, sampler: ResumableSampler, rows: int, budget: int) -> int:
-    """The micro-batches of the next step on every rank: the most any rank's `rows` rows need."""
-    every = lengths[sampler.upcoming(rows * sampler.world_size).numpy()].reshape(rows, sampler.world_size)
-    return max(len(token_groups(every[:, rank].tolist(), budget)) for rank in range(sampler.world_size))
+def step_count(lengths: numpy.ndarray, sampler: ResumableSampler, rows: int, budget: int, balance: bool) -> int:
+    """The micro-batches of the next step on every rank: the most any rank's share of the step's rows needs."""
+    slot, shares = sampler.shares(rows, lengths if balance else None)
+    every = lengths[slot]
+    return max(len(token_groups(every[share].tolist(), budget)) for share in shares)
 
 
 def accumulation_windows(batches: Iterator[dict[str, torch.Tensor]], accum: int) -> Iterator[Window]:
@@ -106,19 +100,19 @@ def token_windows(
     pad_id: int,
     record: Path | None = None,
     context: tuple[int, int] = (0, 1),
+    balance: bool = True,
 ) -> Iterator[Window]:
-    """Each step's window: this rank's next `rows` rows in micro-batches of up to `budget` tokens, as many as
-    step_count says. Like loader.micro_batches, nothing is read ahead (the sampler's state after a yield is the next
-    step's start) and each micro-batch's rows are appended to `record` when given."""
+    """Each step's window: this rank's share of the step's rows (`rows` a rank; dealt by their tokens with `balance`,
+    data.balance_ranks) in micro-batches of up to `budget` tokens, as many as step_count says. Like
+    loader.micro_batches, nothing is read ahead (the sampler's state after a yield is the next step's start) and each
+    micro-batch's rows are appended to `record` when given."""
     columns = [name for name in COLUMNS if name in dataset.column_names]
     rows_of, lengths = dataset.select_columns(columns), row_lengths(dataset)
     recorder = sample_recorder(record, sampler)
-    indices = iter(sampler)
     try:
         while True:
-            count = step_count(lengths, sampler, rows, budget)
-            positions = sampler.next_positions(rows)
-            picked = list(islice(indices, rows))
+            count = step_count(lengths, sampler, rows, budget, balance)
+            positions, picked = sampler.take(rows, lengths if balance else None)
             window = []
             for group in token_groups(lengths[picked].tolist(), budget, count):
                 if recorder is not None:

@@ -262,9 +262,10 @@ def _windows(job: Job) -> Any:
         return accumulation_windows(stream_batches(job.sampler, micro, pad_id, record, one_row, context), job.accum)
     if cfg.train.micro_batch_tokens is not None:  # run() logged how many a step takes
         return token_windows(job.data.train, job.sampler, micro * job.accum, cfg.train.micro_batch_tokens, pad_id,
-                             record, context)
-    return accumulation_windows(micro_batches(job.data.train, job.sampler, micro, pad_id, record, one_row, context),
-                                job.accum)
+                             record, context, cfg.data.balance_ranks)
+    batches = micro_batches(job.data.train, job.sampler, micro, pad_id, record, one_row, context,
+                            cfg.data.balance_ranks)
+    return accumulation_windows(batches, job.accum)
 
 
 def _loop_facts(job: Job) -> dict[str, object]:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import random
 from itertools import islice
 
+import numpy
 import pytest
 
 from trainyard.data import ResumableSampler
+from trainyard.data.sampler import deal
 from trainyard.errors import DataError
 
 
@@ -176,3 +178,49 @@ def test_the_largest_rows_come_first_so_the_first_micro_batch_is_the_largest():
         batches = list(islice(micro_batches(rows, sampler, 2, 0, padding_free=padding_free), 4))
         sizes = [int(b["input_ids"].numel()) for b in batches]
         assert sizes[0] == max(sizes), sizes
+
+
+def test_deal_gives_the_long_row_a_rank_of_few_others():
+    # round robin would hold 481 + 70 + 90 + 110 = 751 tokens on rank 0 and 360 on rank 1
+    shares = deal([481, 60, 70, 80, 90, 100, 110, 120], 2)
+    assert shares == [[0, 2], [1, 3, 4, 5, 6, 7]]
+
+
+def test_deal_keeps_the_round_robin_where_it_is_as_even():
+    assert deal([100] * 6, 3) == [[0, 3], [1, 4], [2, 5]]
+
+
+def test_deal_places_every_row_once_never_above_the_round_robin():
+    draw = random.Random(7)
+    for _ in range(200):
+        world = draw.randint(1, 5)
+        lengths = [draw.randint(1, 500) for _ in range(world * draw.randint(1, 6))]
+        shares = deal(lengths, world)
+        assert sorted(i for share in shares for i in share) == list(range(len(lengths)))
+        assert all(share and share == sorted(share) for share in shares)
+        robin = max(sum(lengths[rank::world]) for rank in range(world))
+        assert max(sum(lengths[i] for i in share) for share in shares) <= robin
+
+
+def test_take_by_tokens_consumes_what_the_round_robin_does():
+    lengths = numpy.array([5 * (i % 7) + 1 + (40 if i % 11 == 0 else 0) for i in range(30)])
+    dealt = [ResumableSampler(30, seed=4, rank=r, world_size=3) for r in range(3)]
+    plain = [ResumableSampler(30, seed=4, rank=r, world_size=3) for r in range(3)]
+    moved = 0
+    for _ in range(5):  # 5 micro-batches of 4 rows a rank: 60 rows, two epochs
+        took = [sampler.take(4, lengths) for sampler in dealt]
+        robin = [take(sampler, 4) for sampler in plain]
+        assert sorted(i for _, rows in took for i in rows) == sorted(i for rows in robin for i in rows)
+        assert sorted(p for positions, _ in took for p in positions) == list(range(dealt[0].consumed - 12,
+                                                                                     dealt[0].consumed))
+        assert max(lengths[rows].sum() for _, rows in took) <= max(lengths[rows].sum() for rows in robin)
+        assert [s.state_dict() for s in dealt] == [s.state_dict() for s in plain]
+        moved += any(sorted(rows) != sorted(mine) for (_, rows), mine in zip(took, robin, strict=True))
+    assert moved, "no micro-batch was dealt otherwise than the round robin"
+
+
+def test_take_leaves_the_leading_rows_in_the_streams_order():
+    lengths = numpy.array([1] * 10 + [90, 80, 70, 60])
+    first = [10, 11, 12, 13]
+    samplers = [ResumableSampler(14, seed=0, rank=r, world_size=2, first=first) for r in range(2)]
+    assert [s.take(2, lengths)[1] for s in samplers] == [[10, 12], [11, 13]]
