@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from trainyard.errors import ConfigError
 from trainyard.model import nf4_experts, nf4_fast
 from trainyard.model.nf4_fast import BLOCK, nf4_module, scaler_block
 
@@ -98,6 +99,19 @@ def quantize_meta(model: torch.nn.Module, targets: set[str], shards: int, device
                                            requires_grad=False)
         done += 1
     return done
+
+
+def refuse_lone_shards(shards: int, world: int, where: str | None) -> None:
+    """FSDP2 over shard groups of one rank among several (hsdp with dist.shard_size 1, DiLoCo sites of one rank)
+    copies a lone rank's weight as one tensor, which an NF4Tensor's three parts are not: its gather fails."""
+    if shards == 1 and world > 1:
+        raise ConfigError(
+            f"model.quantize nf4: the {world} ranks shard each weight within groups of one rank, where FSDP2 cannot "
+            "gather NF4 weights",
+            where=where,
+            fix="set dist.strategy: ddp (a one-rank shard group holds the whole model anyway), or a dist.shard_size "
+            "of 2 or more, or model.quantize: none",
+        )
 
 
 @torch.no_grad()

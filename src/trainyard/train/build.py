@@ -105,6 +105,8 @@ def build_and_wrap(
         assert model_path is not None
         source = weights.SafetensorsFolder.open(model_path, model)
     if nf4 is not None:
+        if parallel.shards_within(strategy, cfg.diloco.inner):
+            quantize.refuse_lone_shards(shards, info.world_size, cfg.where("dist.shard_size"))
         quantize.quantize_meta(model, set(nf4[0]), shards, info.device, weights.checkpoint_key, ep)
         logging.getLogger("trainyard").info("model.quantize nf4: %s", quantize.describe(*nf4))
     wrapped = parallel.apply(model, strategy, info, precision, source, mesh, cfg.diloco.inner,

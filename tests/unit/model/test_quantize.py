@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from tests.conftest import TINY, TINY_MOE, run_cli
 from trainyard import dist, precision
 from trainyard.config_file import load_config
-from trainyard.errors import ModelError
+from trainyard.errors import ConfigError, ModelError
 from trainyard.model import build as model_room
 from trainyard.model import moe_lora, nf4_experts, nf4_fast, quantize, weights
 from trainyard.model import source as source_room
@@ -326,3 +326,11 @@ def test_the_grouped_path_takes_peft_s_adapter_factors_without_dequantizing_a_st
         want = wrapper.get_delta_factors("default")
         assert reads and all(torch.equal(a, b) for a, b in zip(got[:2], want[:2], strict=True)) and got[2] == want[2]
         reads.clear()
+
+
+def test_shard_groups_of_one_rank_among_several_are_refused_for_nf4() -> None:
+    with pytest.raises(ConfigError) as refused:  # hsdp with dist.shard_size 1 on 2 ranks: FSDP2's gather fails
+        quantize.refuse_lone_shards(1, 2, "override 'dist.shard_size=1'")
+    assert "dist.strategy: ddp" in refused.value.fix and refused.value.where == "override 'dist.shard_size=1'"
+    quantize.refuse_lone_shards(1, 1, None)  # fsdp on one process trains
+    quantize.refuse_lone_shards(2, 4, None)  # hsdp 2 x 2 trains (tests/dist/test_quantize.py)
