@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import heapq
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -167,12 +168,13 @@ def deal(lengths: Sequence[int], world: int) -> list[list[int]]:
     """Offsets 0..n-1 of rows of `lengths` tokens dealt to `world` ranks, each rank's in stream order: the longest
     row first to the rank holding the fewest tokens (ties: the lower rank), or the stream's round robin (rank r:
     r, r + w, ...) where that leaves no rank with more. Every rank gets a row while n >= world; every rank computes
-    the same from the same lengths, so no collective is needed."""
+    the same from the same lengths, so no collective is needed. A heap of the ranks' loads: n log w, not n w, so a
+    world of hundreds of ranks deals a micro-batch in milliseconds."""
     robin = [list(range(rank, len(lengths), world)) for rank in range(world)]
-    held, greedy = [0] * world, [[] for _ in range(world)]
+    loads, greedy = [(0, rank) for rank in range(world)], [[] for _ in range(world)]
     for offset in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        rank = min(range(world), key=lambda r: (held[r], r))
+        held, rank = heapq.heappop(loads)
         greedy[rank].append(offset)
-        held[rank] += lengths[offset]
+        heapq.heappush(loads, (held + lengths[offset], rank))
     most = max(sum(lengths[i] for i in share) for share in robin)
-    return robin if most <= max(held) else [sorted(share) for share in greedy]
+    return robin if most <= max(loads)[0] else [sorted(share) for share in greedy]
