@@ -40,9 +40,11 @@ def token_groups(lengths: Sequence[int], budget: int, count: int = 0) -> list[li
     return groups
 
 
-def step_count(lengths: numpy.ndarray, sampler: ResumableSampler, rows: int, budget: int, balance: bool) -> int:
-    """The micro-batches of the next step on every rank: the most any rank's share of the step's rows needs."""
-    slot, shares = sampler.shares(rows, lengths if balance else None)
+def step_count(lengths: numpy.ndarray, sampler: ResumableSampler, rows: int, budget: int,
+               dealt: numpy.ndarray | None) -> int:
+    """The micro-batches of the next step on every rank: the most any rank's share of the step's rows needs (dealt by
+    `dealt`, as ResumableSampler.take deals them)."""
+    slot, shares = sampler.shares(rows, dealt)
     every = lengths[slot]
     return max(len(token_groups(every[share].tolist(), budget)) for share in shares)
 
@@ -108,11 +110,12 @@ def token_windows(
     micro-batch's rows are appended to `record` when given."""
     columns = [name for name in COLUMNS if name in dataset.column_names]
     rows_of, lengths = dataset.select_columns(columns), row_lengths(dataset)
+    dealt = lengths if balance else None  # the lengths the ranks' shares are dealt by
     recorder = sample_recorder(record, sampler)
     try:
         while True:
-            count = step_count(lengths, sampler, rows, budget, balance)
-            positions, picked = sampler.take(rows, lengths if balance else None)
+            count = step_count(lengths, sampler, rows, budget, dealt)
+            positions, picked = sampler.take(rows, dealt)
             window = []
             for group in token_groups(lengths[picked].tolist(), budget, count):
                 if recorder is not None:

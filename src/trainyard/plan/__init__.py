@@ -23,8 +23,10 @@ from trainyard.estimate.timing import Lengths, dpo_reference
 from trainyard.model import collation
 from trainyard.model import attention, state_layers
 from trainyard.model import build as model_room
+from trainyard.model import quantize
 from trainyard.parallel import context_parallel as context_parallel_room
 from trainyard.parallel import expert_parallel
+from trainyard.parallel import parallelize as parallel
 from trainyard.plan import batching, reading
 
 
@@ -378,6 +380,9 @@ def describe_plan(
                 f"sync every {outer.sync_every} steps "
                 f"(outer lr {outer.outer_lr:g}, Nesterov {outer.outer_momentum:g}, {outer.pseudo_grad_dtype})"
             )
+    if cfg.model.quantize == "nf4" and parallel.shards_within(strategy, cfg.diloco.inner):  # as the build refuses it
+        shards = estimate_memory.shard_size(cfg, strategy, world_size, target.gpus_per_node)
+        quantize.refuse_lone_shards(shards, world_size, cfg.where("dist.shard_size"))
     lines += _context_lines(context_size, context_why, model, cfg)
     if data.mixture:
         total = sum(source.weight for source in data.mixture)

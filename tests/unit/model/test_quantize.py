@@ -334,3 +334,14 @@ def test_shard_groups_of_one_rank_among_several_are_refused_for_nf4() -> None:
     assert "dist.strategy: ddp" in refused.value.fix and refused.value.where == "override 'dist.shard_size=1'"
     quantize.refuse_lone_shards(1, 1, None)  # fsdp on one process trains
     quantize.refuse_lone_shards(2, 4, None)  # hsdp 2 x 2 trains (tests/dist/test_quantize.py)
+
+
+def test_the_dry_run_refuses_hsdp_of_one_rank_shard_groups_under_nf4(tmp_path) -> None:
+    job = ["--nproc", "2", "--dry-run", f"output_dir={tmp_path}", "dist.strategy=hsdp", "model.quantize=nf4",
+           "lora.enabled=true", "model.config.hidden_size=256", "model.config.intermediate_size=512",
+           "model.config.num_key_value_heads=4"]
+    done = run_cli("train", TINY, *job, "dist.shard_size=1")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "override 'dist.shard_size=1'" in done.stderr and "dist.strategy: ddp" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert run_cli("train", TINY, *job).returncode == 0  # shard groups of 2 plan
