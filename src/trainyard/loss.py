@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from transformers import modeling_utils
 
 from trainyard.data import IGNORE_INDEX
+from trainyard.dist import is_fsdp
 from trainyard.model.documents import model_inputs
 from trainyard.parallel.parallelize import unwrap
 
@@ -97,9 +98,14 @@ def chunkable_head(model: torch.nn.Module, chunk_tokens: int | None) -> torch.nn
     net = _base(model)
     head = net.get_output_embeddings() if hasattr(net, "get_output_embeddings") else None
     family = getattr(getattr(net, "config", None), "model_type", None)
-    if chunk_tokens == 0 or family not in CHUNKED_FAMILIES or type(head) is not torch.nn.Linear:
+    if chunk_tokens == 0 or family not in CHUNKED_FAMILIES or _plain_type(head) is not torch.nn.Linear:
         return None
     return head
+
+
+def _plain_type(module: torch.nn.Module | None) -> type:
+    """A module's class, under FSDP2's wrapper class (an untied head is a unit of its own: parallelize)."""
+    return type(module).__bases__[-1] if module is not None and is_fsdp(module) else type(module)
 
 
 def final_softcap(model: torch.nn.Module) -> float | None:

@@ -110,7 +110,7 @@ class Counts:
     """The largest decoder block: what FSDP2 all-gathers at once."""
     block_trainable: int
     root_total: int
-    """Outside the blocks (embeddings, final norm, head): FSDP2 keeps the root unsharded from forward to backward."""
+    """Outside the blocks (embeddings, final norm, head)."""
     root_trainable: int
     embedding: int
     tied: bool
@@ -137,6 +137,9 @@ class Counts:
     auto on a GPU runs flash-attention or flex_attention instead (attention.auto_choice)."""
     attention_dropout: float = 0.0
     """The family's attention dropout, which flex_attention does not apply (auto then keeps to varlen)."""
+    ends_apart: bool = False
+    """An embedding and a head that share no weight: FSDP2 shards each as a unit of its own (parallelize.untied_ends),
+    and an embedding is gathered for its lookup alone."""
     head_trainable: int = 0
     """Trainable elements of the output head (full fine-tuning): its gradient is made while every activation lives."""
     experts: ExpertCounts = ExpertCounts()
@@ -237,6 +240,8 @@ def count(model: torch.nn.Module, shape: Shape) -> Counts:
         root_trainable=sum(p.numel() for p in root if p.requires_grad),
         embedding=embedding.numel(),
         tied=output is not None and getattr(output, "weight", None) is embedding,
+        ends_apart=output is not None and getattr(output, "weight", None) is not embedding
+        and id(embedding) not in in_blocks,
         lora_inputs_per_block=sum(m.base_layer.in_features for m in linear),
         lora_ranks_per_block=sum(sum(m.r.values()) for m in linear),
         flops=flop_shape(model),

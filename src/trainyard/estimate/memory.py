@@ -105,6 +105,8 @@ class Memory:
     """EP's all-to-all buffers of one MoE layer: the routed (token, expert) rows sent and those received."""
     context_exchange: float = 0.0
     """CP's all-to-all buffers of one layer's attention: q, k and v sent and received."""
+    embedding_gather: float = 0.0
+    """FSDP2's all-gather of an untied embedding at the forward's start (its own moment, beside the static state)."""
     low_bit_copies: float = 0.0
     """nf4: the one weight a product dequantizes at a time; fp8: the one weight cast to FP8, and its transpose."""
     attention_workspace: float = 0.0
@@ -246,6 +248,7 @@ def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_ro
         diloco_sync=_diloco_sync(cfg, counts, layout) if layout.strategy == "diloco" else 0.0,
         mixed_precision_copies=0.0 if sharded or not size.mixed else _autocast_copies(counts, size),
         fsdp_buffers=_fsdp_buffers(counts, size, layout) if sharded else 0.0,
+        embedding_gather=_embedding_gather(counts, size) if sharded else 0.0,
         expert_exchange=_expert_exchange(batch, model.shape, size, layout.expert_parallel),
         context_exchange=context_room.exchange_buffer_bytes(model.shape, size.compute, layout.context_parallel,
                                                             batch.tokens),
@@ -324,7 +327,8 @@ def _tied_gradient(counts: Counts, size: Dtypes, shard: int) -> float:
 
 
 def _fsdp_buffers(counts: Counts, size: Dtypes, layout: Layout) -> float:
-    """FSDP2's unsharded tensors: the root (embeddings, head) stays gathered from forward to backward; the
+    """FSDP2's unsharded tensors: the root (the final norm, a tied embedding) and an untied head stay gathered from
+    forward to backward (an untied embedding only for its lookup: _embedding_gather); the
     largest block gathered twice at once (the current one and the prefetched next), in compute dtype under
     bf16-mixed; and that block's unsharded gradient plus its fp32 copy for the reduce-scatter. Under EP a block's
     routed experts are this rank's experts / N, gathered only where they are sharded again (shard group > N)."""
@@ -335,7 +339,14 @@ def _fsdp_buffers(counts: Counts, size: Dtypes, layout: Layout) -> float:
         again = 1 if layout.shard > ep else 0
         block_total -= experts.block_total * (1 - again / ep)
         block_trainable -= experts.block_trainable * (1 - again / ep)
-    return (counts.root_total + 2 * block_total) * gather + block_trainable * (size.compute + 4)
+    outer = counts.root_total - (counts.embedding if counts.ends_apart else 0)
+    return (outer + 2 * block_total) * gather + block_trainable * (size.compute + 4)
+
+
+def _embedding_gather(counts: Counts, size: Dtypes) -> float:
+    """An untied embedding's all-gather as the forward starts: its output buffer and the unsharded copy FSDP2 copies
+    it out into, alive together, before any block or the head is gathered."""
+    return 2.0 * counts.embedding * (size.compute if size.mixed else size.master) if counts.ends_apart else 0.0
 
 
 def _expert_exchange(batch: MicroBatch, shape: Shape, size: Dtypes, ep: int) -> float:
@@ -376,7 +387,8 @@ def _add_peak(parts: Memory, cfg: JobConfig, layout: Layout) -> None:
                + parts.head_gradient)
     accumulates = accumulation_steps(cfg, data_ranks(cfg, layout.world)) > 1
     held = parts.gradients if accumulates else 0.0
-    parts.peak_tensor_bytes = static + max(forward + held, parts.gradients + parts.tied_gradient)
+    lookup = static - parts.fsdp_buffers + parts.embedding_gather
+    parts.peak_tensor_bytes = max(static + max(forward + held, parts.gradients + parts.tied_gradient), lookup)
     if accumulates:
         parts.notes.append("accumulation: gradients held while the next micro-batch's activations build up")
     on_gpu = layout.gpu.device_name is not None

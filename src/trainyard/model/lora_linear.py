@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from peft.tuners.lora.layer import Linear as LoraLinear
 
+from trainyard.model.nf4_linear import NF4Linear
+
 
 class FusedLoraLinear(LoraLinear):
     """PEFT's `lora.Linear`, whose plain single-adapter forward adds the update in the adapter's product."""
@@ -40,8 +42,8 @@ class FusedLoraLinear(LoraLinear):
         return out.view(result.shape).to(result.dtype)
 
     def _plain_adapter(self) -> str | None:
-        """The one active adapter when it is plain LoRA over an unmerged nn.Linear, else None."""
-        if self.disable_adapters or self.merged or type(self.base_layer) is not torch.nn.Linear:
+        """The one active adapter when it is plain LoRA over an unmerged nn.Linear (an NF4 one too), else None."""
+        if self.disable_adapters or self.merged or type(self.base_layer) not in (torch.nn.Linear, NF4Linear):
             return None
         active = [name for name in self.active_adapters if name in self.lora_A]
         if len(active) != 1 or active[0] in self.lora_variant or self.lora_B[active[0]].bias is not None:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from trainyard.errors import ModelError
-from trainyard.model import nf4_fast
+from trainyard.model import nf4_fast, nf4_linear
 from trainyard.model.nf4_fast import BLOCK, nf4_module, scaler_block
 
 
@@ -32,7 +32,7 @@ class NF4ExpertStack(torch.nn.ParameterList):
 
     def dequantized(self) -> torch.Tensor:
         """The dense [experts, out, in] stack in the weights' dtype."""
-        return torch.stack([weight.get_original_weight() for weight in self])
+        return nf4_linear.dequantize_stack(list(self))
 
     def kept(self, start: int, count: int) -> NF4ExpertStack:
         """Experts [start, start + count) alone (expert parallelism's share of a rank)."""
