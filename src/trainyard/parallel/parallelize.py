@@ -161,8 +161,10 @@ def shard_fsdp2(
     for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy)
     embedding, head = untied_ends(model)
-    if embedding is not None:  # gathered for its lookup alone (a frozen one is never gathered again in backward)
+    if embedding is not None:  # gathered for its lookup alone
         fully_shard(embedding, mesh=mesh, mp_policy=policy)
+        if not any(param.requires_grad for param in embedding.parameters()):
+            embedding.set_unshard_in_backward(False)  # else the first block's backward prefetches it, for nothing
     if head is not None:  # gathered for the loss and kept for its backward, which comes next
         fully_shard(head, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=policy)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainyard import dist
+from trainyard import loss as loss_room
 from trainyard.train import build
 from trainyard import precision
 from trainyard.model import source as source_room
@@ -106,6 +107,9 @@ def compare(family: str, settings: dict, lora: bool, info: dist.DistInfo) -> dic
     attention = sharded.config._attn_implementation
     sharded_names = [n for n, p in sharded.named_parameters()]
     assert all(isinstance(p, DTensor) for p in sharded.parameters()), "a parameter is not sharded by FSDP2"
+    net = sharded.get_base_model() if hasattr(sharded, "get_base_model") else sharded
+    ends = [dist.is_fsdp(end) for end in (net.get_input_embeddings(), net.get_output_embeddings())]
+    chunked = loss_room.chunkable_head(sharded, None) is not None
     loss = loss_of(sharded, rows)
     loss.backward()
     grads = full_grads(sharded)
@@ -144,6 +148,7 @@ def compare(family: str, settings: dict, lora: bool, info: dist.DistInfo) -> dic
         "trainable": len(want),
         "trainable_elements": sum(p.numel() for p in reference.parameters() if p.requires_grad),
         "no_grad": [name for name, g in want.items() if g is None],
+        "ends_apart": ends, "tied": bool(reference.config.tie_word_embeddings), "chunked": chunked,
     }
 
 

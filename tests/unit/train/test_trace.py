@@ -17,6 +17,7 @@ from trainyard import estimate, hardware
 from trainyard.config_file import load_config
 from trainyard.estimate import memory as estimate_memory
 from trainyard.model.build import decoder_blocks
+from trainyard.parallel.parallelize import untied_ends
 from trainyard.train import trace
 
 GLM = str(REPO / "configs" / "glm45air-fsdp-lora.yaml")
@@ -39,14 +40,16 @@ def traced() -> dict[str, trace.Trace]:
             for name, (path, per_node, nodes, overrides) in SEEDS.items()}
 
 
-def units(path: str, overrides: list[str]) -> list[list[torch.nn.Parameter]]:
-    """FSDP2's units of the job's model, as parallelize shards it: the root (what no block holds), then each block."""
+def units(path: str, overrides: list[str]) -> tuple[list[list[torch.nn.Parameter]], list[list[torch.nn.Parameter]]]:
+    """FSDP2's units of the job's model, as parallelize shards it: those gathered once a step (the root: what no
+    other unit holds; an untied embedding and head), then each block."""
     cfg = load_config(path, overrides)
     precision = estimate_memory.resolve_precision(cfg, hardware.gpu("h100-80gb"))
     model = trace.meta_model(cfg, trace.architecture(cfg, LAYERS), precision)
     blocks = [list(block.parameters()) for block in decoder_blocks(model)]
-    in_blocks = {id(param) for block in blocks for param in block}
-    return [[param for param in model.parameters() if id(param) not in in_blocks], *blocks]
+    ends = [list(end.parameters()) for end in untied_ends(model) if end is not None]
+    apart = {id(param) for unit in blocks + ends for param in unit}
+    return [[param for param in model.parameters() if id(param) not in apart], *ends], blocks
 
 
 def shard_bytes(params: list[torch.nn.Parameter], shard: int, element: int) -> int:
@@ -66,15 +69,16 @@ def test_hsdp_gathers_each_unit_by_its_shard_and_never_holds_more_than_the_unit_
     row and the folded expert weights outweigh 2 layers' weights; at full depth it is 48 GiB beside 199 GiB.)"""
     result = traced["glm"]
     shard = result.layout.shard
-    found = units(GLM, GLM_HSDP)
-    expected = [shard_bytes(unit, shard, 2) for unit in found]
+    once, blocks = units(GLM, GLM_HSDP)
+    assert len(once) == 3  # the root (the final norm), GLM's untied embedding and head
     gathers = on(result, "shard", "all_gather")
     assert shard == 8 and result.mesh == "replicate 2 x shard 8"
-    assert {one.bytes_in for one in gathers} == set(expected)
+    assert {one.bytes_in for one in gathers} == {shard_bytes(unit, shard, 2) for unit in once + blocks}
     assert all(one.bytes_out == one.bytes_in * shard for one in gathers)
-    assert len(gathers) == result.accumulation * (1 + 2 * (len(found) - 1))
-    root, *blocks = (size * shard for size in expected)
-    assert result.gathered_peak_bytes <= root + max(blocks) < root + sum(blocks)
+    assert len(gathers) == result.accumulation * (len(once) + 2 * len(blocks))
+    outer = sum(shard_bytes(unit, shard, 2) * shard for unit in once)
+    block_sizes = [shard_bytes(unit, shard, 2) * shard for unit in blocks]
+    assert result.gathered_peak_bytes <= outer + max(block_sizes) < outer + sum(block_sizes)
 
 
 def test_hsdp_only_the_gradient_all_reduce_crosses_nodes(traced) -> None:
@@ -82,7 +86,8 @@ def test_hsdp_only_the_gradient_all_reduce_crosses_nodes(traced) -> None:
     micro-batch only, whose bytes add up to what the formula gives: the trainable gradients (fp32) / shard group."""
     result = traced["glm"]
     across = on(result, "replicate")
-    trainable_units = [unit for unit in units(GLM, GLM_HSDP) if any(p.requires_grad for p in unit)]
+    once, blocks = units(GLM, GLM_HSDP)
+    trainable_units = [unit for unit in once + blocks if any(p.requires_grad for p in unit)]
     assert {one.kind for one in across} == {"all_reduce"} and {one.ranks for one in across} == {2}
     assert len(across) == len(trainable_units)
     assert sum(one.bytes_in for one in across) == pytest.approx(result.formula.gradients, rel=1e-6)
