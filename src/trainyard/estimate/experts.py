@@ -89,8 +89,11 @@ def choose(cfg: JobConfig, shape: Shape, counts: Counts, strategy: str, shard: i
     if not shape.experts:
         return 1, "a dense model has no routed experts"
     found = candidates(shape, shard, gpus_per_node, context)
+    if cfg.model.quantize == "nf4":  # FSDP2 cannot gather an NF4 expert sharded over one rank (nf4_experts)
+        found = [size for size in found if shard // size > 1]
     if not found:
         why = ("not proven exact for " + shape.family) if shape.family not in FAMILIES else "no size divides"
+        why += ", NF4's experts each sharded over 2 or more ranks" if cfg.model.quantize == "nf4" else ""
         groups = f", whole CP groups of {context}" if context > 1 else ""
         return 1, f"{why} ({shape.experts} experts, shard group {shard}, {gpus_per_node} per node{groups})"
     args = (cfg, shape, counts)

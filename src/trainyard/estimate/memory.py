@@ -265,7 +265,7 @@ def memory(cfg: JobConfig, model: Model, layout: Layout, precision: precision_ro
         head_gradient=counts.head_trainable * (size.compute if sharded and size.mixed else size.master),
     )
     if layout.expert_parallel > 1:
-        parts.notes.append(_experts_note(model, layout, size))
+        parts.notes.append(_experts_note(model, layout, size, cfg.model.quantize == "nf4"))
     if layout.context_parallel > 1:
         parts.notes.append(context_room.note(layout.context_parallel, batch))
     quantized_room.adjust(parts, cfg, counts.low_bit, size, layout, sharded)
@@ -286,10 +286,13 @@ def _dpo_words(cfg: JobConfig) -> str:
             "computed before the first step: no second model")
 
 
-def _experts_note(model: Model, layout: Layout, size: Dtypes) -> str:
-    """What each rank holds of the routed experts under EP (in weights and lora adapters above)."""
+def _experts_note(model: Model, layout: Layout, size: Dtypes, nf4: bool) -> str:
+    """What each rank holds of the routed experts under EP (in weights and lora adapters above); with `nf4` the
+    frozen ones as 4-bit codes and their int8 block scales (the weights above count the second-level scales too)."""
     ep, experts, shape = layout.expert_parallel, model.counts.experts, model.shape
-    base = (experts.total - experts.trainable) * size.frozen + experts.trainable * size.master
+    frozen = experts.total - experts.trainable
+    base = (quantized_room.nf4_gathered_bytes(frozen, 0, size.frozen) if nf4 else frozen * size.frozen)
+    base += experts.trainable * size.master
     again = f", sharded again over {layout.shard // ep} ranks" if layout.shard > ep else ", whole (not sharded)"
     return (f"expert parallel {ep}: each rank holds {shape.experts // ep} of the {shape.experts} routed experts of "
             f"each MoE layer{again}: {base / layout.shard / GIB:.2f} GiB of expert weights and adapters per rank")

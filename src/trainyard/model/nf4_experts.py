@@ -140,10 +140,24 @@ def _check_expert_shards(model: torch.nn.Module, targets: set[str], shards: int,
     """FSDP2 shards each EP rank's experts over shards / expert_parallel ranks; where that is one rank, torch's FSDP2
     copies a lone rank's weight as one tensor, which an NF4Tensor's three parts are not (its gather fails)."""
     stacked = any(param.dim() == 3 and checkpoint_key(name) in targets for name, param in model.named_parameters())
-    if stacked and shards // expert_parallel == 1:
+    if stacked:
+        refuse_lone_expert_shards(shards, expert_parallel)
+
+
+def refuse_lone_expert_shards(shards: int, expert_parallel: int, where: str | None = None) -> None:
+    """Quantized expert stacks, each sharded over shards / expert_parallel ranks: one rank is refused (the dry run
+    asks too, for a model with stacks NF4 takes)."""
+    if shards // expert_parallel == 1:
         raise ModelError(
             f"model.quantize nf4: under dist.expert_parallel {expert_parallel} over a shard dimension of {shards} "
             "ranks each expert stack is sharded over one rank, where FSDP2 cannot gather NF4 weights",
+            where=where,
             fix=f"set dist.expert_parallel to a divisor of {shards} below it (each expert then sharded over 2 or "
             "more ranks), dist.expert_parallel: 1, or model.quantize: none",
         )
+
+
+def quantizable_stacks(model: torch.nn.Module) -> bool:
+    """Whether the (meta, LoRA-wrapped or plain) model has frozen fused expert stacks of whole NF4 blocks."""
+    return any(param.dim() == 3 and "experts" in name and not param.requires_grad and param[0].numel() % BLOCK == 0
+               for name, param in model.named_parameters())

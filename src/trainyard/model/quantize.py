@@ -122,8 +122,12 @@ def fill_own_rows(local: torch.Tensor, read: Callable[[int, int], torch.Tensor],
                   stop: int) -> None:
     """This rank's rows [start, stop) of a `shape` tensor, read in row chunks by `read(a, b)`, quantized as the
     whole tensor (bit for bit torchao's `to_nf4` of it, then split) into the NF4 `local` (its shard, or all of it).
+    A fake one (`estimate --trace`'s step) holds no values: nothing is quantized, so no fake code table is cached.
     """
+    from torch._subclasses.fake_tensor import is_fake
 
+    if is_fake(local.quantized_data):
+        return
     parts = nf4_fast.quantize_rows(read, (shape[0], shape[1]), start, stop, local.dtype, local.scaler_block_size)
     nf4 = nf4_module()
     local.copy_(nf4.NF4Tensor(*nf4.construct_nf4_args(local, {**vars(parts), "device": torch.device("cpu")})))

@@ -23,7 +23,7 @@ from trainyard.estimate.timing import Lengths, dpo_reference
 from trainyard.model import collation
 from trainyard.model import attention, state_layers
 from trainyard.model import build as model_room
-from trainyard.model import quantize
+from trainyard.model import nf4_experts, quantize
 from trainyard.parallel import context_parallel as context_parallel_room
 from trainyard.parallel import expert_parallel
 from trainyard.parallel import parallelize as parallel
@@ -442,6 +442,8 @@ def _experts_words(cfg: JobConfig, model: torch.nn.Module, info: DistInfo, strat
         return f"experts          no expert parallelism{requested}"
     shard = dist.hsdp_shape(info, cfg.dist.shard_size)[1] if strategy == "hsdp" else info.world_size
     expert_parallel.check(model, ep, strategy, shard, cfg.where("dist.expert_parallel"))
+    if cfg.model.quantize == "nf4" and nf4_experts.quantizable_stacks(model):  # as the build refuses it
+        nf4_experts.refuse_lone_expert_shards(shard, ep, cfg.where("dist.expert_parallel"))
     experts = expert_parallel.find_expert_stacks(model)[0].experts.num_experts
     further = f"sharded further over {shard // ep} ranks" if shard > ep else "not sharded further"
     return (f"experts          expert parallel {ep}: each rank holds {experts // ep} of the {experts} routed experts "

@@ -31,7 +31,7 @@ from torch.distributed._tools.fake_collectives import CollectiveOp, collective_o
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from trainyard import dist, estimate
@@ -47,6 +47,7 @@ from trainyard.estimate.timing import Lengths
 from trainyard.model import attention
 from trainyard.model import build as model_room
 from trainyard.model import lora as lora_room
+from trainyard.model import quantize
 from trainyard.model import weights
 from trainyard.parallel import parallelize as parallel
 from trainyard.plan import batching
@@ -157,8 +158,8 @@ class LiveBytes(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if active_fake_mode() is self._fake_mode:
-            for tensor in tree_leaves(out):
-                if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            for tensor in _plain_tensors(tree_leaves(out)):
+                if tensor.device.type != "meta":
                     self._created(tensor.untyped_storage())
             for tensor in _gathered_by(func, kwargs):
                 self._mark_gathered(tensor.untyped_storage())
@@ -195,6 +196,16 @@ class LiveBytes(TorchDispatchMode):
         self._set(key, 0)
         del self.sizes[key]
         self.gathered.discard(key)
+
+
+def _plain_tensors(leaves: list[Any]) -> Iterator[torch.Tensor]:
+    """The tensors holding storage: a wrapper subclass's inner tensors (an NF4 weight's codes and scales), whose
+    ops run inside its own dispatch, unseen here; the wrapper's nominal storage is its dense size."""
+    for leaf in leaves:
+        if is_traceable_wrapper_subclass(leaf):
+            yield from _plain_tensors([getattr(leaf, name) for name in leaf.__tensor_flatten__()[0]])
+        elif isinstance(leaf, torch.Tensor):
+            yield leaf
 
 
 def _gathered_by(func: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -294,12 +305,21 @@ def meta_model(
 ) -> torch.nn.Module:
     """The model as build.build_and_wrap builds it for `device` ("cuda" or "cpu"), on the meta device (LoRA adapters
     too, in the masters' dtype)."""
+    return meta_model_and_nf4(cfg, config, precision, device)[0]
+
+
+def meta_model_and_nf4(
+    cfg: JobConfig, config: Any, precision: precision_room.Precision, device: str = "cuda"
+) -> tuple[torch.nn.Module, list[str]]:
+    """meta_model, and the weights model.quantize nf4 stores in 4 bits (chosen on the plain model, as build.py does;
+    none without nf4)."""
     base_dtype = precision.frozen_dtype if cfg.lora.enabled else precision.trainable_dtype
     model = _with_attention(cfg, config, base_dtype, device)
+    nf4 = quantize.nf4_targets(model, base_dtype).quantized if cfg.model.quantize == "nf4" else []
     if cfg.lora.enabled:
         with torch.device("meta"), lora_room.real_stand_ins(model, precision.trainable_dtype):
             model = lora_room.apply_lora(model, cfg.lora, cfg.train.seed)
-    return model
+    return model, nf4
 
 
 def _with_attention(cfg: JobConfig, config: Any, dtype: torch.dtype, device: str) -> torch.nn.Module:
@@ -384,7 +404,7 @@ def _trace(cfg: JobConfig, hardware: estimate.Hardware, layers: int | None) -> T
     layout, planned = formula(cfg, config, hardware)
     precision = estimate_memory.resolve_precision(cfg, layout.gpu)
     device, context = "cpu" if layout.gpu.device_name is None else "cuda", layout.context_parallel
-    model = meta_model(cfg, config, precision, device)
+    model, nf4 = meta_model_and_nf4(cfg, config, precision, device)
     if context > 1:
         trace_context.check(cfg, model, context, layout.shard, device)
     info = dist.DistInfo(0, layout.world, 0, layout.gpus_per_node, CPU, "fake")
@@ -395,7 +415,7 @@ def _trace(cfg: JobConfig, hardware: estimate.Hardware, layers: int | None) -> T
         memory, log = LiveBytes(), CollectiveLog(group_names(mesh))
         # buffers stay real: a few small tensors
         with FakeTensorMode(allow_non_fake_inputs=True), GroupedMmInAnyDtype(), memory, log:
-            _step_on_fake_tensors(cfg, model, layout, precision, info, mesh, memory)
+            _step_on_fake_tensors(cfg, model, nf4, layout, precision, info, mesh, memory)
     return Trace(
         mesh=(dist.describe_mesh(mesh) + (f" (cp {context})" if context > 1 else "") if mesh is not None
               else f"the world of {layout.world}"),
@@ -412,11 +432,15 @@ def _trace(cfg: JobConfig, hardware: estimate.Hardware, layers: int | None) -> T
 
 
 def _step_on_fake_tensors(
-    cfg: JobConfig, model: torch.nn.Module, layout: Layout, precision: precision_room.Precision,
+    cfg: JobConfig, model: torch.nn.Module, nf4: list[str], layout: Layout, precision: precision_room.Precision,
     info: dist.DistInfo, mesh: DeviceMesh | None, memory: LiveBytes,
 ) -> None:
-    """Parallelize and fill the model, hold AdamW's moments, open the peak's window, take the traced step."""
+    """Parallelize and fill the model (`nf4`'s weights in 4 bits, as build.py holds them), hold AdamW's moments, open
+    the peak's window, take the traced step."""
     adapters_in_memory(model)
+    if nf4:
+        shards = mesh.size(-1) if mesh is not None and parallel.shards_within(layout.strategy, cfg.diloco.inner) else 1
+        quantize.quantize_meta(model, set(nf4), shards, CPU, weights.checkpoint_key, layout.expert_parallel)
     wrapped = hooked(parallel.apply(model, layout.strategy, info, precision, FakeWeights.of(model), mesh,
                                     cfg.diloco.inner, cfg.model.gradient_checkpointing, compile_blocks=False,
                                     expert_parallel_size=layout.expert_parallel,

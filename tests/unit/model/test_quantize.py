@@ -345,3 +345,16 @@ def test_the_dry_run_refuses_hsdp_of_one_rank_shard_groups_under_nf4(tmp_path) -
     assert "override 'dist.shard_size=1'" in done.stderr and "dist.strategy: ddp" in done.stderr
     assert "Traceback" not in done.stderr
     assert run_cli("train", TINY, *job).returncode == 0  # shard groups of 2 plan
+
+
+def test_the_dry_run_refuses_nf4_experts_sharded_over_one_rank_as_the_build_does(tmp_path) -> None:
+    job = ["--dry-run", f"output_dir={tmp_path}", "dist.strategy=fsdp", "model.quantize=nf4", "lora.enabled=true",
+           "dist.expert_parallel=2"]
+    done = run_cli("train", TINY_MOE, "--nproc", "2", *job)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "override 'dist.expert_parallel=2'" in done.stderr and "each expert stack is sharded over one rank" in \
+        done.stderr
+    assert "Traceback" not in done.stderr
+    planned = run_cli("train", TINY_MOE, "--nproc", "4", *job)  # each expert's rows over 2 ranks
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    assert "expert parallel 2" in planned.stdout

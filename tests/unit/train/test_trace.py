@@ -281,3 +281,14 @@ def test_a_hybrid_family_s_state_layers_are_counted_within_10_percent_of_its_tra
     job = _family_at_4k(tmp_path, family, {**registry.settings(family), **HYBRID[family]})
     result = trace.trace(load_config(job, overrides), estimate.Hardware(gpu, 1, 1))
     assert abs(result.formula.peak_tensor_bytes / result.peak_bytes - 1) <= 0.10
+
+
+def test_an_nf4_base_is_traced_in_4_bits_as_the_formula_counts_it() -> None:
+    """model.quantize nf4 under FSDP2: the traced step holds the 4-bit shards with their scales (an NF4Tensor's
+    inner tensors, not its dense nominal size), byte for byte the formula's, and far below the bf16 base's."""
+    hardware = estimate.Hardware("h100-80gb", 8, 1)
+    base = trace.trace(load_config(MISTRAL, ["dist.strategy=fsdp"]), hardware, LAYERS)
+    four_bits = trace.trace(load_config(MISTRAL, ["dist.strategy=fsdp", "model.quantize=nf4"]), hardware, LAYERS)
+    assert four_bits.static_bytes == pytest.approx(trace.held_between_steps(four_bits.formula), rel=0.01)
+    assert four_bits.static_bytes < 0.6 * base.static_bytes
+    assert four_bits.peak_bytes < base.peak_bytes
