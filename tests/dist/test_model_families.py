@@ -46,7 +46,7 @@ def test_fsdp2_loss_and_gradients_match_the_unsharded_model(
     assert line["trainable"] > 0, line
     assert line["loss_rel"] < LOSS_REL, line
     assert line["grad_rel"] < GRAD_REL, line
-    # an untied embedding and head are FSDP2 units of their own (parallelize.untied_ends), and the chunked loss still
+    # an untied embedding and head are FSDP2 units of their own (build.untied_ends), and the chunked loss still
     # finds the head under FSDP2's wrapper class; a tied pair stays in the root
     assert line["ends_apart"] == [not line["tied"]] * 2, line
     assert line["chunked"] == (family in CHUNKED_FAMILIES), line

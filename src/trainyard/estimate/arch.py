@@ -138,7 +138,7 @@ class Counts:
     attention_dropout: float = 0.0
     """The family's attention dropout, which flex_attention does not apply (auto then keeps to varlen)."""
     ends_apart: bool = False
-    """An embedding and a head that share no weight: FSDP2 shards each as a unit of its own (parallelize.untied_ends),
+    """An embedding and a head that share no weight: FSDP2 shards each as a unit of its own (build.untied_ends),
     and an embedding is gathered for its lookup alone."""
     head_trainable: int = 0
     """Trainable elements of the output head (full fine-tuning): its gradient is made while every activation lives."""
@@ -240,8 +240,7 @@ def count(model: torch.nn.Module, shape: Shape) -> Counts:
         root_trainable=sum(p.numel() for p in root if p.requires_grad),
         embedding=embedding.numel(),
         tied=output is not None and getattr(output, "weight", None) is embedding,
-        ends_apart=output is not None and getattr(output, "weight", None) is not embedding
-        and id(embedding) not in in_blocks,
+        ends_apart=model_room.untied_ends(model)[0] is not None,
         lora_inputs_per_block=sum(m.base_layer.in_features for m in linear),
         lora_ranks_per_block=sum(sum(m.r.values()) for m in linear),
         flops=flop_shape(model),

@@ -160,6 +160,22 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
+def untied_ends(model: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    """The input embedding and the head, where they share no weight and no block holds either (None, None
+    otherwise): FSDP2 shards each as a unit of its own (parallelize), and the estimate counts them so (estimate.arch).
+    In the root, both were gathered for the whole step, and at once: the 0.93B Llama's embedding and head in bf16
+    (2 x 131 MB gathered, their all-gather's output beside them) were a rank's largest moment under nf4."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if embedding is None or head is None:
+        return None, None
+    blocks = {id(param) for block in decoder_blocks(model) for param in block.parameters()}
+    ends = set(map(id, embedding.parameters())) | set(map(id, head.parameters()))
+    if ends & blocks or set(map(id, embedding.parameters())) & set(map(id, head.parameters())):
+        return None, None
+    return embedding, head
+
+
 def is_peft(model: torch.nn.Module) -> bool:
     """Whether PEFT wrapped `model`; False without importing PEFT when nothing in this process has (full
     fine-tuning never loads it)."""

@@ -1,11 +1,10 @@
 """The products of an NF4 base: each weight dequantized in row chunks into one dense copy, then multiplied.
 
 torchao's `NF4Tensor.get_original_weight` widens every 4-bit code to int64 and builds the copy from six
-intermediates the size of the weight: ~12 bytes a value at its peak, 150 MB for one 2048 x 6400 MLP weight, where
-the copy itself is 26 MB in bf16. That transient was a rank's largest nf4-only cost (the 0.93B Llama's step peaked
-0.1-0.14 GiB above its plan). `dequantize` gives the same values bit for bit (each value is one level times one
-block scale, multiplied in the same dtypes) with a byte-pair table and a chunk of codes at a time, so a product
-holds the dense copy and a few MB beside it, and runs ~3x faster on a CPU.
+intermediates the size of the weight: its peak rose by 205 MiB for one 6400 x 2048 MLP weight, whose bf16 copy is 25
+MiB (benchmarks/memory/nf4_dequantize.py). `dequantize` gives the same values bit for bit (each value is one level
+times one block scale, multiplied in the same dtypes) with a byte-pair table and a chunk of codes at a time, so a
+product holds the dense copy and a few MB beside it (20 MiB there), and runs 2.2x faster on a CPU.
 
 Quantized linears compute through `NF4Linear` (torchao's `linear_nf4` contract: the NF4 weight is saved for the
 backward, which dequantizes it again; nothing dense outlives a product), and fused expert stacks through

@@ -13,7 +13,7 @@ dividing the weight's blocks in a multiple of 8 scaler blocks: nf4_fast.scaler_b
 not divide stays in model.dtype (said in the log); under FSDP2 each rank's rows must hold whole scaler blocks too.
 MoE experts fused in 3-D are quantized per expert, each expert's [out, in] an NF4Tensor of its own (nf4_experts.py),
 under the same rules for each expert's size and rows. Products dequantize each weight in chunks (nf4_linear.py):
-torchao's dequantization holds ~6x the dense copy at once.
+torchao's dequantization holds ~8x the dense copy at once.
 """
 
 from __future__ import annotations

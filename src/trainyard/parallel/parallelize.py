@@ -2,8 +2,8 @@
 
 Activation checkpointing and compile first; then FSDP2 shards each block, an untied embedding and head, then
 the root (HSDP: the same on a 2-D mesh), while every weight is still on the meta device; only then is memory
-allocated for this rank's shards, and weights.py fills them. DDP (and a lone process) materialise one whole copy, fill it, then
-replicate. The strategy itself is plan's decision.
+allocated for this rank's shards, and weights.py fills them. DDP (and a lone process) materialise one whole copy,
+fill it, then replicate. The strategy itself is plan's decision.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainyard.dist import DistInfo, is_fsdp
 from trainyard.model import weights
-from trainyard.model.build import decoder_blocks
+from trainyard.model.build import decoder_blocks, untied_ends
 from trainyard.parallel import checkpointing, context_parallel, expert_parallel, float8
 from trainyard.parallel import compile as compile_room
 from trainyard.precision import Precision
@@ -169,22 +169,6 @@ def shard_fsdp2(
         fully_shard(head, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
-
-
-def untied_ends(model: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
-    """The input embedding and the head as FSDP2 units of their own, where they share no weight (None where they
-    do: a tied pair stays in the root, gathered from forward to backward). In the root, both were gathered for the
-    whole step, and at once: the 0.93B Llama's embedding and head in bf16 (2 x 131 MB gathered, their all-gather's
-    output beside them) were a rank's largest moment under nf4."""
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if embedding is None or head is None:
-        return None, None
-    blocks = {id(param) for block in decoder_blocks(model) for param in block.parameters()}
-    ends = set(map(id, embedding.parameters())) | set(map(id, head.parameters()))
-    if ends & blocks or set(map(id, embedding.parameters())) & set(map(id, head.parameters())):
-        return None, None
-    return embedding, head
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

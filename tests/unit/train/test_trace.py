@@ -16,8 +16,7 @@ from tests.unit.model.families import FAMILIES, settings
 from trainyard import estimate, hardware
 from trainyard.config_file import load_config
 from trainyard.estimate import memory as estimate_memory
-from trainyard.model.build import decoder_blocks
-from trainyard.parallel.parallelize import untied_ends
+from trainyard.model.build import decoder_blocks, untied_ends
 from trainyard.train import trace
 
 GLM = str(REPO / "configs" / "glm45air-fsdp-lora.yaml")
