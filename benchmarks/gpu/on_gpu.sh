@@ -1,0 +1,21 @@
+#!/bin/bash
+# On an offline GPU machine whose image has torch, transformers, peft and accelerate: install the wheels that
+# wheels.sh fetched into a folder of their own (the image's site-packages untouched), make this checkout importable,
+# say what runs, then `benchmarks/gpu_all.sh OUT PART...` (default: versus, then the GPU suite).
+#
+#     bash benchmarks/gpu/on_gpu.sh OUT [PART ...]       # WHEELS=.whl by default
+set -u
+cd "$(dirname "$0")/../.."
+out=${1:?usage: bash benchmarks/gpu/on_gpu.sh OUT [PART ...]}; shift
+wheels=${WHEELS:-.whl}
+site=${SITE:-/tmp/trainyard-site}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$wheels"/*.whl \
+  || { echo "installing $wheels/*.whl failed: run benchmarks/gpu/wheels.sh where pip reaches a registry"; exit 2; }
+export PYTHONPATH="$PWD/src:$site${PYTHONPATH:+:$PYTHONPATH}"
+python3 - <<'PY' || exit 2
+import importlib, sys
+for name in ("torch", "transformers", "peft", "accelerate", "datasets", "pydantic", "torchao", "trainyard.cli"):
+    module = importlib.import_module(name)
+    print(f"{name} {getattr(module, '__version__', '')} {getattr(module, '__file__', '')}")
+PY
+exec bash benchmarks/gpu_all.sh "$out" "$@"
