@@ -1,14 +1,17 @@
 #!/bin/bash
-# Every GPU check in one command, for a short time on one GPU: the GPU suite beside flex_attention's check and the
-# traces, then the timed benchmarks alone on the GPU. Each part has its own time limit and writes its own file, so
-# a part that hangs costs its limit and the rest still report.
+# Every GPU check in one command, for a short time on one GPU: first trainyard against HF Trainer (versus, alone on
+# the GPU), then the GPU suite beside flex_attention's check and the traces, then the timed benchmarks alone on the
+# GPU. Each part has its own time limit and writes its own file, so a part that hangs costs its limit and the rest
+# still report.
 #
-#     bash benchmarks/gpu_all.sh OUT_DIR [PART ...]  # parts: suite flex trace bench attention mfu moe (default: all)
+#     bash benchmarks/gpu_all.sh OUT_DIR [PART ...]  # parts: versus suite flex trace bench attention mfu moe
+#                                                    # (default: versus suite, ~10 minutes on one H100)
 #
-# Needs a CUDA torch and trainyard importable (`pip install -e .`, or PYTHONPATH=src). ~8 minutes on one H100.
+# Needs a CUDA torch and trainyard importable (`pip install -e .`, or PYTHONPATH=src). versus stops itself by 390 s
+# (its --budget-s: each run's limit is cut to what is left), the suite by 210 s; the other parts take ~8 minutes.
 set -u
 out=${1:?usage: bash benchmarks/gpu_all.sh OUT_DIR [PART ...]}; shift
-parts=" ${*:-suite flex trace bench attention mfu moe} "
+parts=" ${*:-versus suite} "
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 started=$(date +%s)
@@ -20,9 +23,15 @@ python3 -c "import sys, torch, transformers, peft; print(sys.version.split()[0],
 transformers.__version__, peft.__version__, torch.cuda.get_device_capability())"
 git rev-parse --short HEAD 2>/dev/null
 
+if wanted versus; then  # alone on the GPU: trainyard at its defaults against HF Trainer at its best, three jobs
+  timeout 420 python3 benchmarks/gpu/versus.py --out "$out/versus" > "$out/versus.txt" 2>&1
+  echo "exit $?" >> "$out/versus.txt"
+  stamp "versus done"
+fi
+
 background=()
 if wanted suite; then  # four pytest processes share the GPU: the suite checks results, not speed
-  ( timeout 360 python3 -m pytest -q -rs -p no:cacheprovider -n 4 --dist loadgroup --durations=30 tests/gpu \
+  ( timeout 210 python3 -m pytest -q -rs -p no:cacheprovider -n 4 --dist loadgroup --durations=30 tests/gpu \
       --junitxml="$out/gpu-junit.xml" > "$out/suite.txt" 2>&1; echo "pytest exit $?" >> "$out/suite.txt" ) &
   background+=($!)
 fi
@@ -65,4 +74,6 @@ if wanted moe; then
   stamp "moe done"
 fi
 tail -n 30 "$out/suite.txt" 2>/dev/null
-for part in flex trace gpu_suite attention mfu moe; do echo "=== $part"; tail -c 3000 "$out/$part.txt" 2>/dev/null; done
+for part in versus flex trace gpu_suite attention mfu moe; do
+  echo "=== $part"; tail -c 3000 "$out/$part.txt" 2>/dev/null
+done

@@ -1,0 +1,452 @@
+"""trainyard at its defaults against HF Trainer at its best, on one GPU, the same tokens and the same FLOP count.
+
+    python benchmarks/gpu/versus.py                         # the three jobs below, ~6 minutes on one H100
+    python benchmarks/gpu/versus.py --jobs llama-8b-lora    # one job
+    python benchmarks/gpu/versus.py --smoke                 # tiny shapes of the same families, on a CPU
+    python benchmarks/gpu/versus.py --dry-run --jobs llama-8b-lora   # trainyard's plan for an H100, nothing trained
+
+The jobs (issue 49 item 6), each built from its config (random init, nothing downloaded), trained on real text:
+llama-1b-full (Llama-3.2-1B's shape, full fine-tuning), llama-8b-lora (Llama-3.1-8B's shape, LoRA r=16 on every
+linear layer of the blocks) and qwen3-moe-lora (Qwen3-30B-A3B's shape cut to 8 of its 48 layers, LoRA on the
+attention and the 128 routed experts; trainyard: lora.moe_adapter=grouped). Vocabularies are the real models'
+(128256, 151936): the byte tokenizer uses 262 of the ids, the head costs what a real job's does.
+
+The text: the repository's own documentation (README.md, docs/**/*.md) cut into documents of whole paragraphs,
+200-2048 tokens long (log-uniform), one JSONL file per job that both stacks read; exactly steps x rows-per-step rows,
+so both train the same documents once. Token ids: trainyard's byte tokenizer (`builtin:bytes`), which the HF worker
+loads and encodes rows with from trainyard itself: the same ids and labels.
+
+trainyard: `trainyard train JOB.yaml` under `torchrun --nproc-per-node 1`, the job file holding only what a user sets
+for the job (model, data, LoRA, steps, rows per micro-batch and per step, lr; eval, checkpoints and the progress bar
+off; a train event every step): attention, compile, precision, batching and checkpointing at their defaults.
+HF Trainer at its best (hf_versus_worker.py, one process per variant): bf16, sdpa, fused AdamW, and either
+`flatten` (DataCollatorWithFlattening, padding-free) or `padded` (padded rows, group_by_length); the faster one is
+HF's best. Both take the same micro-batch, accumulation, optimizer steps, lr schedule and LoRA.
+
+Figures per run, over the optimizer steps after the first: real (non-padding) tokens/s, MFU (model FLOPs from
+trainyard.hardware.training_flops over each step's documents, for the HF model as for trainyard's, over
+device_peak_flops; null on a CPU), the peak of torch.cuda.max_memory_allocated (on a CPU: peak RSS), step 1's
+seconds (compile and the allocator's first growth), the median step, and launch to the end of step 1; per job the
+ratios trainyard / HF's best for tokens/s and peak memory (target: >= 2x at <= 1x). One JSON line per run, then a
+markdown table for RESULTS.md. A run that fails or runs out of time prints its error and the rest go on; an HF
+variant that runs out of memory runs again with gradient checkpointing (`gradient_checkpointing` says so). Run
+outputs go to runs/benchmarks/versus-<utc time>/. No assertions: a benchmark, never run by the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parent / "hf_versus_worker.py"
+GIB = 2**30
+OOM_EXIT = 3
+"""hf_versus_worker.py's exit status when the variant ran out of memory."""
+
+LLAMA_1B = {
+    "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+    "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+    "tie_word_embeddings": True, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+}
+LLAMA_8B = {
+    "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "tie_word_embeddings": False, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+}
+QWEN3_MOE = {  # Qwen3-30B-A3B with 8 of its 48 layers
+    "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "num_hidden_layers": 8, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "tie_word_embeddings": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
+}
+# The same families at toy sizes for --smoke: the plumbing on a CPU (a vocabulary still larger than the tokenizer's).
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "rope_theta": 500000.0, "max_position_embeddings": 2048}
+TINY_MOE = {"model_type": "qwen3_moe", "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128,
+            "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "tie_word_embeddings": False, "rope_theta": 1000000.0, "max_position_embeddings": 2048}
+
+
+@dataclass(frozen=True)
+class Job:
+    """One job both stacks train: its model, LoRA (None: full fine-tuning), batch, length and time limits."""
+
+    name: str
+    model_config: dict[str, Any]
+    lora: dict[str, Any] | None
+    steps: int
+    micro_batch_size: int
+    rows_per_step: int
+    lr: float
+    warmup_steps: int = 1
+    min_tokens: int = 200
+    max_tokens: int = 2048
+    """Documents' lengths in tokens, EOS included (data.max_length: none is cut)."""
+    trainyard_timeout_s: int = 180
+    hf_timeout_s: int = 100
+    seed: int = 42
+
+    @property
+    def accumulation(self) -> int:
+        return self.rows_per_step // self.micro_batch_size
+
+
+# Micro-batches of 4 rows (8B: 2) of up to 2048 tokens: HF's padded and flattened rows both fit an 80 GB H100
+# without activation checkpointing (the 8B's 4 x 2048 rows would not: ~55 GB of activations beside 16 GB of
+# weights and 12 GB of logits). Rows per step: ~28k tokens (1B, MoE) and ~16k (8B) at the documents' mean of ~1,150.
+JOBS = {
+    "llama-1b-full": Job("llama-1b-full", LLAMA_1B, None, steps=10, micro_batch_size=4, rows_per_step=24,
+                         lr=1e-4, trainyard_timeout_s=120, hf_timeout_s=75),
+    "llama-8b-lora": Job("llama-8b-lora", LLAMA_8B, {"r": 16, "alpha": 32}, steps=6, micro_batch_size=2,
+                         rows_per_step=14, lr=2e-4, trainyard_timeout_s=200, hf_timeout_s=100),
+    "qwen3-moe-lora": Job("qwen3-moe-lora", QWEN3_MOE, {"r": 16, "alpha": 32, "moe_adapter": "grouped"}, steps=6,
+                          micro_batch_size=4, rows_per_step=24, lr=2e-4, trainyard_timeout_s=180, hf_timeout_s=100),
+}
+SMOKE = {
+    "llama-1b-full": replace(JOBS["llama-1b-full"], model_config={**TINY_LLAMA, "tie_word_embeddings": True}),
+    "llama-8b-lora": replace(JOBS["llama-8b-lora"], model_config={**TINY_LLAMA, "tie_word_embeddings": False}),
+    "qwen3-moe-lora": replace(JOBS["qwen3-moe-lora"], model_config=TINY_MOE),
+}
+SMOKE = {name: replace(job, steps=3, micro_batch_size=2, rows_per_step=4, min_tokens=32, max_tokens=256,
+                       trainyard_timeout_s=150, hf_timeout_s=120) for name, job in SMOKE.items()}
+VARIANTS = ("flatten", "padded")
+RUNNING: set[int] = set()
+"""The process groups of the runs going on: stopped with this process (a timeout's SIGTERM reaches only it)."""
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", nargs="+", default=list(JOBS), choices=list(JOBS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="HF Trainer's")
+    parser.add_argument("--smoke", action="store_true", help="toy shapes on a CPU: the plumbing, not the figures")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="write each job's files and print trainyard's dry-run plan for --gpu; train nothing")
+    parser.add_argument("--gpu", default="h100-80gb", help="the device kind --dry-run plans for")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps of every job (default: the job's)")
+    parser.add_argument("--budget-s", type=float, default=390.0,
+                        help="wall-clock limit of the whole benchmark: each run's limit is cut to what is left")
+    parser.add_argument("--init-cache", default="auto",
+                        help="where trainyard's random init is drawn to (model.cache_dir), removed after each job: "
+                        "auto (/dev/shm when it and the host's memory have room, else the job's folder) or a folder")
+    parser.add_argument("--out", default=None, help="the run folder (default runs/benchmarks/versus-<utc time>)")
+    return parser.parse_args()
+
+
+def paragraphs() -> list[str]:
+    """The repository's documentation, paragraph by paragraph: real English and code, nothing downloaded."""
+    files = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    text = "\n\n".join(path.read_text() for path in files if path.is_file())
+    return [part.strip() for part in text.split("\n\n") if part.strip()]
+
+
+def documents(count: int, low: int, high: int, seed: int) -> list[str]:
+    """`count` documents of consecutive whole paragraphs, each as long as a log-uniform draw in [low, high] tokens
+    (or a paragraph more) and shorter than `high` with the EOS trainyard appends (one token a byte): a paragraph that
+    would pass that ends the document once it has `low` tokens, else is cut. The text starts over when it runs out."""
+    rng = random.Random(seed)
+    parts = paragraphs()
+    cursor, found = 0, []
+    while len(found) < count:
+        target = math.exp(rng.uniform(math.log(low), math.log(high)))
+        chosen: list[str] = []
+        size, room = 0, high - 2  # the EOS, and a row shorter than data.max_length: nothing reads as truncated
+        while size < target:
+            part = parts[cursor % len(parts)]
+            if size >= low and size + len(part.encode()) + 2 > room:
+                break  # long enough, and a whole paragraph more would not fit: the document ends here
+            chosen.append(part)
+            size += len(part.encode()) + 2
+            cursor += 1
+        found.append("\n\n".join(chosen).encode()[:room].decode("utf-8", "ignore"))
+    return found
+
+
+def job_file(job: Job, folder: Path, data: Path, init_cache: Path) -> dict[str, Any]:
+    """What a user writes for this job: model, data, LoRA, length, batch, lr, and no eval, checkpoint or bar."""
+    lora: dict[str, Any] = {"enabled": False} if job.lora is None else {"enabled": True, **job.lora}
+    return {
+        "run_name": "trainyard",
+        "output_dir": str(folder),
+        "model": {"config": job.model_config, "tokenizer": "builtin:bytes", "cache_dir": str(init_cache)},
+        "lora": lora,
+        "data": {"path": str(data), "max_length": job.max_tokens},
+        "train": {"max_steps": job.steps, "micro_batch_size": job.micro_batch_size,
+                  "global_batch_size": job.rows_per_step, "lr": job.lr, "warmup_steps": job.warmup_steps,
+                  "seed": job.seed},
+        "eval": {"every_steps": 0, "at_end": False},
+        "checkpoint": {"every_minutes": 0, "at_end": False},
+        "log": {"every_steps": 1, "progress": False, "tensorboard": False},
+    }
+
+
+def fp32_bytes(job: Job) -> int:
+    """The fp32 random init trainyard draws and writes once (4 bytes a parameter), counted on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = dict(job.model_config)
+    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return 4 * sum(p.numel() for p in model.parameters())
+
+
+def init_cache_for(job: Job, folder: Path, choice: str) -> tuple[Path, str]:
+    """model.cache_dir for trainyard's random init: /dev/shm when it holds 1.3x the fp32 file and the host keeps
+    2.5x free (the drawing process holds the model too), else the job's folder; the reason, in words."""
+    if choice != "auto":
+        return Path(choice) / job.name, "as given"
+    import psutil
+
+    needed = fp32_bytes(job)
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        free = shutil.disk_usage(shm).free
+        if free > 1.3 * needed and psutil.virtual_memory().available > 2.5 * needed:
+            return shm / f"trainyard-versus-{os.getpid()}" / job.name, f"/dev/shm ({needed / GIB:.1f} GiB fp32)"
+    free = shutil.disk_usage(folder).free
+    return folder / "init-cache", f"the job's folder on disk ({needed / GIB:.1f} GiB fp32, {free / GIB:.0f} GiB free)"
+
+
+def environment() -> dict[str, str]:
+    """Nothing is downloaded (builtin tokenizer, models from configs): the hub is never asked. One GPU: on a machine
+    with more, Trainer in a plain process would spread its batch over all of them (DataParallel)."""
+    return {"CUDA_VISIBLE_DEVICES": "0", **os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def launch(command: list[str], log: Path, timeout_s: float) -> tuple[int | None, float, float]:
+    """Run `command` with its output in `log`: (exit status or None on timeout, launch wall time, seconds)."""
+    launched, started = time.time(), time.monotonic()
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(command, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT, env=environment(),
+                                start_new_session=True)
+        RUNNING.add(proc.pid)
+        try:
+            code: int | None = proc.wait(timeout=max(timeout_s, 1.0))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its whole session: torchrun and its worker
+            proc.wait()
+            code = None
+        finally:
+            RUNNING.discard(proc.pid)
+    return code, launched, time.monotonic() - started
+
+
+def stop(signum: int, frame: object) -> None:
+    """On SIGTERM or SIGINT: the run going on stops too (it has a session of its own), and the GPU is free."""
+    for group in list(RUNNING):
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    raise SystemExit(128 + signum)
+
+
+def tail(log: Path, chars: int = 2500) -> str:
+    return log.read_text(errors="replace")[-chars:] if log.is_file() else ""
+
+
+def trainyard_run(job: Job, folder: Path, timeout_s: float, cache_choice: str) -> dict[str, Any]:
+    """`trainyard train JOB.yaml` on one rank; its figures from the run dir's metrics.jsonl and summary.json."""
+    init_cache, where = init_cache_for(job, folder, cache_choice)
+    config = folder / "trainyard.yaml"
+    config.write_text(yaml.safe_dump(job_file(job, folder, folder / "docs.jsonl", init_cache), sort_keys=False))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+               "-m", "trainyard.cli", "train", str(config)]
+    figures: dict[str, Any] = {"job": job.name, "stack": "trainyard", "init_cache": where}
+    try:
+        code, launched, wall = launch(command, folder / "trainyard.log", timeout_s)
+    finally:
+        shutil.rmtree(init_cache, ignore_errors=True)  # up to 32 GB (the 8B's fp32 init): the next job needs room
+        if init_cache.parent.name.startswith("trainyard-versus-"):
+            with contextlib.suppress(OSError):
+                init_cache.parent.rmdir()
+    figures["wall_s"] = round(wall, 1)
+    if code != 0:
+        why = f"timed out after {timeout_s:.0f}s" if code is None else f"exit {code}"
+        return {**figures, "error": f"{why}: {tail(folder / 'trainyard.log')}"}
+    run_dir = folder / "trainyard"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [e for e in events if e["kind"] == "train"]
+    seconds, tokens, previous = [], [], 0
+    for event in steps:  # one train event a step (log.every_steps 1): its tokens over its tokens/s are its seconds
+        tokens.append(event["tokens"] - previous)
+        seconds.append(tokens[-1] / event["tokens_per_s"])
+        previous = event["tokens"]
+    flops = [e["achieved_flops_per_rank"] * s for e, s in zip(steps, seconds)]
+    mfus = [e["mfu"] for e in steps[1:] if e.get("mfu") is not None]
+    steady_s = sum(seconds[1:])
+    return {
+        **figures,
+        "tokens_per_s": summary["tokens_per_s"],
+        "mfu": sum(m * s for m, s in zip(mfus, seconds[1:])) / steady_s if mfus and steady_s else None,
+        "peak_memory_bytes": summary["peak_memory_bytes"],
+        "first_step_s": seconds[0] if seconds else None,
+        "median_step_s": statistics.median(seconds[1:]) if len(seconds) > 1 else None,
+        "launch_to_first_step_s": steps[0]["time"] - launched if steps else None,
+        "steps": len(steps),
+        "tokens": summary["tokens"],
+        "flops_per_token": sum(flops[1:]) / max(sum(tokens[1:]), 1),
+        "step_seconds": [round(s, 4) for s in seconds],
+        "params": summary["params"],
+        "trainable_params": summary["trainable_params"],
+        "strategy": summary["strategy"],
+        "device": summary["device"],
+        "first_loss": summary["first_train_loss"],
+        "final_loss": summary["final_train_loss"],
+    }
+
+
+def hf_run(job: Job, folder: Path, variant: str, timeout_s: float, checkpointing: bool) -> tuple[dict[str, Any], bool]:
+    """One HF Trainer variant in its own process: (its figures, whether it ran out of memory)."""
+    name = f"hf-{variant}" + ("-checkpointed" if checkpointing else "")
+    out = folder / f"{name}.json"
+    command = [sys.executable, str(WORKER), "--job", str(folder / "job.json"), "--variant", variant,
+               "--out", str(out), *(["--gradient-checkpointing"] if checkpointing else [])]
+    code, launched, wall = launch(command, folder / f"{name}.log", timeout_s)
+    figures: dict[str, Any] = {"job": job.name, "stack": f"hf-{variant}", "wall_s": round(wall, 1)}
+    if code is None:
+        return {**figures, "error": f"timed out after {timeout_s:.0f}s: {tail(folder / f'{name}.log')}"}, False
+    if not out.is_file():
+        return {**figures, "error": f"exit {code}: {tail(folder / f'{name}.log')}"}, False
+    result = json.loads(out.read_text())
+    if result.get("first_step_wall_time") is not None:
+        result["launch_to_first_step_s"] = result.pop("first_step_wall_time") - launched
+    return {**figures, **result}, code == OOM_EXIT
+
+
+def compare(job: str, ours: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    """trainyard against HF's faster variant: the ratios of tokens/s and peak memory, and the issue's target."""
+    done = [r for r in theirs if r.get("tokens_per_s")]
+    if not ours.get("tokens_per_s") or not done:
+        return {"job": job, "versus": None, "why": "a run is missing"}
+    best = max(done, key=lambda r: r["tokens_per_s"])
+    speed = ours["tokens_per_s"] / best["tokens_per_s"]
+    memory = ours["peak_memory_bytes"] / best["peak_memory_bytes"] if best.get("peak_memory_bytes") else None
+    return {"job": job, "versus": best["stack"], "tokens_per_s_ratio": round(speed, 3),
+            "peak_memory_ratio": round(memory, 3) if memory is not None else None,
+            "target_met": speed >= 2.0 and memory is not None and memory <= 1.0}
+
+
+def shown(value: Any, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def table(runs: list[dict[str, Any]], comparisons: list[dict[str, Any]]) -> str:
+    """The markdown table for RESULTS.md: one row a run, the ratios on trainyard's row."""
+    ratios = {c["job"]: c for c in comparisons}
+    lines = ["| job | stack | tokens/s | MFU | peak GiB | step 1 s | median step s | launch -> step 1 s | "
+             "vs HF best (tokens/s, memory) |", "|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        if run.get("error"):
+            lines.append(f"| {run['job']} | {run['stack']} | {run['error'].splitlines()[0][:60]} | | | | | | |")
+            continue
+        stack = run["stack"] + (" (checkpointed)" if run.get("gradient_checkpointing") else "")
+        ratio = ratios.get(run["job"], {}) if run["stack"] == "trainyard" else {}
+        versus = (f"{shown(ratio.get('tokens_per_s_ratio'), '.2f')}x, {shown(ratio.get('peak_memory_ratio'), '.2f')}x"
+                  f" ({ratio.get('versus')})" if ratio.get("versus") else "")
+        mfu = run.get("mfu")
+        lines.append(
+            f"| {run['job']} | {stack} | {shown(run.get('tokens_per_s'), ',.0f')} | "
+            f"{shown(None if mfu is None else 100 * mfu, '.1f')}{'%' if mfu is not None else ''} | "
+            f"{shown((run.get('peak_memory_bytes') or 0) / GIB, '.2f')} | {shown(run.get('first_step_s'), '.2f')} | "
+            f"{shown(run.get('median_step_s'), '.3f')} | {shown(run.get('launch_to_first_step_s'), '.1f')} | "
+            f"{versus} |")
+    return "\n".join(lines)
+
+
+def dry_run(job: Job, folder: Path, gpu: str) -> None:
+    """trainyard's plan for this job on `gpu` (strategy, memory, batching): whether it fits, before a GPU is held."""
+    config = folder / "trainyard.yaml"
+    config.write_text(yaml.safe_dump(job_file(job, folder, folder / "docs.jsonl", folder / "init-cache"),
+                                     sort_keys=False))
+    command = [sys.executable, "-m", "trainyard.cli", "train", str(config), "--dry-run", "--gpu", gpu,
+               "--gpus-per-node", "1"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=environment())
+    print(f"== {job.name}: trainyard train --dry-run --gpu {gpu} (exit {done.returncode})")
+    print(done.stdout[-6000:], done.stderr[-3000:], sep="\n", flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    started = time.monotonic()
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    catalogue = SMOKE if args.smoke else JOBS
+    out = Path(args.out) if args.out else REPO / "runs" / "benchmarks" / time.strftime(
+        "versus-%Y%m%dT%H%M%SZ", time.gmtime())
+    out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(REPO / "benchmarks" / "common"))
+    from bench_env import commit, versions
+
+    print(json.dumps({"versus": "start", "smoke": args.smoke, "out": str(out), "commit": commit(),
+                      "versions": versions()}), flush=True)
+    runs: list[dict[str, Any]] = []
+    comparisons: list[dict[str, Any]] = []
+
+    def left() -> float:
+        return args.budget_s - (time.monotonic() - started)
+
+    for name in args.jobs:
+        job = catalogue[name] if args.steps is None else replace(catalogue[name], steps=args.steps)
+        folder = out / name
+        folder.mkdir(parents=True, exist_ok=True)
+        docs = documents(job.steps * job.rows_per_step, job.min_tokens, job.max_tokens, job.seed)
+        (folder / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+        (folder / "job.json").write_text(json.dumps({**asdict(job), "accumulation": job.accumulation,
+                                                     "data": str(folder / "docs.jsonl")}, indent=1))
+        lengths = sorted(len(d.encode()) + 1 for d in docs)
+        print(json.dumps({"job": name, "rows": len(docs), "rows_per_step": job.rows_per_step,
+                          "micro_batch_size": job.micro_batch_size, "accumulation": job.accumulation,
+                          "steps": job.steps, "tokens": sum(lengths), "median_row": lengths[len(lengths) // 2],
+                          "longest_row": lengths[-1]}), flush=True)
+        if args.dry_run:
+            dry_run(job, folder, args.gpu)
+            continue
+        job_runs = []
+        if left() < 30:
+            job_runs.append({"job": name, "stack": "trainyard", "error": "skipped: the time budget is spent"})
+        else:
+            job_runs.append(trainyard_run(job, folder, min(job.trainyard_timeout_s, left()), args.init_cache))
+        print(json.dumps(job_runs[-1]), flush=True)
+        for variant in args.variants:
+            if left() < 20:
+                job_runs.append({"job": name, "stack": f"hf-{variant}", "error": "skipped: the time budget is spent"})
+                print(json.dumps(job_runs[-1]), flush=True)
+                continue
+            result, out_of_memory = hf_run(job, folder, variant, min(job.hf_timeout_s, left()), False)
+            if out_of_memory and left() >= 20:  # where HF needs activation checkpointing to fit at all
+                print(json.dumps(result), flush=True)
+                result, _ = hf_run(job, folder, variant, min(job.hf_timeout_s, left()), True)
+            job_runs.append(result)
+            print(json.dumps(result), flush=True)
+        comparisons.append(compare(name, job_runs[0], job_runs[1:]))
+        print(json.dumps(comparisons[-1]), flush=True)
+        runs.extend(job_runs)
+    if not args.dry_run:
+        print(f"\nversus: {time.monotonic() - started:.0f}s in all\n")
+        print(table(runs, comparisons), flush=True)
+
+
+if __name__ == "__main__":
+    main()
