@@ -1,14 +1,17 @@
 """HF Trainer at its best on one job of benchmarks/gpu/versus.py: one variant a process, its figures as JSON.
 
-    python benchmarks/gpu/hf_versus_worker.py --job JOB.json --variant flatten --out hf-flatten.json
-    python benchmarks/gpu/hf_versus_worker.py --job JOB.json --variant padded --gradient-checkpointing --out x.json
+    python benchmarks/gpu/hf_versus_worker.py --job JOB.json --save-weights DIR      # the job's model, once
+    python benchmarks/gpu/hf_versus_worker.py --job JOB.json --weights DIR --variant flatten --out hf-flatten.json
+    python benchmarks/gpu/hf_versus_worker.py --job JOB.json --weights DIR --variant padded --gradient-checkpointing \
+        --out x.json
 
 JOB.json is what versus.py writes: the model's config, LoRA (r, alpha; null: full fine-tuning), the documents'
 JSONL file, rows per micro-batch, accumulation, steps, lr. Rows are encoded by trainyard's own text encoder and byte
 tokenizer (the same ids and labels trainyard trains on), and the HF config comes from trainyard's resolver (the same
 vocabulary and special ids). What HF does at its best:
 
-  the model  built from the config on the device (random init there: seconds, not the minutes a CPU takes for 8B),
+  the model  --save-weights: built from the config on the device (random init there: seconds, not the minute a
+             CPU takes for 8B) and saved as a model folder, which trainyard and each variant then load;
              sdpa attention, no KV cache (with a cache, transformers 5 attends across a flattened row's documents);
              full fine-tuning keeps fp32 weights under bf16 autocast (Trainer's bf16=True, as trainyard's bf16-mixed),
              LoRA a bf16 base with fp32 adapters (PEFT's autocast_adapter_dtype)
@@ -64,10 +67,15 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--job", required=True, help="the job.json versus.py wrote")
-    parser.add_argument("--variant", choices=("flatten", "padded"), required=True)
+    parser.add_argument("--save-weights", default=None, help="build the job's model on the device, save it here, exit")
+    parser.add_argument("--weights", default=None, help="the model folder --save-weights wrote")
+    parser.add_argument("--variant", choices=("flatten", "padded"))
     parser.add_argument("--gradient-checkpointing", action="store_true", help="non-reentrant, every layer")
-    parser.add_argument("--out", required=True, help="the result JSON")
-    return parser.parse_args()
+    parser.add_argument("--out", help="the result JSON")
+    args = parser.parse_args()
+    if not args.save_weights and not (args.weights and args.variant and args.out):
+        parser.error("give --save-weights DIR, or --weights DIR --variant V --out FILE")
+    return args
 
 
 class Recorder:
@@ -137,6 +145,18 @@ def isolation_loss_diff(model: torch.nn.Module, rows: list[dict[str, list[int]]]
                       - loss(b, torch.tensor(t, device=device), reduction="none")).abs().max()) for a, b, t in pieces)
 
 
+def save_weights(model_cfg: ModelConfig, tokenizer: Any, seed: int, dtype: torch.dtype, device: torch.device,
+                 folder: Path) -> None:
+    """The job's model from trainyard's resolution of its config (its vocabulary and special ids), drawn on the
+    device and saved as a model folder both stacks load."""
+    config = architecture(model_cfg, tokenizer)
+    config.use_cache = False
+    torch.manual_seed(seed)
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(folder)
+
+
 def main() -> None:
     args = parse_args()
     launched = time.time()
@@ -149,17 +169,18 @@ def main() -> None:
 
     model_cfg = ModelConfig(config=spec["model_config"], tokenizer="builtin:bytes")
     tokenizer = load_tokenizer(model_cfg, None)
+    lora = spec["lora"]
+    dtype = torch.bfloat16 if lora else torch.float32
+    if args.save_weights:
+        save_weights(model_cfg, tokenizer, spec["seed"], dtype, device, Path(args.save_weights))
+        return
     texts = [json.loads(line) for line in Path(spec["data"]).read_text().splitlines() if line.strip()]
     rows = [encode_row(row, "text", tokenizer, max_length=spec["max_tokens"], train_on_prompt=False)
             for row in texts]
     rows = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows]
-    config = architecture(model_cfg, tokenizer)
-    config.use_cache = False
-    lora = spec["lora"]
-    torch.manual_seed(spec["seed"])
-    with device:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if lora else torch.float32,
-                                                 attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(args.weights, dtype=dtype, attn_implementation="sdpa",
+                                                 device_map=device)
+    model.config.use_cache = False
     experts = expert_stacks(model)
     if lora:
         model = get_peft_model(model, LoraConfig(

@@ -4,13 +4,19 @@
 # say what runs, then `benchmarks/gpu_all.sh OUT PART...` (default: versus, then the GPU suite).
 #
 #     bash benchmarks/gpu/on_gpu.sh OUT [PART ...]       # WHEELS=.whl by default
+#     VERSUS_BUDGET_S=540 bash benchmarks/gpu/on_gpu.sh OUT versus; bash benchmarks/gpu/on_gpu.sh OUT suite
+#                                                      # all of versus, then the suite: two commands of < 10 minutes
 set -u
 cd "$(dirname "$0")/../.."
 out=${1:?usage: bash benchmarks/gpu/on_gpu.sh OUT [PART ...]}; shift
 wheels=${WHEELS:-.whl}
 site=${SITE:-/tmp/trainyard-site}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$wheels"/*.whl \
-  || { echo "installing $wheels/*.whl failed: run benchmarks/gpu/wheels.sh where pip reaches a registry"; exit 2; }
+if [ ! -f "$site/.installed" ]; then  # once a machine: a second command on it finds them there
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+    "$wheels"/*.whl || { echo "installing $wheels/*.whl failed: run benchmarks/gpu/wheels.sh where pip reaches a \
+registry"; exit 2; }
+  touch "$site/.installed"
+fi
 export PYTHONPATH="$PWD/src:$site${PYTHONPATH:+:$PYTHONPATH}"
 python3 - <<'PY' || exit 2
 import importlib, sys

@@ -1,6 +1,6 @@
 """trainyard at its defaults against HF Trainer at its best, on one GPU, the same tokens and the same FLOP count.
 
-    python benchmarks/gpu/versus.py                         # the three jobs below, ~6 minutes on one H100
+    python benchmarks/gpu/versus.py                         # the three jobs below, ~6-9 minutes on one H100
     python benchmarks/gpu/versus.py --jobs llama-8b-lora    # one job
     python benchmarks/gpu/versus.py --smoke                 # tiny shapes of the same families, on a CPU
     python benchmarks/gpu/versus.py --dry-run --jobs llama-8b-lora   # trainyard's plan for an H100, nothing trained
@@ -17,8 +17,13 @@ so both train the same documents once. Token ids: trainyard's byte tokenizer (`b
 loads and encodes rows with from trainyard itself: the same ids and labels.
 
 trainyard: `trainyard train JOB.yaml` under `torchrun --nproc-per-node 1`, the job file holding only what a user sets
-for the job (model, data, LoRA, steps, rows per micro-batch and per step, lr; eval, checkpoints and the progress bar
-off; a train event every step): attention, compile, precision, batching and checkpointing at their defaults.
+for the job (model.path, data, LoRA, steps, rows per micro-batch and per step, lr; eval, checkpoints and the progress
+bar off; a train event every step): attention, compile, precision, batching and checkpointing at their defaults.
+The weights: each job's model is drawn once on the device from its config (hf_versus_worker.py --save-weights,
+bf16 for LoRA's frozen base, fp32 for full fine-tuning) and saved as a model folder that both stacks load, as a
+fine-tune loads its checkpoint: the same starting weights (so the first losses agree), and no minute of drawing an
+8B model on the host's CPU. The folder goes to /dev/shm where it has room, else the job's folder, and is removed
+after the job.
 HF Trainer at its best (hf_versus_worker.py, one process per variant): bf16, sdpa, fused AdamW, and either
 `flatten` (DataCollatorWithFlattening, padding-free) or `padded` (padded rows, group_by_length); the faster one is
 HF's best. Both take the same micro-batch, accumulation, optimizer steps, lr schedule and LoRA.
@@ -47,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -113,12 +119,12 @@ class Job:
 # without activation checkpointing (the 8B's 4 x 2048 rows would not: ~55 GB of activations beside 16 GB of
 # weights and 12 GB of logits). Rows per step: ~28k tokens (1B, MoE) and ~16k (8B) at the documents' mean of ~1,150.
 JOBS = {
-    "llama-1b-full": Job("llama-1b-full", LLAMA_1B, None, steps=10, micro_batch_size=4, rows_per_step=24,
-                         lr=1e-4, trainyard_timeout_s=120, hf_timeout_s=75),
-    "llama-8b-lora": Job("llama-8b-lora", LLAMA_8B, {"r": 16, "alpha": 32}, steps=6, micro_batch_size=2,
-                         rows_per_step=14, lr=2e-4, trainyard_timeout_s=200, hf_timeout_s=100),
-    "qwen3-moe-lora": Job("qwen3-moe-lora", QWEN3_MOE, {"r": 16, "alpha": 32, "moe_adapter": "grouped"}, steps=6,
-                          micro_batch_size=4, rows_per_step=24, lr=2e-4, trainyard_timeout_s=180, hf_timeout_s=100),
+    "llama-1b-full": Job("llama-1b-full", LLAMA_1B, None, steps=8, micro_batch_size=4, rows_per_step=24,
+                         lr=1e-4, trainyard_timeout_s=100, hf_timeout_s=75),
+    "llama-8b-lora": Job("llama-8b-lora", LLAMA_8B, {"r": 16, "alpha": 32}, steps=5, micro_batch_size=2,
+                         rows_per_step=14, lr=2e-4, trainyard_timeout_s=150, hf_timeout_s=100),
+    "qwen3-moe-lora": Job("qwen3-moe-lora", QWEN3_MOE, {"r": 16, "alpha": 32, "moe_adapter": "grouped"}, steps=5,
+                          micro_batch_size=4, rows_per_step=24, lr=2e-4, trainyard_timeout_s=140, hf_timeout_s=100),
 }
 SMOKE = {
     "llama-1b-full": replace(JOBS["llama-1b-full"], model_config={**TINY_LLAMA, "tie_word_embeddings": True}),
@@ -141,11 +147,11 @@ def parse_args() -> argparse.Namespace:
                         help="write each job's files and print trainyard's dry-run plan for --gpu; train nothing")
     parser.add_argument("--gpu", default="h100-80gb", help="the device kind --dry-run plans for")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps of every job (default: the job's)")
-    parser.add_argument("--budget-s", type=float, default=390.0,
+    parser.add_argument("--budget-s", type=float, default=330.0,
                         help="wall-clock limit of the whole benchmark: each run's limit is cut to what is left")
-    parser.add_argument("--init-cache", default="auto",
-                        help="where trainyard's random init is drawn to (model.cache_dir), removed after each job: "
-                        "auto (/dev/shm when it and the host's memory have room, else the job's folder) or a folder")
+    parser.add_argument("--weights", default="auto",
+                        help="where each job's model folder is written, removed after the job: auto (/dev/shm when it "
+                        "has room, else the job's folder) or a folder")
     parser.add_argument("--out", default=None, help="the run folder (default runs/benchmarks/versus-<utc time>)")
     return parser.parse_args()
 
@@ -179,13 +185,14 @@ def documents(count: int, low: int, high: int, seed: int) -> list[str]:
     return found
 
 
-def job_file(job: Job, folder: Path, data: Path, init_cache: Path) -> dict[str, Any]:
-    """What a user writes for this job: model, data, LoRA, length, batch, lr, and no eval, checkpoint or bar."""
+def job_file(job: Job, folder: Path, data: Path, weights: Path) -> dict[str, Any]:
+    """What a user writes for this job: the model folder, data, LoRA, length, batch, lr, and no eval, checkpoint or
+    progress bar."""
     lora: dict[str, Any] = {"enabled": False} if job.lora is None else {"enabled": True, **job.lora}
     return {
         "run_name": "trainyard",
         "output_dir": str(folder),
-        "model": {"config": job.model_config, "tokenizer": "builtin:bytes", "cache_dir": str(init_cache)},
+        "model": {"path": str(weights), "tokenizer": "builtin:bytes"},
         "lora": lora,
         "data": {"path": str(data), "max_length": job.max_tokens},
         "train": {"max_steps": job.steps, "micro_batch_size": job.micro_batch_size,
@@ -197,8 +204,9 @@ def job_file(job: Job, folder: Path, data: Path, init_cache: Path) -> dict[str, 
     }
 
 
-def fp32_bytes(job: Job) -> int:
-    """The fp32 random init trainyard draws and writes once (4 bytes a parameter), counted on the meta device."""
+def weight_bytes(job: Job) -> int:
+    """The model folder's size: 2 bytes a parameter for LoRA's bf16 base, 4 for full fine-tuning (fp32 weights),
+    counted on the meta device."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -206,24 +214,42 @@ def fp32_bytes(job: Job) -> int:
     config = AutoConfig.for_model(settings.pop("model_type"), **settings)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return 4 * sum(p.numel() for p in model.parameters())
+    return (2 if job.lora else 4) * sum(p.numel() for p in model.parameters())
 
 
-def init_cache_for(job: Job, folder: Path, choice: str) -> tuple[Path, str]:
-    """model.cache_dir for trainyard's random init: /dev/shm when it holds 1.3x the fp32 file and the host keeps
-    2.5x free (the drawing process holds the model too), else the job's folder; the reason, in words."""
+def weights_folder(job: Job, folder: Path, choice: str) -> tuple[Path, str]:
+    """Where the job's model folder goes: /dev/shm when it holds 1.3x the weights and the host keeps 2x free, else
+    the job's folder; the reason, in words."""
     if choice != "auto":
         return Path(choice) / job.name, "as given"
     import psutil
 
-    needed = fp32_bytes(job)
+    needed = weight_bytes(job)
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK):
         free = shutil.disk_usage(shm).free
-        if free > 1.3 * needed and psutil.virtual_memory().available > 2.5 * needed:
-            return shm / f"trainyard-versus-{os.getpid()}" / job.name, f"/dev/shm ({needed / GIB:.1f} GiB fp32)"
+        if free > 1.3 * needed and psutil.virtual_memory().available > 2 * needed:
+            return shm / f"trainyard-versus-{os.getpid()}" / job.name, f"/dev/shm ({needed / GIB:.1f} GiB)"
     free = shutil.disk_usage(folder).free
-    return folder / "init-cache", f"the job's folder on disk ({needed / GIB:.1f} GiB fp32, {free / GIB:.0f} GiB free)"
+    return folder / "weights", f"the job's folder on disk ({needed / GIB:.1f} GiB, {free / GIB:.0f} GiB free)"
+
+
+def remove_weights(weights: Path) -> None:
+    """Up to 16 GB (the 8B's bf16 base): the next job needs the room."""
+    shutil.rmtree(weights, ignore_errors=True)
+    if weights.parent.name.startswith("trainyard-versus-"):
+        with contextlib.suppress(OSError):
+            weights.parent.rmdir()
+
+
+def save_weights(job: Job, folder: Path, weights: Path, timeout_s: float) -> str | None:
+    """The job's model drawn on the device from its config and saved to `weights`; None, or why it failed."""
+    command = [sys.executable, str(WORKER), "--job", str(folder / "job.json"), "--save-weights", str(weights)]
+    code, _, wall = launch(command, folder / "weights.log", timeout_s)
+    print(json.dumps({"job": job.name, "weights": str(weights), "exit": code, "wall_s": round(wall, 1)}), flush=True)
+    if code == 0:
+        return None
+    return f"{'timed out' if code is None else f'exit {code}'} drawing the weights: {tail(folder / 'weights.log')}"
 
 
 def environment() -> dict[str, str]:
@@ -265,21 +291,14 @@ def tail(log: Path, chars: int = 2500) -> str:
     return log.read_text(errors="replace")[-chars:] if log.is_file() else ""
 
 
-def trainyard_run(job: Job, folder: Path, timeout_s: float, cache_choice: str) -> dict[str, Any]:
+def trainyard_run(job: Job, folder: Path, weights: Path, timeout_s: float) -> dict[str, Any]:
     """`trainyard train JOB.yaml` on one rank; its figures from the run dir's metrics.jsonl and summary.json."""
-    init_cache, where = init_cache_for(job, folder, cache_choice)
     config = folder / "trainyard.yaml"
-    config.write_text(yaml.safe_dump(job_file(job, folder, folder / "docs.jsonl", init_cache), sort_keys=False))
+    config.write_text(yaml.safe_dump(job_file(job, folder, folder / "docs.jsonl", weights), sort_keys=False))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
                "-m", "trainyard.cli", "train", str(config)]
-    figures: dict[str, Any] = {"job": job.name, "stack": "trainyard", "init_cache": where}
-    try:
-        code, launched, wall = launch(command, folder / "trainyard.log", timeout_s)
-    finally:
-        shutil.rmtree(init_cache, ignore_errors=True)  # up to 32 GB (the 8B's fp32 init): the next job needs room
-        if init_cache.parent.name.startswith("trainyard-versus-"):
-            with contextlib.suppress(OSError):
-                init_cache.parent.rmdir()
+    figures: dict[str, Any] = {"job": job.name, "stack": "trainyard"}
+    code, launched, wall = launch(command, folder / "trainyard.log", timeout_s)
     figures["wall_s"] = round(wall, 1)
     if code != 0:
         why = f"timed out after {timeout_s:.0f}s" if code is None else f"exit {code}"
@@ -317,12 +336,13 @@ def trainyard_run(job: Job, folder: Path, timeout_s: float, cache_choice: str) -
     }
 
 
-def hf_run(job: Job, folder: Path, variant: str, timeout_s: float, checkpointing: bool) -> tuple[dict[str, Any], bool]:
+def hf_run(job: Job, folder: Path, weights: Path, variant: str, timeout_s: float,
+           checkpointing: bool) -> tuple[dict[str, Any], bool]:
     """One HF Trainer variant in its own process: (its figures, whether it ran out of memory)."""
     name = f"hf-{variant}" + ("-checkpointed" if checkpointing else "")
     out = folder / f"{name}.json"
-    command = [sys.executable, str(WORKER), "--job", str(folder / "job.json"), "--variant", variant,
-               "--out", str(out), *(["--gradient-checkpointing"] if checkpointing else [])]
+    command = [sys.executable, str(WORKER), "--job", str(folder / "job.json"), "--weights", str(weights),
+               "--variant", variant, "--out", str(out), *(["--gradient-checkpointing"] if checkpointing else [])]
     code, launched, wall = launch(command, folder / f"{name}.log", timeout_s)
     figures: dict[str, Any] = {"job": job.name, "stack": f"hf-{variant}", "wall_s": round(wall, 1)}
     if code is None:
@@ -378,13 +398,43 @@ def table(runs: list[dict[str, Any]], comparisons: list[dict[str, Any]]) -> str:
 def dry_run(job: Job, folder: Path, gpu: str) -> None:
     """trainyard's plan for this job on `gpu` (strategy, memory, batching): whether it fits, before a GPU is held."""
     config = folder / "trainyard.yaml"
-    config.write_text(yaml.safe_dump(job_file(job, folder, folder / "docs.jsonl", folder / "init-cache"),
-                                     sort_keys=False))
+    weights = folder / "weights"  # the dry run reads its config.json alone
+    weights.mkdir(exist_ok=True)
+    (weights / "config.json").write_text(json.dumps(job.model_config))
+    config.write_text(yaml.safe_dump(job_file(job, folder, folder / "docs.jsonl", weights), sort_keys=False))
     command = [sys.executable, "-m", "trainyard.cli", "train", str(config), "--dry-run", "--gpu", gpu,
                "--gpus-per-node", "1"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=environment())
     print(f"== {job.name}: trainyard train --dry-run --gpu {gpu} (exit {done.returncode})")
     print(done.stdout[-6000:], done.stderr[-3000:], sep="\n", flush=True)
+
+
+def run_job(job: Job, folder: Path, weights: Path, variants: list[str],
+            left: Callable[[], float]) -> list[dict[str, Any]]:
+    """The job's weights drawn once, then trainyard and each HF variant on them, each within the time `left()`
+    gives: trainyard's figures first, then HF's (an HF variant out of memory runs again checkpointed)."""
+    skipped = "skipped: the time budget is spent"
+    failed = save_weights(job, folder, weights, min(120.0, left())) if left() >= 40 else skipped
+    if failed:
+        stacks = ["trainyard", *(f"hf-{variant}" for variant in variants)]
+        runs = [{"job": job.name, "stack": stack, "error": failed} for stack in stacks]
+        for run in runs:
+            print(json.dumps(run), flush=True)
+        return runs
+    runs = [trainyard_run(job, folder, weights, min(job.trainyard_timeout_s, left())) if left() >= 30
+            else {"job": job.name, "stack": "trainyard", "error": skipped}]
+    print(json.dumps(runs[-1]), flush=True)
+    for variant in variants:
+        if left() < 20:
+            runs.append({"job": job.name, "stack": f"hf-{variant}", "error": skipped})
+        else:
+            result, out_of_memory = hf_run(job, folder, weights, variant, min(job.hf_timeout_s, left()), False)
+            if out_of_memory and left() >= 20:  # where HF needs activation checkpointing to fit at all
+                print(json.dumps(result), flush=True)
+                result, _ = hf_run(job, folder, weights, variant, min(job.hf_timeout_s, left()), True)
+            runs.append(result)
+        print(json.dumps(runs[-1]), flush=True)
+    return runs
 
 
 def main() -> None:
@@ -423,23 +473,12 @@ def main() -> None:
         if args.dry_run:
             dry_run(job, folder, args.gpu)
             continue
-        job_runs = []
-        if left() < 30:
-            job_runs.append({"job": name, "stack": "trainyard", "error": "skipped: the time budget is spent"})
-        else:
-            job_runs.append(trainyard_run(job, folder, min(job.trainyard_timeout_s, left()), args.init_cache))
-        print(json.dumps(job_runs[-1]), flush=True)
-        for variant in args.variants:
-            if left() < 20:
-                job_runs.append({"job": name, "stack": f"hf-{variant}", "error": "skipped: the time budget is spent"})
-                print(json.dumps(job_runs[-1]), flush=True)
-                continue
-            result, out_of_memory = hf_run(job, folder, variant, min(job.hf_timeout_s, left()), False)
-            if out_of_memory and left() >= 20:  # where HF needs activation checkpointing to fit at all
-                print(json.dumps(result), flush=True)
-                result, _ = hf_run(job, folder, variant, min(job.hf_timeout_s, left()), True)
-            job_runs.append(result)
-            print(json.dumps(result), flush=True)
+        weights, where = weights_folder(job, folder, args.weights)
+        try:
+            job_runs = run_job(job, folder, weights, args.variants, left)
+        finally:
+            remove_weights(weights)
+        job_runs[0]["weights"] = where
         comparisons.append(compare(name, job_runs[0], job_runs[1:]))
         print(json.dumps(comparisons[-1]), flush=True)
         runs.extend(job_runs)
