@@ -146,6 +146,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true",
                         help="write each job's files and print trainyard's dry-run plan for --gpu; train nothing")
     parser.add_argument("--gpu", default="h100-80gb", help="the device kind --dry-run plans for")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="trainyard overrides beyond its defaults, e.g. train.micro_batch_tokens=auto (the row's "
+                        "`overrides` say so)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps of every job (default: the job's)")
     parser.add_argument("--budget-s", type=float, default=330.0,
                         help="wall-clock limit of the whole benchmark: each run's limit is cut to what is left")
@@ -291,13 +294,14 @@ def tail(log: Path, chars: int = 2500) -> str:
     return log.read_text(errors="replace")[-chars:] if log.is_file() else ""
 
 
-def trainyard_run(job: Job, folder: Path, weights: Path, timeout_s: float) -> dict[str, Any]:
-    """`trainyard train JOB.yaml` on one rank; its figures from the run dir's metrics.jsonl and summary.json."""
+def trainyard_run(job: Job, folder: Path, weights: Path, timeout_s: float, overrides: list[str]) -> dict[str, Any]:
+    """`trainyard train JOB.yaml [overrides]` on one rank; its figures from the run dir's metrics.jsonl and
+    summary.json."""
     config = folder / "trainyard.yaml"
     config.write_text(yaml.safe_dump(job_file(job, folder, folder / "docs.jsonl", weights), sort_keys=False))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-               "-m", "trainyard.cli", "train", str(config)]
-    figures: dict[str, Any] = {"job": job.name, "stack": "trainyard"}
+               "-m", "trainyard.cli", "train", str(config), *overrides]
+    figures: dict[str, Any] = {"job": job.name, "stack": "trainyard", "overrides": overrides}
     code, launched, wall = launch(command, folder / "trainyard.log", timeout_s)
     figures["wall_s"] = round(wall, 1)
     if code != 0:
@@ -382,6 +386,7 @@ def table(runs: list[dict[str, Any]], comparisons: list[dict[str, Any]]) -> str:
             lines.append(f"| {run['job']} | {run['stack']} | {run['error'].splitlines()[0][:60]} | | | | | | |")
             continue
         stack = run["stack"] + (" (checkpointed)" if run.get("gradient_checkpointing") else "")
+        stack += f" ({' '.join(run['overrides'])})" if run.get("overrides") else ""
         ratio = ratios.get(run["job"], {}) if run["stack"] == "trainyard" else {}
         versus = (f"{shown(ratio.get('tokens_per_s_ratio'), '.2f')}x, {shown(ratio.get('peak_memory_ratio'), '.2f')}x"
                   f" ({ratio.get('versus')})" if ratio.get("versus") else "")
@@ -395,21 +400,21 @@ def table(runs: list[dict[str, Any]], comparisons: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def dry_run(job: Job, folder: Path, gpu: str) -> None:
+def dry_run(job: Job, folder: Path, gpu: str, overrides: list[str]) -> None:
     """trainyard's plan for this job on `gpu` (strategy, memory, batching): whether it fits, before a GPU is held."""
     config = folder / "trainyard.yaml"
     weights = folder / "weights"  # the dry run reads its config.json alone
     weights.mkdir(exist_ok=True)
     (weights / "config.json").write_text(json.dumps(job.model_config))
     config.write_text(yaml.safe_dump(job_file(job, folder, folder / "docs.jsonl", weights), sort_keys=False))
-    command = [sys.executable, "-m", "trainyard.cli", "train", str(config), "--dry-run", "--gpu", gpu,
+    command = [sys.executable, "-m", "trainyard.cli", "train", str(config), *overrides, "--dry-run", "--gpu", gpu,
                "--gpus-per-node", "1"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=environment())
     print(f"== {job.name}: trainyard train --dry-run --gpu {gpu} (exit {done.returncode})")
     print(done.stdout[-6000:], done.stderr[-3000:], sep="\n", flush=True)
 
 
-def run_job(job: Job, folder: Path, weights: Path, variants: list[str],
+def run_job(job: Job, folder: Path, weights: Path, variants: list[str], overrides: list[str],
             left: Callable[[], float]) -> list[dict[str, Any]]:
     """The job's weights drawn once, then trainyard and each HF variant on them, each within the time `left()`
     gives: trainyard's figures first, then HF's (an HF variant out of memory runs again checkpointed)."""
@@ -421,7 +426,7 @@ def run_job(job: Job, folder: Path, weights: Path, variants: list[str],
         for run in runs:
             print(json.dumps(run), flush=True)
         return runs
-    runs = [trainyard_run(job, folder, weights, min(job.trainyard_timeout_s, left())) if left() >= 30
+    runs = [trainyard_run(job, folder, weights, min(job.trainyard_timeout_s, left()), overrides) if left() >= 30
             else {"job": job.name, "stack": "trainyard", "error": skipped}]
     print(json.dumps(runs[-1]), flush=True)
     for variant in variants:
@@ -471,11 +476,11 @@ def main() -> None:
                           "steps": job.steps, "tokens": sum(lengths), "median_row": lengths[len(lengths) // 2],
                           "longest_row": lengths[-1]}), flush=True)
         if args.dry_run:
-            dry_run(job, folder, args.gpu)
+            dry_run(job, folder, args.gpu, args.set)
             continue
         weights, where = weights_folder(job, folder, args.weights)
         try:
-            job_runs = run_job(job, folder, weights, args.variants, left)
+            job_runs = run_job(job, folder, weights, args.variants, args.set, left)
         finally:
             remove_weights(weights)
         job_runs[0]["weights"] = where
