@@ -4,6 +4,8 @@
     python benchmarks/gpu/versus.py --jobs llama-8b-lora    # one job
     python benchmarks/gpu/versus.py --smoke                 # tiny shapes of the same families, on a CPU
     python benchmarks/gpu/versus.py --dry-run --jobs llama-8b-lora   # trainyard's plan for an H100, nothing trained
+    python benchmarks/gpu/versus.py --jobs llama-8b-lora llama-1b-full --variants --steps 100 --set train.precision=fp8
+                                                            # trainyard alone, with overrides (issue 51's fp8 runs)
 
 The jobs (issue 49 item 6), each built from its config (random init, nothing downloaded), trained on real text:
 llama-1b-full (Llama-3.2-1B's shape, full fine-tuning), llama-8b-lora (Llama-3.1-8B's shape, LoRA r=16 on every
@@ -141,7 +143,8 @@ RUNNING: set[int] = set()
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", nargs="+", default=list(JOBS), choices=list(JOBS))
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="HF Trainer's")
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS,
+                        help="HF Trainer's (none: trainyard alone, e.g. with --set train.precision=fp8)")
     parser.add_argument("--smoke", action="store_true", help="toy shapes on a CPU: the plumbing, not the figures")
     parser.add_argument("--dry-run", action="store_true",
                         help="write each job's files and print trainyard's dry-run plan for --gpu; train nothing")
