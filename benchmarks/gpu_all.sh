@@ -8,8 +8,8 @@
 #                                                    # (default: versus suite, ~9 minutes on one H100)
 #
 # Needs a CUDA torch and trainyard importable (`pip install -e .`, or PYTHONPATH=src; benchmarks/gpu/on_gpu.sh
-# does both on an offline machine). versus stops itself by VERSUS_BUDGET_S (330 s; each run's limit is cut to what
-# is left, and a run left no time is skipped, saying so), the suite by 200 s: the default parts fit one 10-minute
+# does both on an offline machine). versus stops itself by VERSUS_BUDGET_S (300 s; each run's limit is cut to what
+# is left, and a run left no time is skipped, saying so), the suite by 230 s: the default parts fit one 10-minute
 # command. All of versus's runs need ~6-9 minutes: where two commands can be afforded, give it its own first
 # (VERSUS_BUDGET_S=540, PART versus), then the suite. The other parts take ~8 minutes more.
 set -u
@@ -28,7 +28,7 @@ git rev-parse --short HEAD 2>/dev/null
 
 if wanted versus; then  # alone on the GPU: trainyard at its defaults against HF Trainer at its best, three jobs
   # its figures are all in versus.txt; the runs' folders (logs, metrics) go beside OUT_DIR's few files
-  budget=${VERSUS_BUDGET_S:-330}
+  budget=${VERSUS_BUDGET_S:-300}
   timeout $(( budget + 15 )) python3 benchmarks/gpu/versus.py --budget-s "$budget" --out "$(mktemp -d -t versus-XXXX)" \
     > "$out/versus.txt" 2>&1
   echo "exit $?" >> "$out/versus.txt"
@@ -37,7 +37,7 @@ fi
 
 background=()
 if wanted suite; then  # four pytest processes share the GPU: the suite checks results, not speed
-  ( timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -n 4 --dist loadgroup --durations=30 tests/gpu \
+  ( timeout 230 python3 -m pytest -q -rs -p no:cacheprovider -n 4 --dist loadgroup --durations=30 tests/gpu \
       --junitxml="$out/gpu-junit.xml" > "$out/suite.txt" 2>&1; echo "pytest exit $?" >> "$out/suite.txt" ) &
   background+=($!)
 fi
