@@ -20,8 +20,18 @@ fi
 export PYTHONPATH="$PWD/src:$site${PYTHONPATH:+:$PYTHONPATH}"
 python3 - <<'PY' || exit 2
 import importlib, sys
-for name in ("torch", "transformers", "peft", "accelerate", "datasets", "pydantic", "torchao", "trainyard.cli"):
-    module = importlib.import_module(name)
+failed = []
+for name in ("torch", "transformers", "peft", "accelerate", "pyarrow", "datasets", "pydantic", "torchao",
+             "trainyard.cli"):
+    try:
+        module = importlib.import_module(name)
+    except Exception as err:  # noqa: BLE001 (each failure named, then one exit)
+        failed.append(name)
+        print(f"{name}: cannot import: {type(err).__name__}: {err}")
+        continue
     print(f"{name} {getattr(module, '__version__', '')} {getattr(module, '__file__', '')}")
+if failed:
+    sys.exit(f"missing or too old here: {', '.join(failed)}: fetch them with benchmarks/gpu/wheels.sh "
+             "(EXTRA=\"pyarrow ...\" for more)")
 PY
 exec bash benchmarks/gpu_all.sh "$out" "$@"

@@ -4,13 +4,14 @@
 # Run here, where pip reaches a registry; carry DIR to the GPU machine and start there with on_gpu.sh.
 #
 #     bash benchmarks/gpu/wheels.sh [DIR]     # default .whl (ignored by git); ~22 MB
+#     EXTRA="pyarrow" bash benchmarks/gpu/wheels.sh    # also these (datasets needs pyarrow >= 24: ~40 MB more)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dir=${1:-.whl}
 py=${PYTHON:-.venv/bin/python}
 # transformers and peft: newer than such images hold; the rest: trainyard's own needs that they lack.
 names="transformers peft datasets dill multiprocess gguf pydantic pydantic_core annotated-types typing-inspection
-jsonschema jsonschema-specifications referencing rpds-py setproctitle torchao"
+jsonschema jsonschema-specifications referencing rpds-py setproctitle torchao fsspec ${EXTRA:-}"
 pins=$("$py" - $names <<'PY'
 import sys
 from importlib.metadata import version
