@@ -42,6 +42,7 @@ class Survey:
     """Tokens of each document of the usable rows: a pair's chosen, then its rejected."""
     targets: int = 0
     truncated: int = 0
+    """Usable rows data.max_length cut: documents longer than it; pairs with a document that reaches it."""
     truncation: Truncation = field(default_factory=Truncation)
     """The rows whose target tokens data.max_length cut, and every row's length before the cut."""
     dropped: Counter[str] = field(default_factory=Counter)
@@ -112,7 +113,10 @@ def _add(found: Survey, example: dict[str, Any], tokenizer: Any, max_length: int
     found.lengths.append(len(ids))
     found.documents += example.get("seq_lens") or [len(ids)]
     found.targets += sum(label != IGNORE_INDEX for label in labels)
-    found.truncated += len(ids) >= max_length
+    if "seq_lens" in example:  # a preference pair: each of its documents is cut at max_length on its own
+        found.truncated += any(length >= max_length for length in example["seq_lens"])
+    else:  # a document: its length before the cut, which encode_row recorded last (one that fits exactly is whole)
+        found.truncated += found.truncation.lengths[-1] > max_length
     if not found.example:
         found.example, found.example_where = marked_row(tokenizer, example), found.last_where
 
