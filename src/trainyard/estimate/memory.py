@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -142,13 +143,33 @@ class Model:
     counts: Counts
 
 
+_MODELS: dict[str, Model] = {}
+"""model_of's results by what decides them: a plan estimates one job several times (each strategy `auto` weighs,
+CP's and the micro-batch's choices), and a meta build with LoRA costs a second for 135M, tens for a 108B MoE."""
+
+
 def model_of(cfg: JobConfig) -> Model:
     """The job's model, meta-built: shapes and parameter counts, nothing read."""
+    key = _model_key(cfg)
+    if key in _MODELS:
+        return _MODELS[key]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         config = estimate_arch.hf_config(cfg)
         shape = estimate_arch.shape_of(config)
-        return Model(shape, estimate_arch.count(estimate_arch.meta_model(cfg, config), shape))
+        model = Model(shape, estimate_arch.count(estimate_arch.meta_model(cfg, config), shape))
+    if len(_MODELS) >= 32:  # a process that plans many jobs (the tests) keeps the newest
+        _MODELS.pop(next(iter(_MODELS)))
+    _MODELS[key] = model
+    return model
+
+
+def _model_key(cfg: JobConfig) -> str:
+    """The model and LoRA settings, with the modification time of a local config.json (a folder rewritten in place
+    is read again)."""
+    path = Path(cfg.model.path).expanduser() / "config.json" if cfg.model.path else None
+    written = path.stat().st_mtime_ns if path is not None and path.is_file() else None
+    return f"{cfg.model.model_dump_json()}|{cfg.lora.model_dump_json()}|{written}"
 
 
 def resolve_precision(cfg: JobConfig, kind: Gpu) -> precision_room.Precision:
