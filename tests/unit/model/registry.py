@@ -74,6 +74,7 @@ compute the same function."""
 TINY_CHANGES: dict[str, dict[str, Any]] = {
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=8),
     "gemma3n_text": dict(num_kv_shared_layers=0),
+    "kolibri1_1": dict(index_num_heads=2),  # at most the query heads of a key head (4 / 2)
     "zamba": dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, attention_head_dim=16,
                   layer_types=["linear_attention", "hybrid"] * 2),  # two hybrid layers share one block
     "zamba2": dict(num_hidden_layers=4, hybrid_layer_ids=[1, 3], attention_head_dim=16, mamba_headdim=16,

@@ -50,16 +50,16 @@ def test_the_check_can_fail_one_row_of_documents_joins_them(family: str, why: st
 
 
 def test_a_family_with_attention_of_its_own_gets_its_own_mask_and_padded_rows() -> None:
-    """Falcon computes its attention itself from the mask transformers makes for the implementation named: varlen's
-    (what auto chose before) changed even its padded rows."""
-    model = matrix.build("falcon")
-    assert layers.own_attention(model) == ["FalconAttention"]
-    assert attention.choose("auto", model, torch.device("cpu")) == "sdpa"
-    with pytest.raises(ModelError, match=r"varlen: FalconAttention computes attention in its own code"):
+    """GPT-NeoX-Japanese computes its attention itself from the mask transformers makes for the implementation
+    named: varlen's would change even its padded rows. (Falcon was the example until transformers 5.25 moved it onto
+    the attention interface: it is exact on padding-free rows there.)"""
+    model = matrix.build("gpt_neox_japanese")
+    assert layers.own_attention(model) == ["GPTNeoXJapaneseAttention"]
+    assert attention.choose("auto", model, torch.device("cpu")) == "eager"  # it has no sdpa path
+    with pytest.raises(ModelError, match=r"varlen: GPTNeoXJapaneseAttention computes attention in its own code"):
         attention.choose("varlen", model, torch.device("cpu"))  # asked for by name: refused, not trained wrong
-    assert attention.choose("eager", model, torch.device("cpu")) == "eager"
-    assert "FalconAttention (its own attention" in collation.padded_rows(model, DataConfig())
-    want = matrix.losses(matrix.build("falcon"), collate(matrix.rows(), pad_id=0, padding_free=False))[0]
+    assert "GPTNeoXJapaneseAttention (its own attention" in collation.padded_rows(model, DataConfig())
+    want = matrix.losses(matrix.build("gpt_neox_japanese"), collate(matrix.rows(), pad_id=0, padding_free=False))[0]
     model.config._attn_implementation = attention.VARLEN  # set after the build, as trainyard sets it
     varlen = matrix.losses(model, collate(matrix.rows(), pad_id=0, padding_free=False))[0]
     assert abs(varlen - want) / want > 20 * matrix.TOLERANCE
