@@ -3,15 +3,16 @@
 # (Python 3.12, x86-64 Linux): each at the version this checkout's .venv runs, so the GPU runs what the suite tested.
 # Run here, where pip reaches a registry; carry DIR to the GPU machine and start there with on_gpu.sh.
 #
-#     bash benchmarks/gpu/wheels.sh [DIR]     # default .whl (ignored by git); ~22 MB
+#     bash benchmarks/gpu/wheels.sh [DIR]     # default .whl (ignored by git); ~25 MB
 #     EXTRA="pyarrow" bash benchmarks/gpu/wheels.sh    # also these (datasets needs pyarrow >= 24: ~40 MB more)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dir=${1:-.whl}
 py=${PYTHON:-.venv/bin/python}
-# transformers and peft: newer than such images hold; the rest: trainyard's own needs that they lack.
-names="transformers peft datasets dill multiprocess gguf pydantic pydantic_core annotated-types typing-inspection
-jsonschema jsonschema-specifications referencing rpds-py setproctitle torchao fsspec ${EXTRA:-}"
+# transformers (with kernels, which 5.25 requires) and peft: newer than such images hold; the rest: trainyard's own
+# needs that they lack.
+names="transformers kernels tomlkit peft datasets dill multiprocess gguf pydantic pydantic_core annotated-types
+typing-inspection jsonschema jsonschema-specifications referencing rpds-py setproctitle torchao fsspec ${EXTRA:-}"
 pins=$("$py" - $names <<'PY'
 import sys
 from importlib.metadata import version
