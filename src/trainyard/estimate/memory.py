@@ -165,10 +165,10 @@ def model_of(cfg: JobConfig) -> Model:
 
 
 def _model_key(cfg: JobConfig) -> str:
-    """The model and LoRA settings, with the modification time of a local config.json (a folder rewritten in place
-    is read again)."""
+    """The model and LoRA settings, with a local folder's config.json as it reads now (a folder rewritten in place
+    is built again; its modification time can repeat within a clock tick)."""
     path = Path(cfg.model.path).expanduser() / "config.json" if cfg.model.path else None
-    written = path.stat().st_mtime_ns if path is not None and path.is_file() else None
+    written = path.read_text() if path is not None and path.is_file() else None
     return f"{cfg.model.model_dump_json()}|{cfg.lora.model_dump_json()}|{written}"
 
 

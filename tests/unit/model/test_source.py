@@ -155,3 +155,29 @@ def test_a_gguf_file_transformers_cannot_read_is_refused_naming_it_and_leaves_no
     assert f"GGUF file {gguf} could not be converted" in str(raised.value)
     assert "the converting process ended" not in str(raised.value), "the reader's own error comes back"
     assert gguf.read_bytes().startswith(b"GGUF") and not list(cache.iterdir())
+
+
+def test_a_converted_gguf_s_config_comes_from_its_folder_not_its_header(tmp_path: Path) -> None:
+    """The plan reads the built-in model's config from the converted folder where one exists (the header's reader
+    parses the whole tokenizer: seconds); the folder here says 3 layers, the header 30, so the answer tells which."""
+    cfg = ModelConfig(path="builtin:smollm2-135m-instruct", cache_dir=str(tmp_path))
+    folder = source_room.converted_folder(source_room.builtin_gguf_file(cfg.path), tmp_path)
+    folder.mkdir()
+    small = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96}
+    (folder / "config.json").write_text(json.dumps(small))
+    assert source_room.architecture(cfg, None).num_hidden_layers == 3
+
+
+def test_the_estimate_builds_a_job_s_model_once_and_again_when_its_config_json_changes(tmp_path: Path) -> None:
+    """model_of keeps what it built per job; a folder whose config.json is rewritten is read and built again."""
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"))
+    cfg.model = cfg.model.model_copy(update={"config": None, "path": str(tmp_path), "tokenizer": None})
+    first = estimate_memory.model_of(cfg)
+    assert estimate_memory.model_of(cfg) is first
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    again = estimate_memory.model_of(cfg)
+    assert again.shape.layers == 3 and again.counts.total > first.counts.total
