@@ -1,9 +1,10 @@
 """Context parallelism against one process on one long document (issue 50, item 6): a ~0.1B Llama (random init from its
-config, the byte tokenizer), LoRA, fp32 (or --precision), activation checkpointing, one 16,384-token document of real
-text a step.
+config, the byte tokenizer), LoRA, fp32 (or --precision), activation checkpointing (or not), one 16,384-token
+document of real text a step.
 
     python benchmarks/memory/context_parallel.py                   # 1 process, then CP 2 on 2 processes
     python benchmarks/memory/context_parallel.py --tokens 2048     # a quick check of the mechanics
+    python benchmarks/memory/context_parallel.py --no-checkpointing  # every layer's activations held for the backward
 
 Each process has one core (OMP_NUM_THREADS=1, as torchrun sets for each CP rank). Each run trains `--steps` steps of
 the same document with `trainyard.train.recipe.run`, as `trainyard train` runs a rank. Per rank: the peak RSS
@@ -41,12 +42,15 @@ def document(tokens: int) -> str:
     return (text * (tokens // max(len(text.encode()), 1) + 1))[: tokens + 16]
 
 
-def overrides(out: Path, data: Path, tokens: int, steps: int, context: int, precision: str) -> list[str]:
+def overrides(
+    out: Path, data: Path, tokens: int, steps: int, context: int, precision: str, checkpointing: bool
+) -> list[str]:
     return [
         f"output_dir={out}", "run_name=cp", f"model.config={json.dumps(LLAMA)}", "model.tokenizer=builtin:bytes",
         f"data.path={data}", f"data.max_length={tokens}", "data.padding_free=true", "lora.enabled=true",
         f"train.precision={precision}", "train.micro_batch_size=1", f"train.max_steps={steps}", "train.warmup_steps=0",
-        "model.gradient_checkpointing=true", "eval.every_steps=0", "eval.at_end=false", "checkpoint.at_end=false",
+        f"model.gradient_checkpointing={str(checkpointing).lower()}", "eval.every_steps=0", "eval.at_end=false",
+        "checkpoint.at_end=false",
         "log.every_steps=1", f"dist.strategy={'fsdp' if context > 1 else 'none'}", f"dist.context_parallel={context}",
     ]
 
@@ -77,10 +81,11 @@ def worker(out: Path, args: list[str]) -> None:
     (out / f"rank-{rank}.json").write_text(json.dumps({"peak_rss_gb": peak_gb, "all_to_all_s": spent[0]}))
 
 
-def measure(tokens: int, steps: int, context: int, data: Path, root: Path, precision: str) -> dict:
+def measure(tokens: int, steps: int, context: int, data: Path, root: Path, precision: str, checkpointing: bool) -> dict:
     out = root / f"cp{context}"
     out.mkdir()
-    command = [sys.executable, __file__, "--worker", str(out), *overrides(out, data, tokens, steps, context, precision)]
+    job = overrides(out, data, tokens, steps, context, precision, checkpointing)
+    command = [sys.executable, __file__, "--worker", str(out), *job]
     if context > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(context),
                    "--master-port", "29731", *command[1:]]
@@ -95,7 +100,8 @@ def measure(tokens: int, steps: int, context: int, data: Path, root: Path, preci
     step_s = [step_tokens / e["tokens_per_s"] for e in later]
     ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(context)]
     a2a_per_step = max(r["all_to_all_s"] for r in ranks) / len(trains)  # every step exchanges the same bytes
-    return {"context_parallel": context, "tokens": tokens, "precision": precision, "wall_s": round(wall, 1),
+    return {"context_parallel": context, "tokens": tokens, "precision": precision, "checkpointing": checkpointing,
+            "wall_s": round(wall, 1),
             "tokens_per_s_per_process": sum(e["tokens_per_s_per_rank"] for e in later) / len(later),
             "step_s": [round(s, 2) for s in step_s],
             "peak_rss_gb": [round(r["peak_rss_gb"], 3) for r in ranks],
@@ -110,15 +116,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--precision", default="fp32", help="train.precision of both runs")
+    parser.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                        help="model.gradient_checkpointing of both runs")
     args = parser.parse_args()
     print(f"# {cpu_description()}; commit {commit()}; load before {loadavg()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         data = root / "long.jsonl"
         data.write_text(json.dumps({"text": document(args.tokens)}) + "\n")
-        one = measure(args.tokens, args.steps, 1, data, root, args.precision)
+        one = measure(args.tokens, args.steps, 1, data, root, args.precision, args.checkpointing)
         print(json.dumps(one), flush=True)
-        two = measure(args.tokens, args.steps, 2, data, root, args.precision)
+        two = measure(args.tokens, args.steps, 2, data, root, args.precision, args.checkpointing)
         print(json.dumps(two), flush=True)
     print(json.dumps({
         "peak_rss_per_rank_ratio": round(max(two["peak_rss_gb"]) / one["peak_rss_gb"][0], 3),
