@@ -178,7 +178,7 @@ def main() -> None:
     rows = [encode_row(row, "text", tokenizer, max_length=spec["max_tokens"], train_on_prompt=False)
             for row in texts]
     rows = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows]
-    model = AutoModelForCausalLM.from_pretrained(args.weights, dtype=dtype, attn_implementation="sdpa",
+    model = AutoModelForCausalLM.from_pretrained(args.weights, dtype=dtype, attn_implementation="sdpa", use_kernels=False,
                                                  device_map=device)
     model.config.use_cache = False
     experts = expert_stacks(model)

@@ -11,11 +11,12 @@ cd "$(dirname "$0")/../.."
 out=${1:?usage: bash benchmarks/gpu/on_gpu.sh OUT [PART ...]}; shift
 wheels=${WHEELS:-.whl}
 site=${SITE:-/tmp/trainyard-site}
-if [ ! -f "$site/.installed" ]; then  # once a machine: a second command on it finds them there
+marker="$site/.installed-$(ls "$wheels" | md5sum | cut -c1-8)"  # the set of wheels: a new one installs again
+if [ ! -f "$marker" ]; then  # once a machine: a second command on it finds them there
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
     "$wheels"/*.whl || { echo "installing $wheels/*.whl failed: run benchmarks/gpu/wheels.sh where pip reaches a \
 registry"; exit 2; }
-  touch "$site/.installed"
+  touch "$marker"
 fi
 export PYTHONPATH="$PWD/src:$site${PYTHONPATH:+:$PYTHONPATH}"
 python3 - <<'PY' || exit 2

@@ -134,12 +134,13 @@ def environment() -> dict[str, str]:
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
-def launch(command: list[str], log: Path, timeout_s: float) -> tuple[int | None, float, float]:
+def launch(command: list[str], log: Path, timeout_s: float,
+           extra_env: dict[str, str] | None = None) -> tuple[int | None, float, float]:
     """Run `command` with its output in `log`: (exit status or None on timeout, launch wall time, seconds)."""
     launched, started = time.time(), time.monotonic()
     with open(log, "w") as handle:
-        proc = subprocess.Popen(command, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT, env=environment(),
-                                start_new_session=True)
+        proc = subprocess.Popen(command, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT,
+                                env={**environment(), **(extra_env or {})}, start_new_session=True)
         RUNNING.add(proc.pid)
         try:
             code: int | None = proc.wait(timeout=max(timeout_s, 1.0))
@@ -174,7 +175,8 @@ def trainyard_run(job: Job, folder: Path, weights: Path, timeout_s: float, overr
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
                "-m", "trainyard.cli", "train", str(config), *overrides]
     figures: dict[str, Any] = {"job": job.name, "stack": "trainyard", "overrides": overrides}
-    code, launched, wall = launch(command, folder / "trainyard.log", timeout_s)
+    code, launched, wall = launch(command, folder / "trainyard.log", timeout_s,
+                                  {"TORCH_LOGS": "recompiles,graph_breaks"})
     figures["wall_s"] = round(wall, 1)
     if code != 0:
         why = f"timed out after {timeout_s:.0f}s" if code is None else f"exit {code}"
@@ -209,7 +211,22 @@ def trainyard_run(job: Job, folder: Path, weights: Path, timeout_s: float, overr
         "device": summary["device"],
         "first_loss": summary["first_train_loss"],
         "final_loss": summary["final_train_loss"],
+        **what_it_said(folder / "trainyard.log"),
     }
+
+
+def what_it_said(log: Path) -> dict[str, Any]:
+    """What the run's log says of its speed, which only the figures would hide: trainyard's own lines (the plan,
+    compile times, a block falling back to eager), and dynamo's recompiles and graph breaks (TORCH_LOGS), counted,
+    with the first reasons. The run folders stay on the GPU machine; this comes back in the JSON line."""
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    verbose = [line for line in lines if line.startswith("[rank")]
+    recompiles = [line for line in verbose if "Recompiling function" in line]
+    breaks = [line for line in verbose if "Graph break" in line]
+    reasons = [line.split("] ", 2)[-1][:300] for line in verbose if "guard failure" in line or "Reason:" in line]
+    own = [line[:300] for line in lines if not line.startswith("[rank") and line.strip()]
+    return {"log": own[:40], "recompiles": len(recompiles), "graph_breaks": len(breaks),
+            "recompile_lines": [line.split("] ", 2)[-1][:300] for line in recompiles[:8]], "reasons": reasons[:8]}
 
 
 def hf_run(job: Job, folder: Path, weights: Path, variant: str, timeout_s: float,

@@ -11,7 +11,7 @@ dir=${1:-.whl}
 py=${PYTHON:-.venv/bin/python}
 # transformers (with kernels, which 5.25 requires) and peft: newer than such images hold; the rest: trainyard's own
 # needs that they lack.
-names="transformers kernels tomlkit peft datasets dill multiprocess gguf pydantic pydantic_core annotated-types
+names="transformers huggingface_hub httpx2 httpcore2 truststore click hf-xet kernels tomlkit peft datasets dill multiprocess gguf pydantic pydantic_core annotated-types
 typing-inspection jsonschema jsonschema-specifications referencing rpds-py setproctitle torchao fsspec ${EXTRA:-}"
 pins=$("$py" - $names <<'PY'
 import sys
