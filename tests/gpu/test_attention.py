@@ -105,3 +105,31 @@ def test_auto_runs_torch_s_varlen_kernel_on_cuda(device: Device):
     model = tiny_llama(device, hidden=128, max_positions=4096)
     expected = "flash_attention_2" if attention._has_flash_attn() else attention.TORCH_VARLEN
     assert model.config._attn_implementation == expected
+
+
+def test_a_full_fine_tune_s_fp32_layers_run_the_kernel_under_autocast(device: Device):
+    """fp32 weights at bf16-mixed: rotary embeddings hand the attention fp32 queries and keys. It still runs the
+    kernel, in autocast's bf16 as sdpa would (its bf16 output says so: the fallback keeps fp32), and computes what
+    the reference computes on the same operands in bf16."""
+    if not device.cuda or torch_varlen.KERNEL is None:
+        pytest.skip("torch's varlen kernel runs on CUDA only")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    layer = LlamaForCausalLM(config).cuda().model.layers[0].self_attn
+    lengths = [37, 200, 5]
+    query, key, value = (torch.randn(1, heads, sum(lengths), 32, device="cuda") for heads in (4, 2, 2))
+    bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    kwargs = {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": max(lengths),
+              "max_length_k": max(lengths), "scaling": 32**-0.5}
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, _ = torch_varlen.torch_varlen_attention(layer, query, key, value, None, **kwargs)
+    assert out.dtype == torch.bfloat16
+    q, k, v = (x[0].transpose(0, 1).bfloat16() for x in (query, key, value))
+    cu = bounds.cuda()
+    gqa = {"enable_gqa": True} if torch_varlen.GQA else {}
+    if not gqa:
+        k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    want = torch_varlen.reference(q, k, v, cu, cu, max(lengths), max(lengths), scale=32**-0.5,
+                                  window_size=(-1, 0), **gqa)
+    torch.testing.assert_close(out[0].float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -23,7 +23,11 @@ def estimate_command(
         typer.Option("--network-gbps", help="inter-node link per node, Gb/s (default: what dist.network and --gpu "
                      "imply, e.g. 3200 for h100-80gb nodes, 100 for dist.network: socket)"),
     ] = None,
-    mfu: Annotated[float, typer.Option("--mfu", help="model FLOPs utilisation assumed for step time")] = 0.4,
+    mfu: Annotated[
+        Optional[float],
+        typer.Option("--mfu", help="model FLOPs utilisation for step time (default: measured for the job's path "
+                     "and GPU where it was, else 0.4 assumed; the step's line says which)"),
+    ] = None,
     diloco_h: Annotated[int, typer.Option("--diloco-h", help="cross-node gradient sync every H steps")] = 1,
     disk_gbytes_s: Annotated[
         float, typer.Option("--disk-gbytes-s", help="checkpoint write bandwidth, GB/s")

@@ -19,6 +19,7 @@ from trainyard import hardware as machines  # `hardware` names the Hardware a fu
 from trainyard.batch import accumulation_steps, data_ranks, steps_for_epochs
 from trainyard.config import JobConfig
 from trainyard.errors import ConfigError, ModelError, OptionError
+from trainyard.estimate import efficiency
 from trainyard.estimate import host as host_room
 from trainyard.estimate import memory as mem
 from trainyard.estimate import timing as estimate_time
@@ -47,7 +48,9 @@ class Hardware:
 class Assumptions:
     """The figures an estimate cannot know, each with a stated default."""
 
-    mfu: float = estimate_time.DEFAULT_MFU
+    mfu: float | None = None
+    """--mfu: the MFU a step is priced at; None: measured for the job's path and GPU where it was, else assumed
+    (estimate/efficiency.py)."""
     diloco_h: int = 1
     """Cross-node gradient sync every H steps (DiLoCo's outer steps); 1: every step."""
     disk_gbytes_s: float = estimate_time.DEFAULT_DISK_GBYTES_S
@@ -67,7 +70,7 @@ def check_options(hardware: Hardware, assumptions: Assumptions) -> None:
     for option, value in positive.items():
         if not value > 0:
             raise OptionError(f"{option} {value:g} must be a positive number", fix=f"pass {option} greater than 0")
-    if not 0 < assumptions.mfu <= 1:
+    if assumptions.mfu is not None and not 0 < assumptions.mfu <= 1:
         raise OptionError(f"--mfu {assumptions.mfu:g} must be a fraction in (0, 1]", fix="for example --mfu 0.4")
     if not 0 <= assumptions.spot_discount < 1:
         raise OptionError(f"--spot-discount {assumptions.spot_discount:g} must be a fraction in [0, 1)",
@@ -101,7 +104,9 @@ def estimate(cfg: JobConfig, hardware: Hardware, assumptions: Assumptions = Assu
     size = mem.dtypes(cfg, precision, layout.strategy)
     accum = accumulation_steps(cfg, data_ranks(cfg, layout.world))
     memory = mem.memory(cfg, model, layout, precision, batch)
-    timed = estimate_time.timing(cfg, model, layout, size, accum, assumptions.mfu, network_gbps,
+    priced = efficiency.efficiency(cfg, model, layout.gpu, precision.name, estimate_time.compiles(cfg, layout),
+                                   assumptions.mfu)
+    timed = estimate_time.timing(cfg, model, layout, size, accum, priced, network_gbps,
                                  assumptions.diloco_h, assumptions.disk_gbytes_s, lengths)
     result = Estimate(
         layout=layout,
@@ -115,7 +120,7 @@ def estimate(cfg: JobConfig, hardware: Hardware, assumptions: Assumptions = Assu
         network=f"{network_gbps:g} Gb/s per node ({network})" if layout.nodes > 1 else "one node: no inter-node link",
         lengths=lengths.source,
         micro_batch=batch,
-        mfu=assumptions.mfu,
+        efficiency=priced,
         context_parallel_why=context_why,
     )
     if suggest and not result.fits:
@@ -318,8 +323,8 @@ def describe(cfg: JobConfig, hardware: Hardware,
             "device"
             f" on {where}"
             f" ({verdict}), planned for a micro-batch of {micro_batch_words(result.micro_batch)}"
-            f"; step {result.timing.step_s:.3g} s at an assumed MFU of {result.mfu:g} (not measured), "
-            f"{result.timing.tokens_per_step:,} tokens ({result.lengths}){compile_words(result.timing)}; "
+            f"; step {result.timing.step_s:.3g} s at {result.efficiency.words()}, "
+            f"{result.timing.tokens_per_step:,} tokens ({result.lengths}){compile_words(result)}; "
             f"network {result.network}"
             f"\ntraffic          {traffic_words(result, why=False)}")
     if result.timing.reference:

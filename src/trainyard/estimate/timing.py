@@ -20,19 +20,16 @@ from trainyard.config.preference import REFERENCE_FREE
 from trainyard.estimate import context as context_room
 from trainyard.estimate import experts as experts_room
 from trainyard.estimate import quantized
+from trainyard.estimate.efficiency import Efficiency
 from trainyard.estimate.memory import Dtypes, Layout, MicroBatch, Model, micro_batch_bound
 from trainyard.hardware import kind_peak_flops
 
-DEFAULT_MFU = 0.4
 # Sustained write bandwidth of the checkpoint store for the whole job (stated, not measured).
 DEFAULT_DISK_GBYTES_S = 2.0
 # A pair's entry in full fine-tuning's kept reference file (preference/reference.py): two float64 log-probabilities
 # as JSON writes them, e.g. "[-41.53203582763672, -157.90121841430664], " (stated: 42.6 bytes a pair measured on
 # random log-probabilities of -40 +- 20).
 REFERENCE_BYTES_PER_PAIR = 44
-COMPILE_S = 60.0
-"""train.compile's first step (stated, not measured on a GPU): the blocks share one compiled code, so it hardly
-grows with depth; on a 2-core CPU a SmolLM2-135M LoRA's first step compiled its 30 blocks for 49 s."""
 
 
 def dpo_reference(cfg: JobConfig) -> str | None:
@@ -151,7 +148,8 @@ class Timing:
     context_exchanged_bytes: float = 0.0
     """What each GPU's CP all-to-alls around attention send per step (part of the bytes above); 0 without CP."""
     compile_s: float = 0.0
-    """train.compile: what the first step spends compiling the decoder blocks (COMPILE_S; a GPU's auto compiles)."""
+    """train.compile: what the first step spends compiling the decoder blocks (estimate/efficiency.py: measured for
+    the path, else stated; a GPU's auto compiles)."""
 
     @property
     def step_s(self) -> float:
@@ -295,7 +293,7 @@ def micro_batches_per_step(cfg: JobConfig, accum: int, per_row: float) -> tuple[
     return passes, rows * per_row / passes
 
 
-def timing(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: int, mfu: float,
+def timing(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: int, priced: Efficiency,
            network_gbps: float, diloco_h: int, disk_gbytes_s: float, lengths: Lengths = Lengths()) -> Timing:
     """Step time, the job's time, and what failures cost it with checkpoints every Young/Daly interval; DPO's
     reference: LoRA's forward with the adapters off in every step, or full fine-tuning's pass before the first."""
@@ -307,7 +305,7 @@ def timing(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: in
     reference = dpo_reference(cfg)
     if reference == "adapters":
         per_token += forward
-    flops_per_s = layout.world * kind_peak_flops(layout.gpu, size.compute_dtype) * mfu
+    flops_per_s = layout.world * kind_peak_flops(layout.gpu, size.compute_dtype) * priced.mfu
     compute = per_token * tokens / flops_per_s
     # Every row once (train and eval split alike); unread data: the rows the steps take.
     rows = lengths.rows or cfg.train.max_steps * rows_per_step
@@ -344,7 +342,7 @@ def timing(cfg: JobConfig, model: Model, layout: Layout, size: Dtypes, accum: in
         expert_exchanged_bytes=experts.exchanged,
         expert_exchange_link=experts.link,
         context_exchanged_bytes=context_bytes(cfg, model, layout, size, passes, micro_tokens),
-        compile_s=COMPILE_S if compiles(cfg, layout) else 0.0,
+        compile_s=priced.compile_s,
     )
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from trainyard import hardware as machines
 from trainyard.estimate import memory as mem
 from trainyard.estimate import timing as estimate_time
+from trainyard.estimate.efficiency import DEFAULT_MFU, Efficiency
 
 
 @dataclass
@@ -29,8 +30,8 @@ class Estimate:
     """Where the tokens per step came from."""
     micro_batch: mem.MicroBatch | None = None
     """The micro-batch memory was planned for."""
-    mfu: float = estimate_time.DEFAULT_MFU
-    """The MFU step time is priced at: assumed (--mfu), never measured for the path and GPU."""
+    efficiency: Efficiency = Efficiency(DEFAULT_MFU, 0.0)
+    """The MFU step time is priced at, and the first step's compile: measured for the path and GPU, or assumed."""
     context_parallel_why: str = ""
     """dist.context_parallel auto: why this size (context_parallel_auto)."""
 
@@ -74,6 +75,7 @@ def to_json(result: Estimate) -> dict[str, Any]:
                         "cpu_malloc_slack": mem.CPU_MALLOC_SLACK, "cpu_runtime_bytes": mem.CPU_RUNTIME_BYTES},
         "notes": memory.notes,
         "time": {**asdict(timed), "step_s": timed.step_s, "total_s": timed.total_s},
+        "efficiency": asdict(result.efficiency),
         "network": result.network,
         "tokens_from": result.lengths,
         "micro_batch": asdict(result.micro_batch) if result.micro_batch else None,
@@ -114,12 +116,12 @@ def render(result: Estimate) -> str:
     if result.fix:
         lines.append(f"cheapest fix     {result.fix}")
     lines += [
-        f"step             {timed.step_s:.3g} s ({timed.compute_s:.3g} s compute at an assumed MFU of {result.mfu:g}, "
-        f"not measured; {timed.comm_s:.3g} s communication),"
+        f"step             {timed.step_s:.3g} s ({timed.compute_s:.3g} s compute at {result.efficiency.words()}; "
+        f"{timed.comm_s:.3g} s communication),"
         f" {timed.tokens_per_step:,} tokens ({result.lengths}); network: {result.network}",
         f"traffic          {traffic_words(result)}",
         f"job              {timed.steps} steps: {timed.train_s / 3600:.3g} h training, "
-        f"{timed.total_s / 3600:.3g} h with checkpoints and expected failures{compile_words(timed)}",
+        f"{timed.total_s / 3600:.3g} h with checkpoints and expected failures{compile_words(result)}",
         f"checkpoints      {timed.checkpoint_bytes / 1e9:.3g} GB, {timed.save_s:.3g} s each; Young/Daly interval "
         f"{timed.interval_s / 60:.3g} min (MTBF {timed.mtbf_s / 3600:.3g} h); "
         f"expected lost work {timed.lost_work_s / 60:.3g} min",
@@ -130,9 +132,13 @@ def render(result: Estimate) -> str:
     return "\n".join(lines)
 
 
-def compile_words(timed: estimate_time.Timing) -> str:
-    """train.compile's first step, where the job compiles (stated, not measured: estimate/timing.py COMPILE_S)."""
-    return f", the first step {timed.step_s + timed.compile_s:.3g} s with compile (stated)" if timed.compile_s else ""
+def compile_words(result: Estimate) -> str:
+    """train.compile's first step, where the job compiles: measured for the path, or stated (estimate/efficiency.py)."""
+    timed = result.timing
+    if not timed.compile_s:
+        return ""
+    first = timed.step_s + timed.compile_s
+    return f", the first step {first:.3g} s with compile ({result.efficiency.compile_words()})"
 
 
 def reference_words(timed: estimate_time.Timing) -> str:

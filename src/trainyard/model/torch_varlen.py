@@ -77,12 +77,25 @@ HALF = (torch.float16, torch.bfloat16)
 """The kernel's dtypes: an fp32 job's attention stays on trainyard's varlen."""
 
 
+def half_dtype(query: torch.Tensor) -> torch.dtype | None:
+    """The half precision the kernel computes the layer in: the operands' own, or autocast's where it is on. A full
+    fine-tune at bf16-mixed keeps fp32 hidden states, so rotary embeddings turn autocast's bf16 queries and keys
+    back to fp32; sdpa under autocast computes in bf16 all the same (it is on autocast's lower-precision list), and
+    so does the kernel. None: an fp32 job without autocast."""
+    if query.dtype in HALF:
+        return query.dtype
+    device = query.device.type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in HALF:
+        return torch.get_autocast_dtype(device)
+    return None
+
+
 def kept(query: torch.Tensor, kwargs: dict[str, Any], training: bool) -> bool:
     """Whether the kernel computes what the layer asks: no soft-capping, no sinks, no dropout while training, and
-    (on CUDA) half-precision operands."""
+    (on CUDA) half-precision operands or autocast."""
     dropout = kwargs.get("dropout", 0.0) if training else 0.0
     plain = kwargs.get("softcap") is None and kwargs.get("s_aux") is None and not dropout
-    return plain and (not query.is_cuda or query.dtype in HALF)
+    return plain and (not query.is_cuda or half_dtype(query) is not None)
 
 
 def torch_varlen_attention(
@@ -104,6 +117,8 @@ def torch_varlen_attention(
     window = kwargs.get("sliding_window")
     longest = int(kwargs["max_length_q"])
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [T, H, D], as transformers' flash
+    if query.is_cuda:
+        q, k, v = (x.to(half_dtype(query)) for x in (q, k, v))  # type: ignore[arg-type]  (kept: not None)
     if not GQA and k.shape[1] != q.shape[1]:
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
