@@ -55,8 +55,9 @@ class Efficiency:
 
     mfu: float
     compile_s: float
+    path: str
+    """One of PATHS."""
     measured: Measured | None = None
-    path: str = "full"
 
     def words(self) -> str:
         """How the step was priced, for the estimate and the dry run."""
@@ -81,11 +82,11 @@ def efficiency(cfg: JobConfig, model: Model, gpu: Gpu, precision: str, compiles:
                mfu: float | None) -> Efficiency:
     """`mfu` as given (--mfu), else the measured row of the job's path on its GPU's architecture, at bf16-mixed and
     compiled as the rows were; else DEFAULT_MFU, assumed."""
-    compile_s = COMPILE_S if compiles else 0.0
+    compile_s, job_path = COMPILE_S if compiles else 0.0, path(cfg, model)
     if mfu is not None:
-        return Efficiency(mfu, compile_s)
+        return Efficiency(mfu, compile_s, job_path)
     architecture = ARCHITECTURES.get(gpu.name)
-    row = MEASURED.get((architecture, path(cfg, model))) if architecture else None
+    row = MEASURED.get((architecture, job_path)) if architecture else None
     if row is None or precision != "bf16-mixed" or not compiles or cfg.model.quantize != "none":
-        return Efficiency(DEFAULT_MFU, compile_s)
-    return Efficiency(row.mfu, row.compile_s, row, path(cfg, model))
+        return Efficiency(DEFAULT_MFU, compile_s, job_path)
+    return Efficiency(row.mfu, row.compile_s, job_path, row)

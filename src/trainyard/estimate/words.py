@@ -30,7 +30,7 @@ class Estimate:
     """Where the tokens per step came from."""
     micro_batch: mem.MicroBatch | None = None
     """The micro-batch memory was planned for."""
-    efficiency: Efficiency = Efficiency(DEFAULT_MFU, 0.0)
+    efficiency: Efficiency = Efficiency(DEFAULT_MFU, 0.0, "full")
     """The MFU step time is priced at, and the first step's compile: measured for the path and GPU, or assumed."""
     context_parallel_why: str = ""
     """dist.context_parallel auto: why this size (context_parallel_auto)."""

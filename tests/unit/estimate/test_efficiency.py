@@ -30,6 +30,7 @@ def test_a_measured_path_is_priced_at_its_measured_mfu_on_every_hopper_kind(conf
     for gpu in ("h100-80gb", "h200"):
         result = priced(config, overrides, gpu)
         assert result.efficiency.measured == row and result.efficiency.mfu == row.mfu
+        assert result.efficiency.path == path
         peak = hardware.kind_peak_flops(result.layout.gpu, torch.bfloat16)
         tokens = result.timing.tokens_per_step
         assert result.timing.compute_s == pytest.approx(result.timing.flops_per_token * tokens / (peak * row.mfu))
@@ -47,6 +48,7 @@ def test_a_measured_path_is_priced_at_its_measured_mfu_on_every_hopper_kind(conf
 def test_a_path_not_measured_is_priced_at_the_assumed_mfu_and_says_so(gpu: str, overrides: list[str]) -> None:
     result = priced(TINY, overrides, gpu)
     assert result.efficiency.measured is None and result.efficiency.mfu == efficiency.DEFAULT_MFU
+    assert result.efficiency.path == "lora"  # said even where it was not measured
     assert f"an assumed MFU of {efficiency.DEFAULT_MFU:g}, not measured" in estimate.render(result)
     compiles = "train.compile=false" not in overrides
     assert result.timing.compile_s == (efficiency.COMPILE_S if compiles else 0.0)
