@@ -162,13 +162,14 @@ def measure(call: Any) -> tuple[Any, dict[str, Any]]:
     }
 
 
-def make_model(folder: Path) -> None:
-    """The random fp32 Llama, saved once (a process of its own, so its memory is gone after)."""
+def make_model(folder: Path, shape: dict[str, Any] | None = None) -> None:
+    """The random fp32 Llama (LLAMA, with `shape`'s overrides), saved once (a process of its own, so its memory is
+    gone after)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**{**LLAMA, **(shape or {})}), dtype=torch.float32)
     model.save_pretrained(str(folder))
     print(f"saved {sum(p.numel() for p in model.parameters()):,} parameters to {folder}", flush=True)
 
@@ -294,13 +295,14 @@ def main() -> None:
     parser.add_argument("--worker", nargs=3, metavar=("CASE", "FOLDER", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--reference", nargs=3, metavar=("CASE", "FOLDER", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--make", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--shape", type=json.loads, help=argparse.SUPPRESS)  # --make's overrides of LLAMA
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker[0], args.worker[1], Path(args.worker[2]))
     if args.reference:
         return reference(args.reference[0], args.reference[1], Path(args.reference[2]))
     if args.make:
-        return make_model(args.make)
+        return make_model(args.make, args.shape)
 
     if not (args.folder / "config.json").is_file():
         args.folder.mkdir(parents=True, exist_ok=True)

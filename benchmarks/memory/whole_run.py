@@ -2,13 +2,17 @@
 
     python benchmarks/memory/whole_run.py                         # the 0.93B Llama, FSDP2 + LoRA, 2 processes
     python benchmarks/memory/whole_run.py --precision fp32 --steps 4 train.micro_batch_size=2
+    python benchmarks/memory/whole_run.py --size 3b --precision bf16-mixed model.quantize=nf4
 
 The ~0.93B Llama of load_memory.py (made once in --folder), the built-in dates rows, LoRA r=16, FSDP2 on 2 processes,
-each precision given, launched as a user launches it. What it planned: its log's "planned peak" (the estimate by
-which `train` and its dry run decide that a job fits, for the data's largest micro-batch). What ran: every worker's
-VmHWM (the kernel's RSS high-water mark: imports, load, steps and the end), read from outside every 0.2 s while it
-lives, under the malloc the launcher chose, and summary.json's own peak_memory_bytes. One JSON line per precision;
-no assertions.
+each precision given, launched as a user launches it. `--size 3b`: a ~2.97B Llama of the same kind (hidden 3072,
+intermediate 8192, 28 layers, 24 heads, 8 KV heads), where the blocks' weights outweigh the ~1 GiB a rank holds
+beside them at any size (the runtime, the untied ends, the step), as they do in the models NF4 is for.
+
+What it planned: its log's "planned peak" (the estimate by which `train` and its dry run decide that a job fits, for
+the data's largest micro-batch). What ran: every worker's VmHWM (the kernel's RSS high-water mark: imports, load,
+steps and the end), read from outside every 0.2 s while it lives, under the malloc the launcher chose, and
+summary.json's own peak_memory_bytes. One JSON line per precision; no assertions.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ GIB = 2**30
 JOB = ["quickstart", "model.tokenizer=builtin:bytes", "dist.strategy=fsdp", "lora.enabled=true", "lora.r=16",
        "model.gradient_checkpointing=false", "eval.baseline=false", "eval.generate=false",
        "eval.subset_size=16"]
+LLAMA_3B = {"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
+            "num_key_value_heads": 8}
+"""Overrides of load_memory.py's 0.93B Llama for `--size 3b`: 2.97B parameters, 11.9 GB in fp32."""
 PLANNED = re.compile(r"planned peak ([\d,]+) MiB a rank")
 
 
@@ -81,16 +88,19 @@ def run_and_watch(args: list[str], nproc: int) -> dict[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--folder", type=Path, default=Path(tempfile.gettempdir()) / "trainyard-bench-llama-0.9b")
+    parser.add_argument("--size", choices=["0.9b", "3b"], default="0.9b")
+    parser.add_argument("--folder", type=Path, help="where the model is made once (default: in the temp dir)")
     parser.add_argument("--precision", nargs="+", default=["bf16-mixed", "fp32"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("overrides", nargs="*", help="more config overrides, key=value")
     args = parser.parse_args()
+    args.folder = args.folder or Path(tempfile.gettempdir()) / f"trainyard-bench-llama-{args.size}"
     if not (args.folder / "config.json").is_file():
         args.folder.mkdir(parents=True, exist_ok=True)
+        shape = ["--shape", json.dumps(LLAMA_3B)] if args.size == "3b" else []
         subprocess.run([sys.executable, str(REPO / "benchmarks" / "memory" / "load_memory.py"), "--make",
-                        str(args.folder)], check=True)
+                        str(args.folder), *shape], check=True)
     with tempfile.TemporaryDirectory() as tmp:
         for precision in args.precision:
             job = arguments(args.folder, precision, args.steps, Path(tmp), args.overrides)
