@@ -19,21 +19,23 @@ from tests.unit.runs.test_status import beat, make_run
 PROBE = """
 import contextlib, io, json, sys
 from trainyard.cli import main
-loaded = {}
+loaded = []
 for argv in json.loads(sys.argv[1]):
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         try:
             main(argv)
         except SystemExit as stop:
             code = stop.code
-    loaded[argv[0]] = {"code": code, "modules": sorted(sys.modules)}
+    loaded.append({"code": code, "modules": sorted(sys.modules)})
 print(json.dumps(loaded))
+import gc
+gc.freeze()  # all read: leave without the exit's collections over what loaded (as trainyard.cli.exit_process)
 """
 NEVER_TO_READ_A_RUN = ("torch", "torch.distributed", "transformers", "peft", "datasets", "trainyard.dist",
                        "trainyard.model")
 
 
-def imported_by(*commands: list[str]) -> dict[str, dict]:
+def imported_by(*commands: list[str]) -> list[dict]:
     """The modules loaded after each command, run one after another in one fresh interpreter (so a command sees
     what the ones before it loaded: list the lightest first)."""
     result = subprocess.run([sys.executable, "-c", PROBE, json.dumps(list(commands))], capture_output=True, text=True,
@@ -42,44 +44,56 @@ def imported_by(*commands: list[str]) -> dict[str, dict]:
     return json.loads(result.stdout)
 
 
-def test_reading_a_run_dir_never_imports_torch(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def light(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """One fresh interpreter runs the commands that must not import torch, in an order where none loads what a
+    later one must not (a command's modules include those loaded before it): `status` of a missing run dir;
+    `status`, `diagnose` and `report` of a run; `train` with a misspelt override, then with a missing data file.
+    One interpreter for the three tests, not one each: every start imports the CLI again."""
+    tmp = tmp_path_factory.mktemp("light")
+    run_dir = tmp / "run"
     now = time.time()
     make_run(run_dir, [10, 20, 30, 40], start=now - 100)
     beat(run_dir, 0, 40, now)
     (run_dir / "flight").mkdir()
-    loaded = imported_by(["status", str(run_dir)], ["diagnose", str(run_dir)],
-                         ["report", str(run_dir), "--out", str(tmp_path / "report.png")])
-    for command, seen in loaded.items():
-        assert seen["code"] in (0, None), command
-        assert not set(NEVER_TO_READ_A_RUN) & set(seen["modules"]), command
-    assert "matplotlib" not in loaded["diagnose"]["modules"]  # only the report draws
+    missing = tmp / "job.yaml"
+    job = yaml.safe_load(Path(TINY).read_text())
+    missing.write_text(yaml.safe_dump({**job, "data": {"path": str(tmp / "no.jsonl")}}))
+    commands = {"user error": [["status", str(tmp / "no-such-run")]],
+                "run dir": [["status", str(run_dir)], ["diagnose", str(run_dir)],
+                            ["report", str(run_dir), "--out", str(tmp / "report.png")]],
+                "bad train": [["train", str(TINY), "trian.max_steps=1"], ["train", str(missing), "--nproc", "2"]]}
+    seen = iter(imported_by(*[argv for group in commands.values() for argv in group]))
+    return {name: [dict(next(seen), argv=argv) for argv in group] for name, group in commands.items()}
 
 
-def test_a_user_error_in_status_imports_no_torch(tmp_path: Path) -> None:
+def test_reading_a_run_dir_never_imports_torch(light: dict[str, list[dict]]) -> None:
+    for seen in light["run dir"]:
+        assert seen["code"] in (0, None), seen["argv"]
+        assert not set(NEVER_TO_READ_A_RUN) & set(seen["modules"]), seen["argv"]
+    assert "matplotlib" not in light["run dir"][1]["modules"]  # after diagnose: only the report draws
+
+
+def test_a_user_error_in_status_imports_no_torch(light: dict[str, list[dict]]) -> None:
     """The error path (exit 2, the message) reached no launcher code that imports torch's elastic agent."""
-    seen = imported_by(["status", str(tmp_path / "no-such-run")])["status"]
+    [seen] = light["user error"]
     assert seen["code"] == 2
     assert not set(NEVER_TO_READ_A_RUN) & set(seen["modules"])
 
 
-def test_bad_input_to_train_fails_before_torch_is_imported(tmp_path: Path) -> None:
+def test_bad_input_to_train_fails_before_torch_is_imported(light: dict[str, list[dict]]) -> None:
     """A misspelt override and a missing data file: exit 2 from the config and the job's paths alone (the launcher
     imports torch only once the job is known to be runnable)."""
-    missing = tmp_path / "job.yaml"
-    job = yaml.safe_load(Path(TINY).read_text())
-    missing.write_text(yaml.safe_dump({**job, "data": {"path": str(tmp_path / "no.jsonl")}}))
-    seen = imported_by(["train", str(TINY), "trian.max_steps=1"], ["train", str(missing), "--nproc", "2"])
-    for command in seen.values():
-        assert command["code"] == 2
-        assert "torch" not in command["modules"]
+    for command in light["bad train"]:
+        assert command["code"] == 2, command["argv"]
+        assert "torch" not in command["modules"], command["argv"]
 
 
 def test_a_training_worker_imports_no_other_commands_or_jobs_code() -> None:
     """The recipe a worker runs: no fault-tolerant DiLoCo (torchft), no plotting, no sinks it was not asked for,
     no trace or estimate of another job's memory. (torch._dynamo is not in the list: transformers' masking_utils
     imports it for every model.)"""
-    probe = "import sys, trainyard.train.recipe; print('\\n'.join(sys.modules))"
+    probe = "import sys, trainyard.train.recipe; print('\\n'.join(sys.modules)); import gc; gc.freeze()"  # as PROBE
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     modules = set(result.stdout.split())

@@ -17,12 +17,16 @@ ALPACA = {"instruction": "Say hi", "input": "", "output": "hi there"}
 PAIR = {"prompt": "Say hi", "chosen": "hi there", "rejected": "go away"}
 
 
-def config_folder(tmp_path: Path, hub_id: str) -> Path:
-    """A seed job's model as its config.json alone: the plan builds it on the meta device, no weights."""
+def config_folder(tmp_path: Path, hub_id: str, **changes: int) -> Path:
+    """A seed job's model as its config.json alone (with `changes`): the plan builds it on the meta device, no
+    weights."""
     folder = tmp_path / hub_id.rpartition("/")[2]
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(KNOWN_ARCHITECTURES[hub_id]))
+    (folder / "config.json").write_text(json.dumps({**KNOWN_ARCHITECTURES[hub_id], **changes}))
     return folder
+
+
+NARROW = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
 def rows(tmp_path: Path, row: dict[str, str], count: int = 12) -> Path:
@@ -82,7 +86,9 @@ def test_a_hub_id_not_on_this_machine_is_written_without_the_model_dependent_cho
 
 
 def test_it_never_overwrites_a_file_without_force(tmp_path: Path) -> None:
-    model, data = config_folder(tmp_path, "mistralai/Mistral-7B-v0.1"), rows(tmp_path, ALPACA)
+    """A Mistral of 2 narrow layers: --out and --force act alike for any model, and the forced init plans its
+    model twice (the 7B's meta models: 2 s of CPU)."""
+    model, data = config_folder(tmp_path, "mistralai/Mistral-7B-v0.1", **NARROW), rows(tmp_path, ALPACA)
     job = tmp_path / "job.yaml"
     job.write_text("mine\n")
     cluster = ["--gpu", "h100-80gb", "--gpus-per-node", "1"]
@@ -106,7 +112,9 @@ def test_it_never_overwrites_a_file_without_force(tmp_path: Path) -> None:
 def test_bad_input_exits_2_naming_the_flag_or_file(args: list[str], needle: str, tmp_path: Path) -> None:
     model, data = config_folder(tmp_path, "mistralai/Mistral-7B-v0.1"), rows(tmp_path, ALPACA)
     (tmp_path / "empty").mkdir()
-    names = {"MODEL_DIR": str(model), "MOE_DIR": str(config_folder(tmp_path, "zai-org/GLM-4.5-Air")),
+    # GLM-4.5-Air in 8 of its 46 layers: 43 GiB a device, more than an L4 holds, and a sixth of the meta model
+    moe = config_folder(tmp_path, "zai-org/GLM-4.5-Air", num_hidden_layers=8)
+    names = {"MODEL_DIR": str(model), "MOE_DIR": str(moe),
              "EMPTY_DIR": str(tmp_path / "empty"), "DATA": str(data), "missing.jsonl": str(tmp_path / "missing.jsonl")}
     result = run_cli("init", *[names.get(arg, arg) for arg in args], "--out", str(tmp_path / "job.yaml"))
     assert result.returncode == 2, result.stdout + result.stderr

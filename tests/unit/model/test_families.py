@@ -7,6 +7,8 @@ Tolerance: 1e-5 relative, fp32. The packed and the separate runs add the same te
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,16 @@ def reference(family: str) -> tuple[torch.nn.Module, float]:
     loss = total / count
     loss.backward()
     return model, loss.item()
+
+
+References = Callable[[str], tuple[torch.nn.Module, float]]
+
+
+@pytest.fixture(scope="module")
+def references() -> References:
+    """`reference`, computed once a family for this module's seven tests of it: it is the same each time (seeded,
+    eager), and no test changes the model or its gradients."""
+    return functools.cache(reference)
 
 
 def packed_loss(model: torch.nn.Module) -> torch.Tensor:
@@ -94,12 +106,12 @@ MASKS_MADE = {"one-masked-call": sum(DOCUMENTS), "masked-stretches": STRETCH}
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_default_attention_gives_the_family_s_losses_and_gradients(
-    family: str, path: str, monkeypatch: pytest.MonkeyPatch
+    family: str, path: str, monkeypatch: pytest.MonkeyPatch, references: References
 ) -> None:
     for name, value in PATHS[path].items():
         monkeypatch.setattr(attention, name, value)
     monkeypatch.setattr(attention, "_masks", {})
-    ref, ref_loss = reference(family)
+    ref, ref_loss = references(family)
     chosen = attention.choose("auto", ref, CPU)
     assert chosen == attention.VARLEN
     loss_rel, grad_rel = differences(family, chosen, ref, ref_loss)
@@ -134,11 +146,11 @@ def _device_read(*args: object) -> None:
 @pytest.mark.parametrize("implementation", [attention.VARLEN, attention.TORCH_VARLEN])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_collator_s_bounds_give_the_family_s_losses_and_gradients(
-    family: str, implementation: str, monkeypatch: pytest.MonkeyPatch
+    family: str, implementation: str, monkeypatch: pytest.MonkeyPatch, references: References
 ) -> None:
     """The host bounds reach the attention (no read of position_ids), through trainyard's varlen and through torch's
     varlen contract (its CPU reference here; tests/gpu checks the kernel against it) where auto on CUDA picks it."""
-    ref, ref_loss = reference(family)
+    ref, ref_loss = references(family)
     model = build(family, "eager")
     model.load_state_dict(ref.state_dict())
     model.config._attn_implementation = implementation
@@ -160,8 +172,10 @@ reference_kernel = torch_varlen.reference
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_implementation_trainyard_accepts_is_exact_and_the_others_are_refused(family: str) -> None:
-    ref, ref_loss = reference(family)
+def test_every_implementation_trainyard_accepts_is_exact_and_the_others_are_refused(
+    family: str, references: References
+) -> None:
+    ref, ref_loss = references(family)
     for requested in attention.CPU_TRAINING:
         try:
             chosen = attention.choose(requested, ref, CPU)
@@ -192,11 +206,16 @@ def test_refusals_name_the_feature_and_the_implementations_that_can() -> None:
     assert attention.features(build("gemma3_text", "eager")) == [attention.WINDOW]
 
 
+FEW_ROWS = ("data.synthetic_train_size=32", "data.synthetic_eval_size=16")
+"""Of the builtin rows a dry run surveys (2,200 by default, 576 in the tiny config: most of its CPU): what these
+dry runs plan or refuse is the family's attention, whatever the rows."""
+
+
 def test_an_explicit_implementation_that_drops_a_feature_exits_2_at_dry_run(tmp_path: Path) -> None:
     job = tmp_path / "gemma2.yaml"
     config = "\n".join(f"    {key}: {value}" for key, value in settings("gemma2").items() if key != "vocab_size")
     job.write_text(f"model:\n  config:\n{config}\n  tokenizer: builtin:bytes\n  attn_implementation: sdpa\n")
-    result = run_cli("train", str(job), "--dry-run")
+    result = run_cli("train", str(job), "--dry-run", *FEW_ROWS)
     assert result.returncode == 2, result.stderr
     assert "gemma2.yaml:" in result.stderr and "soft-capping" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
@@ -211,7 +230,7 @@ def test_gpt_oss_eager_is_planned_on_padded_rows_of_one_document_and_refused_on_
     job = tmp_path / "gpt-oss.yaml"
     config = "\n".join(f"    {key}: {value}" for key, value in settings("gpt_oss").items() if key != "vocab_size")
     job.write_text(f"model:\n  config:\n{config}\n  tokenizer: builtin:bytes\n  attn_implementation: eager\n")
-    result = run_cli("train", str(job), "--dry-run", "data.padding_free=false", f"data.packing={packing}")
+    result = run_cli("train", str(job), "--dry-run", "data.padding_free=false", f"data.packing={packing}", *FEW_ROWS)
     assert result.returncode == code, result.stderr
     if code:
         assert "eager drops the document isolation" in result.stderr and "of gpt_oss on packed or" in result.stderr
@@ -221,7 +240,7 @@ def test_gpt_oss_eager_is_planned_on_padded_rows_of_one_document_and_refused_on_
 
 @pytest.mark.parametrize("model_type", ["t5", "no_such_family"])
 def test_a_family_that_is_not_a_causal_lm_exits_2_at_dry_run(model_type: str) -> None:
-    result = run_cli("train", TINY, f"model.config.model_type={model_type}", "--dry-run")
+    result = run_cli("train", TINY, f"model.config.model_type={model_type}", "--dry-run", *FEW_ROWS)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr + result.stdout
     assert ("no causal language model" if model_type == "t5" else "Unrecognized model identifier") in result.stderr

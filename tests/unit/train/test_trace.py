@@ -4,8 +4,10 @@ actually gather, reduce and hold is read from the trace, and set beside the form
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -170,26 +172,14 @@ def test_the_trace_runs_the_attention_the_job_chooses(tmp_path) -> None:
 def test_a_full_fine_tune_s_head_gradient_is_counted_as_the_loss_holds_it() -> None:
     """Llama-3-8B's widths (2 layers), full fine-tuning under FSDP2 bf16-mixed on 8 GPUs: the chunked loss makes the
     head's gradient in its forward, whole, in the gathered weight's bf16 (1 GB; it added an fp32 copy of 2 GB
-    before: traced 10.92 GiB against 9.27 now). The formula counts it; the traced peak is within 10% (0.96)."""
+    before: traced 10.92 GiB against 9.27 now). The formula counts it; the traced peak is within 10% (0.96).
+    Two micro-batches a step, not the job's 8: both peaks are the same at 2 as at 8, and each one costs ~0.5 s."""
     llama_8b = ["dist.strategy=fsdp", "model.config.vocab_size=128256", "model.config.hidden_size=4096",
                 "model.config.num_attention_heads=32", "model.config.num_key_value_heads=8",
-                "model.config.intermediate_size=14336"]
+                "model.config.intermediate_size=14336", "train.global_batch_tokens=131072"]
     result = trace.trace(load_config(SCRATCH, llama_8b), estimate.Hardware("h100-80gb", 8, 1), LAYERS)
     assert result.formula.head_gradient == 128256 * 4096 * 2
     assert 0.9 < result.peak_bytes / result.formula.peak_tensor_bytes < 1.1
-
-
-@pytest.mark.parametrize("family", ["gemma2", "deepseek_v3"])
-def test_a_family_traces_with_the_kernel_its_job_chooses_on_a_gpu(tmp_path, family: str) -> None:
-    """On a GPU auto runs flash-attention, or flex_attention for soft-capping and sinks (Gemma 2; gpt-oss above),
-    whose saved tensors the trace's fused kernel holds. (Every family of tests/unit/model/families.py traces so;
-    these two, soft-capping and MLA's head sizes, stand for the rest here.)"""
-    job = tmp_path / f"{family}.yaml"
-    config = "\n".join(f"    {key}: {value}" for key, value in settings(family).items() if key != "vocab_size")
-    job.write_text(f"model:\n  config:\n{config}\n  tokenizer: builtin:bytes\ndata:\n  max_length: 64\n")
-    result = trace.trace(load_config(str(job)), estimate.Hardware("h100-80gb", 1, 1))
-    assert result.peak_bytes > result.static_bytes
-    assert "the job's auto, traced as trainyard_trace_fused" in result.notes[0], result.notes
 
 
 def test_expert_parallel_traces_one_rank_s_experts_and_its_all_to_alls(traced) -> None:
@@ -235,8 +225,22 @@ CASES = [(family, on) for family in FAMILIES for on in ON
 each MoE family's full fine-tune on a GPU (bf16-mixed over fp32 masters)."""
 
 
+@pytest.fixture(scope="module")
+def at_4k(tmp_path_factory) -> Callable[[str, str], trace.Trace]:
+    """Each family's 4,096-token job, traced once for the module where ON says: the formula's test and the kernel
+    test below read the same traces."""
+    folder = tmp_path_factory.mktemp("families")
+
+    @functools.cache
+    def traced_at_4k(family: str, on: str) -> trace.Trace:
+        gpu, overrides = ON[on]
+        return trace.trace(load_config(_family_at_4k(folder, family), overrides), estimate.Hardware(gpu, 1, 1))
+
+    return traced_at_4k
+
+
 @pytest.mark.parametrize(("family", "on"), CASES)
-def test_every_family_s_formula_is_within_10_percent_of_its_trace_at_4k_tokens(tmp_path, family: str, on: str) -> None:
+def test_every_family_s_formula_is_within_10_percent_of_its_trace_at_4k_tokens(at_4k, family: str, on: str) -> None:
     """Each family's job (LoRA unless said), 4,096-token rows, with the attention auto chooses there: the formula's
     peak of live tensors is within 10% of the traced step's. What the formula once missed on a GPU: a [L, L] mask the
     trace built where flash and flex build none, q/k and post norms, Gemma 2's soft-capped logits, gpt-oss's clamped
@@ -244,9 +248,19 @@ def test_every_family_s_formula_is_within_10_percent_of_its_trace_at_4k_tokens(t
     fused one keeping no scores (the formula was 14x its trace) but a window's [L, L] mask, MLA's math path, Gemma 2's
     and gpt-oss's eager scores and their backward (0.36-0.54). Full fine-tuning: experts multiplying in their fp32
     masters, which grouped_mm does not autocast, and gpt-oss's sinks promoting its scores (0.67-0.83)."""
-    gpu, overrides = ON[on]
-    result = trace.trace(load_config(_family_at_4k(tmp_path, family), overrides), estimate.Hardware(gpu, 1, 1))
+    result = at_4k(family, on)
     assert abs(result.formula.peak_tensor_bytes / result.peak_bytes - 1) <= 0.10
+
+
+@pytest.mark.parametrize("family", ["gemma2", "deepseek_v3"])
+def test_a_family_traces_with_the_kernel_its_job_chooses_on_a_gpu(at_4k, family: str) -> None:
+    """On a GPU auto runs flash-attention, or flex_attention for soft-capping and sinks (Gemma 2; gpt-oss above),
+    whose saved tensors the trace's fused kernel holds. (Every family of tests/unit/model/families.py traces so;
+    these two, soft-capping and MLA's head sizes, stand for the rest here: their 4k jobs' traces above, as auto
+    chooses the kernel by family and device, not by the rows' length.)"""
+    result = at_4k(family, "gpu")
+    assert result.peak_bytes > result.static_bytes
+    assert "the job's auto, traced as trainyard_trace_fused" in result.notes[0], result.notes
 
 
 HYBRID = {  # tests/unit/model/registry.py's tiny configs, with each family's state layers beside attention
@@ -284,10 +298,13 @@ def test_a_hybrid_family_s_state_layers_are_counted_within_10_percent_of_its_tra
 
 def test_an_nf4_base_is_traced_in_4_bits_as_the_formula_counts_it() -> None:
     """model.quantize nf4 under FSDP2: the traced step holds the 4-bit shards with their scales (an NF4Tensor's
-    inner tensors, not its dense nominal size), byte for byte the formula's, and far below the bf16 base's."""
+    inner tensors, not its dense nominal size), byte for byte the formula's, and far below the bf16 base's. One
+    micro-batch a step (the job's 2): what is held between steps does not depend on how many, and each dequantizes
+    every weight three times (forward, recompute, backward), most of the test's time."""
     hardware = estimate.Hardware("h100-80gb", 8, 1)
-    base = trace.trace(load_config(MISTRAL, ["dist.strategy=fsdp"]), hardware, LAYERS)
-    four_bits = trace.trace(load_config(MISTRAL, ["dist.strategy=fsdp", "model.quantize=nf4"]), hardware, LAYERS)
+    one_micro_batch = ["dist.strategy=fsdp", "train.global_batch_size=32"]
+    base = trace.trace(load_config(MISTRAL, one_micro_batch), hardware, LAYERS)
+    four_bits = trace.trace(load_config(MISTRAL, [*one_micro_batch, "model.quantize=nf4"]), hardware, LAYERS)
     assert four_bits.static_bytes == pytest.approx(trace.held_between_steps(four_bits.formula), rel=0.01)
     assert four_bits.static_bytes < 0.6 * base.static_bytes
     assert four_bits.peak_bytes < base.peak_bytes
