@@ -5,7 +5,7 @@
     python benchmarks/memory/whole_run.py --size 3b --precision bf16-mixed model.quantize=nf4
 
 The ~0.93B Llama of load_memory.py (made once in --folder), the built-in dates rows, LoRA r=16, FSDP2 on 2 processes,
-each precision given, launched as a user launches it. `--size 3b`: a ~2.97B Llama of the same kind (hidden 3072,
+each precision given, launched as a user launches it. `--size 3b`: a 3.02B Llama of the same kind (hidden 3072,
 intermediate 8192, 28 layers, 24 heads, 8 KV heads), where the blocks' weights outweigh the ~1 GiB a rank holds
 beside them at any size (the runtime, the untied ends, the step), as they do in the models NF4 is for.
 
@@ -35,7 +35,7 @@ JOB = ["quickstart", "model.tokenizer=builtin:bytes", "dist.strategy=fsdp", "lor
        "eval.subset_size=16"]
 LLAMA_3B = {"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
             "num_key_value_heads": 8}
-"""Overrides of load_memory.py's 0.93B Llama for `--size 3b`: 2.97B parameters, 11.9 GB in fp32."""
+"""Overrides of load_memory.py's 0.93B Llama for `--size 3b`: 3.02B parameters, 12.1 GB in fp32."""
 PLANNED = re.compile(r"planned peak ([\d,]+) MiB a rank")
 
 
